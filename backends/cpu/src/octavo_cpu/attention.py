@@ -1,0 +1,96 @@
+"""Paged attention in plain torch for the CPU.
+
+Decode rows (one new token) of a step are batched: their context blocks are gathered with the
+block table into one padded tensor and attended in a single masked matmul. Prefill rows
+(prompts, chunks after a cached prefix) use ``scaled_dot_product_attention`` one sequence at a
+time with a causal mask shifted by the cached context. Checked against
+``octavo.attention.reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from octavo.attention.reference import gather_context, write_kv_reference
+
+
+class CPUAttentionBackend(AttentionBackend):
+    name = "cpu-torch"
+
+    def make_impl(self, num_heads, num_kv_heads, head_dim, scale):
+        return CPUAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
+
+
+class CPUAttentionImpl(AttentionImpl):
+    def forward(self, query, key, value, kv_cache, metadata):
+        write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        starts = metadata.query_start_loc_cpu
+        decode_rows = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+        if decode_rows:
+            self._decode(query, kv_cache, metadata, decode_rows, out)
+        if len(decode_rows) < metadata.num_seqs:
+            decode_set = set(decode_rows)
+            for i in range(metadata.num_seqs):
+                if i not in decode_set and starts[i + 1] > starts[i]:
+                    self._prefill(query, kv_cache, metadata, i, out)
+        return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        rows: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        token_index = metadata.query_start_loc[rows].long()  # [batch]
+        seq_lens = metadata.seq_lens[rows].long()  # [batch]
+        max_blocks = -(-int(seq_lens.max()) // block_size)
+        tables = metadata.block_tables[rows, :max_blocks].long()  # [batch, max_blocks]
+        batch = len(rows)
+        ctx = max_blocks * block_size
+        # [batch, ctx, kv_heads, head_dim]
+        keys = kv_cache[0][tables].reshape(batch, ctx, self.num_kv_heads, self.head_dim)
+        values = kv_cache[1][tables].reshape(batch, ctx, self.num_kv_heads, self.head_dim)
+        group = self.num_heads // self.num_kv_heads
+        q = query[token_index].view(batch, self.num_kv_heads, group, self.head_dim)
+        # [batch, kv_heads, group, ctx]
+        scores = torch.einsum("bhgd,bchd->bhgc", q.float(), keys.float()) * self.scale
+        pad = torch.arange(ctx) >= seq_lens.unsqueeze(1)  # [batch, ctx]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        # Padded slots were never written and may hold NaN; 0 * NaN would poison the sum.
+        values = values.float().masked_fill(pad[:, :, None, None], 0.0)
+        result = torch.einsum("bhgc,bchd->bhgd", probs, values)
+        out[token_index] = result.reshape(batch, self.num_heads, self.head_dim).to(out.dtype)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        row: int,
+        out: torch.Tensor,
+    ) -> None:
+        start, end = metadata.query_start_loc_cpu[row], metadata.query_start_loc_cpu[row + 1]
+        query_len = end - start
+        seq_len = metadata.seq_lens_cpu[row]
+        keys, values = gather_context(kv_cache, metadata.block_tables[row], seq_len)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
+        k = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, dim]
+        v = values.transpose(0, 1).unsqueeze(0)
+        context_len = seq_len - query_len
+        if context_len == 0:
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(query_len).unsqueeze(1) + context_len
+            mask, causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
+        result = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        out[start:end] = result.squeeze(0).transpose(0, 1)

@@ -1,0 +1,104 @@
+"""The contract between a model's attention layers and a backend's paged-attention kernels.
+
+KV-cache layout (the default; a backend may choose another through ``get_kv_cache_shape``):
+one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, index 0 = keys,
+1 = values. Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``; its *slot* is ``block_id * block_size + offset``.
+
+Every step is one flat batch of ``num_tokens`` new tokens from ``num_seqs`` sequences: a
+sequence contributes ``query_len`` new tokens (a whole prompt, a prefill chunk, or one decode
+token) after ``seq_len - query_len`` tokens already in its cache (a cached prefix or earlier
+chunks). Attention is causal: new token ``i`` of a sequence sees cache positions
+``< seq_len - query_len + i + 1``. The cache is allocated uninitialised: a kernel must never
+let a slot at or past ``seq_len`` influence its result (mask loads, or zero padded values
+before a matmul: 0 * NaN is NaN).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step description of the flat batch, built by the model runner, read by kernels."""
+
+    # Number of sequences in the step.
+    num_seqs: int
+    # Number of new tokens in the step (sum of query lengths).
+    num_tokens: int
+    # [num_tokens] int64: cache slot each new token's K/V is written to.
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int32: offsets of each sequence's new tokens in the flat batch.
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: context length of each sequence after this step (cached + new).
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32: block ids of each sequence, padded with 0.
+    block_tables: torch.Tensor
+    # Longest query length in the step (1 for a pure decode step).
+    max_query_len: int
+    # Longest context length in the step.
+    max_seq_len: int
+    # Host copies of query_start_loc and seq_lens, for kernels that loop on the host.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """True when every sequence adds exactly one token this step."""
+        return self.max_query_len == 1
+
+
+class AttentionImpl(ABC):
+    """One attention layer's kernel: writes new K/V into the paged cache, then attends.
+
+    Implementations must write the K/V of *all* new tokens of the step before reading the
+    cache: a sequence may use prefix blocks that another sequence in the same step fills.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # backend layout, e.g. [2, num_blocks, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store ``key``/``value`` at ``metadata.slot_mapping`` and return causal attention."""
+
+
+class AttentionBackend(ABC):
+    """A family of attention kernels for one device; returned by ``octavo_attention_backend``."""
+
+    #: Short name shown in logs, e.g. ``"cpu-torch"`` or ``"triton"``.
+    name: str = "unnamed"
+
+    def get_kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor (default: ``[2, blocks, block_size, kv_heads, dim]``)."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def supported_head_dims(self) -> tuple[int, ...] | None:
+        """Head dimensions the kernels handle, or ``None`` for any."""
+        return None
+
+    @abstractmethod
+    def make_impl(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> AttentionImpl:
+        """Build the kernel object for one attention layer."""

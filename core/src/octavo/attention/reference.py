@@ -1,0 +1,91 @@
+"""Plain-torch paged attention: the reference every kernel is tested against.
+
+Slow but obviously correct: one gather and one masked softmax per sequence. The CPU backend
+uses it directly; Triton/C++ kernels are checked against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+
+
+def write_kv_reference(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Scatter each token's K/V into its cache slot (slots < 0 are padding and skipped)."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[seq_len, num_kv_heads, head_dim]`` of one sequence, in token order."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    values = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    return keys, values
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of every new token over its sequence's cached context."""
+    num_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = metadata.query_start_loc_cpu
+    for i in range(metadata.num_seqs):
+        q_start, q_end = starts[i], starts[i + 1]
+        query_len = q_end - q_start
+        if query_len == 0:
+            continue
+        seq_len = metadata.seq_lens_cpu[i]
+        keys, values = gather_context(kv_cache, metadata.block_tables[i], seq_len)
+        # [num_heads, seq_len, head_dim] with K/V heads repeated for grouped-query attention
+        keys = keys.to(torch.float32).repeat_interleave(group, dim=1).transpose(0, 1)
+        values = values.to(torch.float32).repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[q_start:q_end].to(torch.float32).transpose(0, 1)  # [heads, query_len, dim]
+        scores = torch.matmul(q, keys.transpose(1, 2)) * scale  # [heads, query_len, seq_len]
+        context_len = seq_len - query_len
+        q_pos = torch.arange(query_len).unsqueeze(1) + context_len
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1).to(query.dtype)
+    return out
+
+
+class ReferenceAttentionImpl(AttentionImpl):
+    """``AttentionImpl`` built from the reference functions above."""
+
+    def forward(self, query, key, value, kv_cache, metadata):
+        write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
+        return paged_attention_reference(query, kv_cache, metadata, self.scale)
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    """Backend whose every layer uses :class:`ReferenceAttentionImpl` (default KV layout)."""
+
+    name = "torch-reference"
+
+    def make_impl(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> AttentionImpl:
+        return ReferenceAttentionImpl(num_heads, num_kv_heads, head_dim, scale)

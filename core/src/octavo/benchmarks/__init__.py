@@ -1,0 +1,1 @@
+"""Benchmark helpers shared by `octavo bench` (peers to compare against)."""

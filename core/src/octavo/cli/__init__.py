@@ -1,0 +1,1 @@
+"""The ``octavo`` command line."""

@@ -1,0 +1,100 @@
+"""``LLMEngine``: the in-process engine behind ``octavo.LLM`` (front end + engine core)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from octavo.config import EngineConfig
+from octavo.engine.arg_utils import EngineArgs
+from octavo.engine.core import EngineCore
+from octavo.engine.output_processor import OutputProcessor
+from octavo.engine.processor import Processor, PromptType
+from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+from octavo.scheduler.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Tokenize -> schedule/run (EngineCore) -> detokenize, all in the caller's process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.model_config.seed)
+        self.tokenizer = load_tokenizer(config.model_config)
+        self.processor = Processor(
+            config.model_config, self.tokenizer, eos_token_ids(config.model_config, self.tokenizer)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        from octavo.logger import configure_logging
+
+        configure_logging()
+        return cls(args.create_engine_config())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ``ValueError`` for bad input (nothing queued)."""
+        if self.output_processor.child_ids(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.processor.process(request_id, prompt, params, arrival_time)
+        added: list[str] = []
+        try:
+            for core_request in processed.core_requests:
+                self.engine_core.add_request(core_request)
+                added.append(core_request.request_id)
+        except Exception:
+            self.engine_core.abort_requests(added)
+            raise
+        self.output_processor.add_request(request_id, processed)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests (by the ids given to add_request); their blocks are freed at once."""
+        outputs = []
+        for request_id in request_ids:
+            self.engine_core.abort_requests(self.output_processor.child_ids(request_id))
+            final = self.output_processor.abort_request(request_id)
+            if final is not None:
+                outputs.append(final)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return snapshots of requests that changed (finished ones last seen)."""
+        core_outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.stopped_req_ids:
+            self.engine_core.finish_requests_stopped(processed.stopped_req_ids)
+        return processed.request_outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.engine_core.stats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.engine_core.scheduler.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.engine_core.num_blocks
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

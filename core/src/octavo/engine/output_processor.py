@@ -1,0 +1,191 @@
+"""Turns ``EngineCoreOutput``s into ``RequestOutput``s: detokenization, stop strings, n > 1.
+
+Lives in the front-end process. Per request it keeps one ``IncrementalDetokenizer`` per
+completion; a stop string ends a completion here, and its id is returned so the caller can
+finish it in the engine core (which frees its KV blocks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from octavo.engine.detokenizer import IncrementalDetokenizer
+from octavo.engine.messages import EngineCoreOutput, LogprobsLists
+from octavo.engine.processor import ProcessedPrompt
+from octavo.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+
+
+@dataclass(slots=True)
+class _CompletionState:
+    """One completion being built."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """One user request (all its completions)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: dict[str, _CompletionState]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions.values())
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    """Result of one batch of engine-core outputs."""
+
+    # Requests that changed, as full snapshots (finished ones included, then forgotten).
+    request_outputs: list[RequestOutput]
+    # Child request ids ended by a stop string: finish them in the engine core.
+    stopped_req_ids: list[str]
+
+
+class OutputProcessor:
+    """Tracks live requests of the front end and assembles their outputs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, processed: ProcessedPrompt) -> None:
+        params = processed.params
+        completions = {}
+        for index, core_request in enumerate(processed.core_requests):
+            completions[core_request.request_id] = _CompletionState(
+                index=index,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, processed.prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            self._child_to_parent[core_request.request_id] = request_id
+        arrival = processed.core_requests[0].arrival_time
+        self._requests[request_id] = _RequestState(
+            request_id=request_id,
+            prompt=processed.prompt,
+            prompt_token_ids=processed.prompt_token_ids,
+            completions=completions,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            metrics=RequestMetrics(arrival_time=arrival),
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self._requests.get(request_id)
+        return list(state.completions) if state else []
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; return its final snapshot with finish_reason "abort"."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        for child_id, completion in state.completions.items():
+            self._child_to_parent.pop(child_id, None)
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+        state.metrics.finished_time = time.time()
+        return self._snapshot(state)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        changed: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        now = time.time()
+        for out in outputs:
+            parent_id = self._child_to_parent.get(out.request_id)
+            if parent_id is None:
+                continue  # aborted or stopped by us while the step ran
+            state = self._requests[parent_id]
+            completion = state.completions[out.request_id]
+            if completion.finish_reason is not None:
+                continue
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(self._position_logprobs(out.new_prompt_logprobs))
+            if out.new_token_ids and state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.num_cached_tokens = out.num_cached_tokens
+            self._add_tokens(completion, out)
+            if out.finish_reason is None and completion.finish_reason == "stop":
+                stopped.append(out.request_id)  # stop string: the core must end it too
+            changed[parent_id] = state
+        request_outputs = []
+        for parent_id, state in changed.items():
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+                del self._requests[parent_id]
+                for child_id in state.completions:
+                    self._child_to_parent.pop(child_id, None)
+            request_outputs.append(self._snapshot(state))
+        return ProcessedOutputs(request_outputs, stopped)
+
+    def _add_tokens(self, completion: _CompletionState, out: EngineCoreOutput) -> None:
+        completion.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and completion.logprobs is not None:
+            positions = self._position_logprobs(out.new_logprobs)
+            completion.logprobs.extend(positions)
+            for token_id, position in zip(out.new_token_ids, positions):
+                completion.cumulative_logprob += position[token_id].logprob
+        finished = out.finish_reason is not None
+        stop_string = completion.detokenizer.update(out.new_token_ids, finished)
+        if stop_string is not None:
+            completion.finish_reason = "stop"
+            completion.stop_reason = stop_string
+        elif finished:
+            completion.finish_reason = out.finish_reason
+            completion.stop_reason = out.stop_reason
+
+    def _position_logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
+        positions = []
+        for token_ids, logprobs, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            position: PositionLogprobs = {}
+            for column, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+                if token_id in position:
+                    continue  # the chosen token is also among the top-k
+                position[token_id] = Logprob(
+                    logprob=logprob,
+                    rank=rank if column == 0 else column,
+                    decoded_token=self.tokenizer.decode([token_id]),
+                )
+            positions.append(position)
+        return positions
+
+    def _snapshot(self, state: _RequestState) -> RequestOutput:
+        completions = sorted(state.completions.values(), key=lambda c: c.index)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=[
+                CompletionOutput(
+                    index=c.index,
+                    text=c.detokenizer.output_text,
+                    token_ids=list(c.token_ids),
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in completions
+            ],
+            finished=state.finished,
+            metrics=state.metrics,
+        )

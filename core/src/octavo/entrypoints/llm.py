@@ -1,0 +1,127 @@
+"""``octavo.LLM``: offline batched generation, shaped like vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from octavo.engine.arg_utils import EngineArgs
+from octavo.engine.llm_engine import LLMEngine
+from octavo.engine.processor import PromptType
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """Load a model once, then ``generate`` or ``chat`` over batches of prompts.
+
+    >>> llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    >>> out = llm.generate("The capital of France is", SamplingParams(temperature=0))
+    >>> out[0].outputs[0].text                        # ' Paris...'
+
+    Keyword arguments are those of ``octavo.engine.arg_utils.EngineArgs`` (``device``, ``dtype``,
+    ``max_model_len``, ``block_size``, ``enable_prefix_caching``, ``max_num_seqs``, ...).
+    """
+
+    def __init__(self, model: str | None = None, device: str | None = None,
+                 dtype: str = "auto", **kwargs: Any) -> None:
+        args = EngineArgs(model=model, device=device, dtype=dtype, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in the prompts' order.
+
+        ``prompts``: a string, a list of token ids, a dict with ``prompt`` or
+        ``prompt_token_ids``, or a list of any of those. ``sampling_params``: one for all
+        prompts or one per prompt (default: ``SamplingParams()``).
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render conversations with the tokenizer's chat template (or ``chat_template``), then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req",
+                   disable=not use_tqdm, dynamic_ncols=True)
+        num_output_tokens = 0
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict.get("elapsed") or 0.0
+                        if elapsed > 0:
+                            bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
+        except BaseException:
+            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one or one per prompt")
+    return params

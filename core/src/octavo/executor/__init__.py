@@ -1,0 +1,1 @@
+"""Executors run workers: in process today; multiprocess tensor parallel and Ray later."""

@@ -1,0 +1,115 @@
+"""Octavo's plug-in surface: every pluggy hook specification, in one place.
+
+A backend or plugin is a module (or object) of ``@hookimpl`` functions registered through a
+Python entry point in the ``octavo`` group::
+
+    # pyproject.toml of the plugin
+    [project.entry-points.octavo]
+    mydevice = "octavo_mydevice.plugin"
+
+Two kinds of hooks:
+
+* **Contribution hooks** take a ``register`` callback and may be implemented by any number of
+  plugins (``octavo_register_backends``, ``octavo_register_models``). New keyword arguments can
+  be added to ``register`` later without breaking plugins.
+* **Selection hooks** are ``firstresult``: pluggy calls implementations (latest registered and
+  ``tryfirst`` ones first) and stops at the first non-``None`` result. Every selection hook gets
+  the chosen ``backend`` name first; an implementation returns ``None`` for a backend that is not
+  its own. A separately installed plugin can therefore replace one piece of an existing backend
+  (say, a faster attention kernel for ``cpu``) with ``@hookimpl(tryfirst=True)``.
+
+Selection hooks are called in the process that runs the model (the worker), after the backend is
+chosen; contribution hooks once per plugin manager, when the engine starts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from octavo.attention.base import AttentionBackend
+    from octavo.backends.backend import Backend
+    from octavo.config import CacheConfig, ModelConfig, ParallelConfig
+    from octavo.worker.worker import Worker
+
+PROJECT_NAME = "octavo"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def octavo_register_backends(register: Callable[[Backend], None]) -> None:
+    """Describe the hardware backends this plugin provides.
+
+    Called once when the plugin manager is built, in every process that selects a backend.
+    Must be cheap: import no device runtime (no ``torch.cuda`` initialisation, no kernels);
+    availability is probed later through ``Backend.is_available``.
+
+    :param register: call ``register(Backend(...))`` once per backend provided.
+    """
+
+
+@hookspec(firstresult=True)
+def octavo_attention_backend(
+    backend: str, model_config: ModelConfig, cache_config: CacheConfig
+) -> AttentionBackend | None:
+    """Return the attention implementation for ``backend`` and this model.
+
+    Called in the worker process when the model is built. The returned object makes one
+    ``AttentionImpl`` per layer and fixes the KV-cache tensor layout.
+
+    :param backend: name of the selected backend (e.g. ``"cpu"``).
+    :param model_config: the model being served (head dims, dtype, ...).
+    :param cache_config: block size and cache dtype.
+    :return: an ``AttentionBackend``, or ``None`` if ``backend`` is not this plugin's.
+        Stops at the first non-``None`` result.
+    """
+
+
+@hookspec(firstresult=True)
+def octavo_available_kv_cache_memory(
+    backend: str, worker: Worker, cache_config: CacheConfig
+) -> int | None:
+    """Return how many bytes the KV cache may take on this worker's device.
+
+    Called in the worker process after the model weights are loaded and before the KV cache is
+    allocated. Implementations typically run ``worker.profile_run()`` (a forward pass of the
+    largest step the scheduler may build) and subtract peak usage from the memory budget set by
+    ``cache_config`` (``kv_cache_memory_bytes`` wins when set).
+
+    :param backend: name of the selected backend.
+    :param worker: the worker whose device is measured (``worker.device``, ``worker.model``).
+    :param cache_config: the memory budget settings.
+    :return: bytes (> 0), or ``None`` if ``backend`` is not this plugin's.
+        Stops at the first non-``None`` result.
+    """
+
+
+@hookspec(firstresult=True)
+def octavo_worker_class(backend: str, parallel_config: ParallelConfig) -> type[Worker] | None:
+    """Return the ``Worker`` subclass that runs the model on ``backend``'s device.
+
+    Called by the executor in the engine process before workers are started.
+
+    :param backend: name of the selected backend.
+    :param parallel_config: tensor-parallel size and distributed settings.
+    :return: a subclass of ``octavo.worker.worker.Worker``, or ``None`` if ``backend`` is not
+        this plugin's. Stops at the first non-``None`` result.
+    """
+
+
+@hookspec
+def octavo_register_models(register: Callable[[str, type[Any]], None]) -> None:
+    """Add model architectures.
+
+    Called once when the model registry is built. Built-in architectures are registered
+    through this same hook; a later registration of the same name replaces the earlier one.
+
+    :param register: call ``register("MyArchForCausalLM", MyArchForCausalLM)``; the class
+        follows the contract of ``octavo.model_executor.models.llama.LlamaForCausalLM``
+        (constructor ``(hf_config, attn_backend)``, ``forward``, ``compute_logits``,
+        ``load_weights``). The name is matched against ``config.json``'s ``architectures``.
+    """

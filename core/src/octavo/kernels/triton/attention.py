@@ -1,0 +1,175 @@
+"""The ``"triton"`` attention backend: ``AttentionBackend``/``AttentionImpl`` over the Triton kernels.
+
+``TritonAttentionImpl.forward`` writes the K/V of every new token first (a sequence may read
+prefix blocks another sequence fills in the same step), then:
+
+- pure decode step (every query length 1): ``decode_attention`` (flash-decoding, split-K);
+- any other step, mixed ones included: ``prefill_attention`` for all rows in one launch. Its
+  decode rows get one program per (sequence, KV head) over their whole context, which is fine
+  next to a prefill that dominates the step; splitting them out would cost a second launch
+  and a gather/scatter of rows.
+
+Device tuning lives in ``TritonLaunchConfig``; a ROCm backend passes its own (e.g. fewer warps
+for 64-wide wavefronts) to ``TritonAttentionBackend(config)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from octavo.kernels.triton.cache_write import interpreting, write_kv_cache
+from octavo.kernels.triton.decode_attention import decode_attention
+from octavo.kernels.triton.prefill_attention import prefill_attention
+
+#: Head dimensions the backend accepts (non powers of two are padded inside the kernels).
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+_DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True, slots=True)
+class TritonLaunchConfig:
+    """Launch parameters of the Triton attention kernels (defaults suit NVIDIA H100)."""
+
+    # Prefill tile rows: query tokens x query heads per KV head (padded to a power of two).
+    # Power of two, >= 16 (tl.dot's smallest M).
+    prefill_block_m: int = 64
+    # Keys per prefill loop step; power of two, >= 16.
+    prefill_block_n: int = 64
+    # Warps (NVIDIA: 32 threads, AMD: 64-thread wavefronts) per prefill program.
+    prefill_num_warps: int = 4
+    # Software-pipelining stages of the prefill key loop.
+    prefill_num_stages: int = 2
+    # Keys per decode loop step; power of two, >= 16.
+    decode_block_n: int = 64
+    # Keys per decode partition (first flash-decoding kernel); a multiple of decode_block_n.
+    # Contexts up to this length take one launch, longer ones add the reduce kernel.
+    decode_partition_size: int = 512
+    # Warps per decode program (both decode kernels).
+    decode_num_warps: int = 4
+    # Software-pipelining stages of the decode key loop.
+    decode_num_stages: int = 2
+    # Warps per program of the KV-cache write kernel (one program per token).
+    cache_write_num_warps: int = 4
+    # tl.dot input_precision for float32 inputs: "ieee" (exact, portable), "tf32" (NVIDIA
+    # tensor cores, ~1e-3 relative error), "tf32x3". Ignored for 16-bit inputs.
+    fp32_dot_precision: str = "ieee"
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_block_m", "prefill_block_n", "decode_block_n"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value) or value < 16:
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        for name in ("prefill_num_warps", "decode_num_warps", "cache_write_num_warps"):
+            if not _is_power_of_two(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
+        for name in ("prefill_num_stages", "decode_num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_partition_size % self.decode_block_n != 0:
+            raise ValueError(
+                f"decode_partition_size ({self.decode_partition_size}) must be a multiple of "
+                f"decode_block_n ({self.decode_block_n})"
+            )
+        if self.fp32_dot_precision not in _DOT_PRECISIONS:
+            raise ValueError(
+                f"fp32_dot_precision must be one of {_DOT_PRECISIONS}, "
+                f"got {self.fp32_dot_precision!r}"
+            )
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """One attention layer on the Triton kernels (see the module docstring for the dispatch)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        config: TritonLaunchConfig | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"head_dim {head_dim} is not supported by the triton backend; "
+                f"choose one of {SUPPORTED_HEAD_DIMS}"
+            )
+        self.config = config or TritonLaunchConfig()
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store ``key``/``value`` at ``metadata.slot_mapping`` and return causal attention."""
+        if query.device.type == "cpu" and not interpreting():
+            raise ValueError(
+                "the triton attention backend got CPU tensors; it needs a GPU device, "
+                "or TRITON_INTERPRET=1 set before Triton is imported (tests only)"
+            )
+        cfg = self.config
+        write_kv_cache(
+            key, value, kv_cache, metadata.slot_mapping, num_warps=cfg.cache_write_num_warps
+        )
+        if metadata.is_pure_decode:
+            return decode_attention(
+                query,
+                kv_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                metadata.max_seq_len,
+                self.scale,
+                block_n=cfg.decode_block_n,
+                partition_size=cfg.decode_partition_size,
+                num_warps=cfg.decode_num_warps,
+                num_stages=cfg.decode_num_stages,
+                fp32_dot_precision=cfg.fp32_dot_precision,
+            )
+        return prefill_attention(
+            query,
+            kv_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.max_query_len,
+            self.scale,
+            block_m=cfg.prefill_block_m,
+            block_n=cfg.prefill_block_n,
+            num_warps=cfg.prefill_num_warps,
+            num_stages=cfg.prefill_num_stages,
+            fp32_dot_precision=cfg.fp32_dot_precision,
+        )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Portable Triton paged attention (NVIDIA and AMD GPUs; CPU under ``TRITON_INTERPRET=1``).
+
+    Uses the default cache layout ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    name = "triton"
+
+    def __init__(self, config: TritonLaunchConfig | None = None) -> None:
+        self.config = config or TritonLaunchConfig()
+
+    def supported_head_dims(self) -> tuple[int, ...]:
+        return SUPPORTED_HEAD_DIMS
+
+    def make_impl(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> TritonAttentionImpl:
+        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, self.config)
+
+    def __repr__(self) -> str:
+        return f"TritonAttentionBackend({asdict(self.config)})"

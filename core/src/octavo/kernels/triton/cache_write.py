@@ -1,0 +1,193 @@
+"""Writing new K/V into the paged cache, and the cache-addressing helpers the attention kernels share.
+
+Cache layout (``octavo.attention.base``): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``, i.e. at slot ``block_id * block_size + offset``. Every address is computed
+from strides, so a cache view with padded strides works too.
+
+Reference: ``octavo.attention.reference.write_kv_reference``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``).
+
+    ``TRITON_INTERPRET`` is Triton's own variable (read by ``triton.jit`` when a kernel is
+    defined); Octavo only reads it to route around interpreter gaps (see ``upcast_dot``).
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` operands of ``dtype`` must be cast to float32 first.
+
+    The Triton 3.9 CPU interpreter returns garbage for ``tl.dot`` on bfloat16 operands, so
+    under the interpreter bf16 tiles are upcast; compiled kernels always use native dots.
+    """
+    return interpreting() and dtype == torch.bfloat16
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every tensor's last dimension is contiguous (the kernels'
+    only layout requirement; other strides are passed to them)."""
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise ValueError(
+                f"{name} needs a contiguous last dimension, got strides {tuple(tensor.stride())}"
+            )
+
+
+def check_attention_inputs(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+) -> None:
+    """Shape checks shared by the prefill and decode wrappers (``ValueError`` on mismatch)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != head_dim:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not match "
+            f"[2, num_blocks, block_size, num_kv_heads, {head_dim}]"
+        )
+    if num_heads % kv_cache.shape[3] != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_cache.shape[3]})"
+        )
+    num_seqs = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables shape {tuple(block_tables.shape)} != [{num_seqs}, *]")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc shape {tuple(query_start_loc.shape)} != ({num_seqs + 1},)"
+        )
+    check_last_dim_contiguous(query=query, kv_cache=kv_cache, block_tables=block_tables)
+
+
+@triton.jit
+def dot_fp32(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """``a @ b`` with a float32 result; see ``upcast_dot`` for ``UPCAST``."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def paged_token_offsets(
+    block_table_ptr,  # this sequence's row of the block table (int32)
+    positions,  # [BLOCK_N] token positions in the sequence
+    mask,  # [BLOCK_N] which positions are real (others read block 0)
+    stride_cache_block,
+    stride_cache_slot,
+    CACHE_BLOCK_SIZE: tl.constexpr,
+):
+    """Element offsets ``[BLOCK_N]`` (int64) of tokens ``positions`` in one K or V cache half."""
+    block_ids = tl.load(block_table_ptr + positions // CACHE_BLOCK_SIZE, mask=mask, other=0)
+    block_ids = block_ids.to(tl.int64)  # block_id * stride may pass 2**31 in large caches
+    return block_ids * stride_cache_block + (positions % CACHE_BLOCK_SIZE) * stride_cache_slot
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    num_kv_heads,
+    head_dim,
+    CACHE_BLOCK_SIZE: tl.constexpr,
+    HEADS_PADDED: tl.constexpr,  # next power of two >= num_kv_heads
+    HEAD_DIM_PADDED: tl.constexpr,  # next power of two >= head_dim
+):
+    """One program per token: copy its ``[num_kv_heads, head_dim]`` K and V tiles to its slot."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    block_id = slot // CACHE_BLOCK_SIZE
+    block_offset = slot % CACHE_BLOCK_SIZE
+
+    heads = tl.arange(0, HEADS_PADDED)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)  # [heads, dim]
+
+    k_offsets = token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
+    v_offsets = token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
+    key = tl.load(key_ptr + k_offsets, mask=mask)  # [heads, dim]
+    value = tl.load(value_ptr + v_offsets, mask=mask)  # [heads, dim]
+
+    cache_offsets = (
+        block_id * stride_cache_block
+        + block_offset * stride_cache_slot
+        + heads[:, None] * stride_cache_head
+        + dims[None, :]
+    )
+    cache_dtype = cache_ptr.dtype.element_ty
+    tl.store(cache_ptr + cache_offsets, key.to(cache_dtype), mask=mask)
+    tl.store(cache_ptr + stride_cache_kv + cache_offsets, value.to(cache_dtype), mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = padding, skipped
+    *,
+    num_warps: int = 4,
+) -> None:
+    """Scatter each token's K/V into cache slot ``slot_mapping[token]``, in place.
+
+    ``key``/``value`` are cast to the cache dtype. Slots must be unique among non-padding
+    tokens (two tokens writing one slot race). The last dimension of every tensor must be
+    contiguous; other strides are free.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != key.shape[1:]:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not match "
+            f"[2, num_blocks, block_size, {num_kv_heads}, {head_dim}]"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} != ({num_tokens},)")
+    check_last_dim_contiguous(key=key, value=value, kv_cache=kv_cache)
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        num_kv_heads,
+        head_dim,
+        CACHE_BLOCK_SIZE=kv_cache.shape[2],
+        HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        num_warps=num_warps,
+    )

@@ -1,0 +1,296 @@
+"""Decode attention over the paged cache (one new token per sequence), flash-decoding style.
+
+A decode step has few query rows but long contexts, so one program per (sequence, KV head)
+would leave most of the GPU idle. The context is split into partitions of ``partition_size``
+tokens instead:
+
+1. ``_decode_partition_kernel``, one program per (sequence, KV head, partition): attends the
+   ``group`` query heads of the KV head (rows padded to >= 16 for ``tl.dot``) over the
+   partition's keys with an online softmax, and stores the partition's running max ``m``, sum
+   ``l`` and unnormalized output ``acc`` (float32, base-2 scores).
+2. ``_decode_reduce_kernel``, one program per (sequence, query head): rescales every
+   partition by ``exp2(m_p - max_p m_p)`` and returns ``sum acc_p / sum l_p``.
+
+When the longest context fits in one partition, step 1 normalizes and writes the output
+itself and step 2 is skipped. The token's own K/V must already be in the cache
+(``write_kv_cache``). Reference: ``octavo.attention.reference.paged_attention_reference``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from octavo.kernels.triton.cache_write import (
+    check_attention_inputs,
+    dot_fp32,
+    paged_token_offsets,
+    upcast_dot,
+)
+
+# Start value of the running max (finite, so padded rows stay NaN-free).
+NEG_LARGE = tl.constexpr(-1.0e30)
+# Partitions combined per step of the reduce kernel's loop.
+_REDUCE_BLOCK = 32
+
+
+@triton.jit
+def _decode_partition_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim] (written when SINGLE_PARTITION)
+    part_acc_ptr,  # [num_seqs, num_heads, num_partitions, head_dim] float32
+    part_max_ptr,  # [num_seqs, num_heads, num_partitions] float32
+    part_sum_ptr,  # [num_seqs, num_heads, num_partitions] float32
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    scale_log2,  # softmax scale * log2(e)
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_seq,
+    stride_part_seq,  # of part_max / part_sum; part_acc strides are these times head_dim
+    stride_part_head,
+    head_dim,
+    GROUP: tl.constexpr,  # query heads per KV head
+    ROWS: tl.constexpr,  # power of two >= max(GROUP, 16)
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    partition = tl.program_id(2)
+    token = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == token:  # no token this step
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part_start = partition * PARTITION_SIZE
+    if part_start >= seq_len:  # the reduce kernel only reads partitions < seq_len
+        return
+    part_end = tl.minimum(seq_len, part_start + PARTITION_SIZE)
+
+    rows = tl.arange(0, ROWS)
+    row_valid = rows < GROUP
+    heads = kv_head * GROUP + rows  # [ROWS] query heads of this KV head
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < head_dim
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q_offsets = token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)  # [ROWS, D]
+
+    m_i = tl.full([ROWS], NEG_LARGE, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PADDED], tl.float32)
+
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_base = cache_ptr + kv_head.to(tl.int64) * stride_cache_head
+    v_base = k_base + stride_cache_kv
+    for start in range(part_start, part_end, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        pos_valid = positions < part_end
+        token_offsets = paged_token_offsets(
+            block_table, positions, pos_valid, stride_cache_block, stride_cache_slot,
+            CACHE_BLOCK_SIZE,
+        )
+        kv_offsets = token_offsets[:, None] + dims[None, :]  # [BLOCK_N, D]
+        kv_mask = pos_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_base + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
+        v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
+
+        scores = dot_fp32(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * scale_log2  # [ROWS, N]
+        scores = tl.where(pos_valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])  # [ROWS, N]
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        m_i = m_new
+
+    if SINGLE_PARTITION:
+        out = acc / l_i[:, None]  # every valid row saw >= 1 key, so l_i > 0 there
+        o_offsets = (
+            token.to(tl.int64) * stride_o_token + heads[:, None] * stride_o_head + dims[None, :]
+        )
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # [ROWS] index of (seq, head, partition) in part_max / part_sum
+        stat_index = seq.to(tl.int64) * stride_part_seq + heads * stride_part_head + partition
+        tl.store(part_max_ptr + stat_index, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + stat_index, l_i, mask=row_valid)
+        acc_offsets = stat_index[:, None] * head_dim + dims[None, :]
+        tl.store(part_acc_ptr + acc_offsets, acc, mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_seqs, num_heads, num_partitions, head_dim] float32
+    part_max_ptr,  # [num_seqs, num_heads, num_partitions] float32
+    part_sum_ptr,  # [num_seqs, num_heads, num_partitions] float32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    stride_o_token,
+    stride_o_head,
+    stride_part_seq,
+    stride_part_head,
+    head_dim,
+    PARTITION_SIZE: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # partitions per loop step
+    HEAD_DIM_PADDED: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == token:
+        return
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION_SIZE)  # partitions written
+    base = seq.to(tl.int64) * stride_part_seq + head * stride_part_head
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < head_dim
+
+    # Pass 1: the largest partition max.
+    max_vec = tl.full([BLOCK_P], NEG_LARGE, tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        m_p = tl.load(part_max_ptr + base + parts, mask=parts < num_parts, other=NEG_LARGE)
+        max_vec = tl.maximum(max_vec, m_p)
+    global_max = tl.max(max_vec, axis=0)
+
+    # Pass 2: rescale every partition to the global max and add up.
+    sum_vec = tl.zeros([BLOCK_P], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PADDED], tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        part_valid = parts < num_parts
+        m_p = tl.load(part_max_ptr + base + parts, mask=part_valid, other=NEG_LARGE)
+        l_p = tl.load(part_sum_ptr + base + parts, mask=part_valid, other=0.0)
+        weight = tl.where(part_valid, tl.exp2(m_p - global_max), 0.0)  # [BLOCK_P]
+        sum_vec += weight * l_p
+        acc_offsets = (base + parts)[:, None] * head_dim + dims[None, :]
+        acc_mask = part_valid[:, None] & dim_valid[None, :]
+        acc_p = tl.load(part_acc_ptr + acc_offsets, mask=acc_mask, other=0.0)  # [BLOCK_P, D]
+        acc += tl.sum(acc_p * weight[:, None], axis=0)
+
+    out = acc / tl.sum(sum_vec, axis=0)  # [D]
+    o_offsets = token.to(tl.int64) * stride_o_token + head * stride_o_head + dims
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, including the new token
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32; query lengths 1 (or 0 = skipped)
+    max_seq_len: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    block_n: int = 64,
+    partition_size: int = 512,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    fp32_dot_precision: str = "ieee",
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of each sequence's single new token over its whole cached context.
+
+    Every sequence must have query length 1 (or 0: skipped, its ``out`` rows untouched);
+    ``max_seq_len`` must be >= every ``seq_lens`` entry (it sizes the partition grid).
+    ``partition_size`` (a multiple of ``block_n``) is the number of keys per first-kernel
+    program; contexts up to that length use a single kernel launch.
+    """
+    check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_seq_len == 0:
+        return out
+    num_partitions = triton.cdiv(max_seq_len, partition_size)
+    single = num_partitions == 1
+    if single:  # the statistics buffers are never touched; pass small placeholders
+        part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=query.device)
+        stride_part_seq = stride_part_head = 0
+    else:
+        part_max = torch.empty(
+            (num_seqs, num_heads, num_partitions), dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(
+            (num_seqs, num_heads, num_partitions, head_dim),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        stride_part_seq, stride_part_head = part_max.stride(0), part_max.stride(1)
+    head_dim_padded = triton.next_power_of_2(head_dim)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
+        query,
+        kv_cache,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * math.log2(math.e),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        stride_part_seq,
+        stride_part_head,
+        head_dim,
+        GROUP=group,
+        ROWS=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_N=block_n,
+        PARTITION_SIZE=partition_size,
+        CACHE_BLOCK_SIZE=kv_cache.shape[2],
+        SINGLE_PARTITION=single,
+        UPCAST_DOT=upcast_dot(query.dtype),
+        DOT_PRECISION=fp32_dot_precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if single:
+        return out
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        seq_lens,
+        query_start_loc,
+        out.stride(0),
+        out.stride(1),
+        stride_part_seq,
+        stride_part_head,
+        head_dim,
+        PARTITION_SIZE=partition_size,
+        BLOCK_P=min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions)),
+        HEAD_DIM_PADDED=head_dim_padded,
+        num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,38 @@
+"""Chained hashes of full KV blocks: the keys of automatic prefix caching.
+
+The hash of block ``i`` covers the hash of block ``i-1``, the block's token ids and extra keys
+(e.g. a LoRA id later), so two requests share block ``i`` only if their whole prefixes up to
+and including it are identical. SHA-256 over a fixed binary encoding: no pickle, no Python
+``hash()`` (which is salted per process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NewType, Sequence
+
+BlockHash = NewType("BlockHash", bytes)
+
+_NO_PARENT = b"\x00" * 32
+
+
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    """Hash of one full block given its parent's hash (``None`` for the first block)."""
+    digest = hashlib.sha256()
+    digest.update(parent if parent is not None else _NO_PARENT)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    digest.update(extra_keys)
+    return BlockHash(digest.digest())
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+) -> None:
+    """Append the hashes of every block of ``token_ids`` that became full (in place)."""
+    num_full = len(token_ids) // block_size
+    for i in range(len(block_hashes), num_full):
+        parent = block_hashes[i - 1] if i > 0 else None
+        block_hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))

@@ -1,0 +1,1 @@
+"""Model execution: weight loaders, model definitions and their layers."""

@@ -1,0 +1,35 @@
+"""Root-mean-square layer norm, optionally fused with the residual add before it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` over the last dimension, computed in float32.
+
+    Matches Hugging Face's ``LlamaRMSNorm``: the normalisation runs in float32, the result is
+    cast back to the input dtype and then scaled by ``weight``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(dim=-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden_size]
+        residual: torch.Tensor | None = None,  # [..., hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Return ``norm(x)``; with ``residual``, return ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed

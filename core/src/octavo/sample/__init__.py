@@ -1,0 +1,15 @@
+"""Batched sampling: logits of one step in, one token per sequence (and logprobs) out."""
+
+from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
+from octavo.sample.metadata import SamplingMetadata, SamplingRow, step_seed
+from octavo.sample.sampler import Sampler, SamplerOutput
+
+__all__ = [
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingRow",
+    "compute_logprobs",
+    "step_seed",
+]

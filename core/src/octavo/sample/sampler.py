@@ -1,0 +1,202 @@
+"""The batched sampler: one next token per row of logits, plus optional logprobs.
+
+Per step, on the logits' device, in float32 (a copy: the caller's logits are never modified):
+
+1. ``logit_bias`` is added;
+2. ``min_tokens``: until a row has generated ``min_tokens`` tokens, its stop tokens
+   (``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS ids) get ``-inf``;
+3. penalties: repetition (HF: on tokens in prompt or output, ``logit / p`` if positive else
+   ``logit * p``), then frequency (``- p * count in output``) and presence (``- p`` if in output);
+4. greedy rows take the argmax of these processed logits;
+5. other rows: divide by temperature, keep top-k, then top-p (one sort for both), then min-p,
+   softmax, and draw ``argmax(probs / q)`` with ``q ~ Exponential(1)`` -- a sample from
+   ``probs`` (the "exponential race"). Unseeded rows draw ``q`` in one batched call from the
+   device's default generator; each seeded row draws its own ``q`` from a generator seeded
+   with ``step_seed(seed, position)`` (see ``octavo.sample.metadata``), so its token depends
+   only on its seed, position and logits, whatever the batch and across preemption.
+
+Logprobs, when any row asks for them, come from the raw logits (see ``logprobs.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
+from octavo.sample.metadata import SamplingMetadata, SamplingRow
+
+# Smallest exponential draw used: keeps probs / q finite and never 0 / 0.
+_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """What the sampler returns for one step."""
+
+    # [batch] int64: the token chosen for each row, on the logits' device.
+    sampled_token_ids: torch.Tensor
+    # Logprobs with k = max requested over rows; None when no row asked for logprobs.
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    """Stateless batched sampler; see the module docstring for the exact pipeline."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row; ``logits`` is ``[batch, vocab]`` with ``batch == len(rows)``.
+
+        Raises ``ValueError`` when the logits are not 2-D or their batch size differs from
+        ``len(rows)``.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits have {logits.shape[0]} rows but {len(rows)} sampling rows were given"
+            )
+        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device)
+        return self.sample(logits, metadata)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample with prebuilt ``metadata`` (built for these logits' shape and device)."""
+        if tuple(logits.shape) != (metadata.num_rows, metadata.vocab_size):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match the metadata's "
+                f"({metadata.num_rows}, {metadata.vocab_size})"
+            )
+        processed = self.process_logits(logits, metadata)  # [batch, vocab] float32
+        if metadata.all_greedy:
+            sampled = processed.argmax(dim=-1)
+        else:
+            greedy = None if metadata.all_random else processed.argmax(dim=-1)
+            sampled = self.sample_random(processed, metadata)
+            if greedy is not None:
+                sampled = torch.where(metadata.greedy_mask, greedy, sampled)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            num_top = min(metadata.max_num_logprobs, metadata.vocab_size)
+            logprobs = compute_logprobs(logits, sampled, num_top)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Steps 1-3 (bias, min_tokens, penalties) on a float32 copy: what greedy rows argmax."""
+        out = logits.to(torch.float32, copy=True)  # [batch, vocab]
+        apply_logit_bias(out, metadata)
+        apply_min_tokens(out, metadata)
+        apply_penalties(out, metadata)
+        return out
+
+    def sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Step 5 on processed logits (modified in place): one sampled token per row, [batch].
+
+        Greedy rows get a meaningless value here; ``sample`` replaces it with their argmax.
+        """
+        assert metadata.temperature is not None, "sample_random needs temperatures"
+        logits.div_(metadata.temperature.unsqueeze(1))
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        if metadata.min_p is not None:
+            apply_min_p(logits, metadata.min_p)
+        probs = logits.softmax(dim=-1)  # [batch, vocab]
+        return exponential_race(probs, metadata.seeded_rows)
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Add each row's ``logit_bias`` to ``logits`` [batch, vocab] in place."""
+    if metadata.bias_row_ids is None:
+        return
+    assert metadata.bias_token_ids is not None and metadata.bias_values is not None
+    index = (metadata.bias_row_ids, metadata.bias_token_ids)
+    logits.index_put_(index, metadata.bias_values, accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Set the stop tokens of rows below ``min_tokens`` to ``-inf``, in place."""
+    if metadata.min_tokens_row_ids is None:
+        return
+    assert metadata.min_tokens_token_ids is not None
+    index = (metadata.min_tokens_row_ids, metadata.min_tokens_token_ids)
+    logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Apply repetition, frequency and presence penalties to ``logits`` [batch, vocab] in place.
+
+    Counts come from ``scatter_add`` of the padded id tensors into a ``[batch, vocab + 1]``
+    buffer whose last column absorbs the padding.
+    """
+    output_ids = metadata.output_token_ids
+    if output_ids is None:
+        return
+    batch, vocab_size = logits.shape
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
+    counts = counts[:, :vocab_size]  # [batch, vocab]: occurrences in the output
+    in_output = counts > 0  # [batch, vocab]
+
+    if metadata.repetition_penalties is not None:
+        assert metadata.prompt_token_ids is not None, "repetition penalty needs prompt ids"
+        prompt_ids = metadata.prompt_token_ids
+        seen = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, prompt_ids, torch.ones_like(prompt_ids, dtype=torch.bool))
+        seen = seen[:, :vocab_size] | in_output  # [batch, vocab]
+        penalty = metadata.repetition_penalties.unsqueeze(1)  # [batch, 1]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if metadata.frequency_penalties is not None:
+        logits.sub_(metadata.frequency_penalties.unsqueeze(1) * counts)
+    if metadata.presence_penalties is not None:
+        logits.sub_(metadata.presence_penalties.unsqueeze(1) * in_output)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [batch, vocab]
+    top_k: torch.Tensor | None,  # [batch] int64 in [1, vocab]
+    top_p: torch.Tensor | None,  # [batch] float32 in (0, 1]
+) -> torch.Tensor:  # [batch, vocab]
+    """Mask to ``-inf`` all but each row's top-k tokens, then all but its top-p nucleus.
+
+    One ascending sort serves both. Top-k keeps every token tied with the k-th largest logit.
+    Top-p keeps the smallest set of most likely tokens whose probability (after top-k) adds
+    up to at least ``top_p``; the most likely token is always kept.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending, [batch, vocab]
+    if top_k is not None:
+        kth_position = (vocab_size - top_k).clamp(0, vocab_size - 1).unsqueeze(1)  # [batch, 1]
+        kth_logit = sorted_logits.gather(1, kth_position)  # [batch, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth_logit, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [batch, vocab]
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Mask tokens whose probability is below ``min_p`` [batch] times the row's maximum."""
+    probs = logits.softmax(dim=-1)  # [batch, vocab]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [batch, 1]
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def exponential_race(
+    probs: torch.Tensor,  # [batch, vocab] float32, rows sum to 1
+    seeded_rows: list[tuple[int, int]],
+) -> torch.Tensor:  # [batch] int64
+    """Draw one token per row from ``probs`` as ``argmax(probs / q)``, ``q ~ Exponential(1)``.
+
+    Rows not in ``seeded_rows`` share one batched draw from the default generator; each
+    ``(row, seed)`` in ``seeded_rows`` draws its whole ``q`` row from a fresh generator seeded
+    with ``seed`` (one small Python loop over seeded rows only).
+    """
+    q = torch.empty_like(probs).exponential_()  # [batch, vocab]
+    for row, seed in seeded_rows:
+        generator = torch.Generator(device=probs.device)
+        generator.manual_seed(seed)
+        q[row].exponential_(generator=generator)
+    q.clamp_(min=_MIN_EXPONENTIAL)
+    return probs.div(q).argmax(dim=-1)

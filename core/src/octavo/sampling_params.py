@@ -1,0 +1,146 @@
+"""``SamplingParams``: how to sample one request's completion(s), validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling settings of one request; every field is checked in ``__post_init__``.
+
+    Invalid values raise ``ValueError`` (or ``TypeError`` for a wrong type) naming the field,
+    the value given and the valid range.
+    """
+
+    # Number of completions returned for the prompt; they share the prompt's KV blocks.
+    n: int = 1
+    # 0 means greedy; higher flattens the distribution.
+    temperature: float = 1.0
+    # Keep the k most likely tokens; -1 (or 0) keeps all.
+    top_k: int = -1
+    # Keep the smallest set of tokens whose probability adds up to top_p; 1.0 keeps all.
+    top_p: float = 1.0
+    # Drop tokens whose probability is below min_p times the most likely one's; 0 disables.
+    min_p: float = 0.0
+    # OpenAI-style penalties in [-2, 2], subtracted per generated occurrence / once per token.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF/CTRL-style multiplicative penalty on tokens in prompt or output; 1.0 disables.
+    repetition_penalty: float = 1.0
+    # Added to the logits of the given token ids before sampling.
+    logit_bias: dict[int, float] | None = None
+    # Per-request seed: the same seed gives the same tokens whatever else is in the batch.
+    seed: int | None = None
+    # Most tokens to generate (None: up to max_model_len).
+    max_tokens: int | None = 16
+    # Tokens generated before EOS / stop_token_ids may end the request.
+    min_tokens: int = 0
+    # Strings that end the completion; the matched string is excluded from the text.
+    stop: list[str] | str | None = None
+    # Token ids that end the completion (kept in token_ids, excluded from text if special).
+    stop_token_ids: list[int] | None = None
+    # Keep generating past the EOS token.
+    ignore_eos: bool = False
+    # Keep a matched stop string in the returned text.
+    include_stop_str_in_output: bool = False
+    # Number of top logprobs returned per generated token (None: none; 0: the sampled one only).
+    logprobs: int | None = None
+    # Same as logprobs, for every prompt token after the first.
+    prompt_logprobs: int | None = None
+    # Drop special tokens from the returned text.
+    skip_special_tokens: bool = True
+    # Filled in by the engine: EOS token ids of the model (not user-settable).
+    all_stop_token_ids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, low=1)
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_int("top_k", self.top_k, low=-1)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0.0")
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0.0")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+        for tid in self.stop_token_ids:
+            _check_int("stop_token_ids[]", tid, low=0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                token_id = int(key)
+                if token_id < 0:
+                    raise ValueError(f"logit_bias token ids must be >= 0, got {key!r}")
+                _check_float(f"logit_bias[{key}]", value, low=-100.0, high=100.0)
+                bias[token_id] = float(value)
+            self.logit_bias = bias
+
+    @property
+    def greedy(self) -> bool:
+        """True when the most likely token is always taken."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def max_token_id(self) -> int:
+        """Largest token id this request names anywhere (for vocab checks), or -1."""
+        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+        return max(ids) if ids else -1
+
+
+def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    _check_range(name, value, low, high)
+
+
+def _check_float(name: str, value: object, low: float | None = None, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    _check_range(name, value, low, high)
+
+
+def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if low is not None and high is not None and not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value!r}")

@@ -1,0 +1,65 @@
+"""``SchedulerOutput``: what the scheduler tells the workers to run in one step.
+
+Send only what changed: a request's prompt and sampling settings travel once (when it is first
+scheduled or resumed after preemption); after that only its new blocks and progress do. The
+worker keeps its own per-request state and drops it when the id appears in
+``finished_req_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from octavo.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has no state for: first scheduling, or resumption after preemption."""
+
+    # Request id (a child id for n > 1).
+    req_id: str
+    # The prompt.
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption (empty for a fresh request); recomputed as prompt.
+    output_token_ids: list[int]
+    # How to sample.
+    sampling_params: SamplingParams
+    # Effective seed of this completion (None: unseeded).
+    seed: int | None
+    # All its KV blocks so far, in order (prefix-cache hits first).
+    block_ids: list[int]
+    # Tokens already in the cache (prefix-cache hits).
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the worker already knows, continuing (decode or next prefill chunk)."""
+
+    # Request id.
+    req_id: str
+    # Blocks added since the last step.
+    new_block_ids: list[int]
+    # Tokens in the cache before this step.
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work."""
+
+    # Requests new to the worker.
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    # Requests the worker already holds.
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # New tokens to run per request id (the step's order is new requests, then cached ones).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Sum of num_scheduled_tokens.
+    total_num_scheduled_tokens: int = 0
+    # Requests finished, aborted or preempted since the last step: drop their worker state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

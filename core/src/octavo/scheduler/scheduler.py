@@ -1,0 +1,242 @@
+"""Iteration-level continuous batching with chunked prefill and preemption by recompute.
+
+There are no separate prefill and decode phases: every request has ``num_computed_tokens``
+and ``num_tokens``, and each step gives it ``min(num_tokens - num_computed_tokens, budget)``
+new tokens under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``). A decode is a request one token behind; a long prompt is run in chunks.
+
+Order of service: running requests first (oldest first), then waiting ones (FCFS). When the KV
+pool runs dry, the newest running request is preempted: its blocks are freed and it goes back
+to the head of the waiting queue, to be recomputed from its prompt and the tokens it had
+generated (greedy output is identical; seeded sampling too, see ``octavo.sample``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from octavo.config import CacheConfig, SchedulerConfig
+from octavo.engine.messages import EngineCoreOutput
+from octavo.engine.request import Request, RequestStatus
+from octavo.kv_cache.manager import KVCacheManager
+from octavo.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from octavo.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RequestTooLargeError(ValueError):
+    """A request could never fit the KV cache, even running alone."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Snapshot for logs and metrics."""
+
+    # Requests running in the last step.
+    num_running: int
+    # Requests waiting (new or preempted).
+    num_waiting: int
+    # Fraction of KV blocks held by requests.
+    kv_cache_usage: float
+    # Prefix cache hits / queried prompt tokens since start.
+    prefix_cache_hit_rate: float
+    # Preemptions since start.
+    num_preemptions: int
+
+
+class Scheduler:
+    """Decides each step's batch; owns the requests' lifecycle in the engine core."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        if not scheduler_config.enable_chunked_prefill:
+            # Without chunking a whole prompt must fit one step.
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ids whose worker state must be dropped at the next step.
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raise ``RequestTooLargeError`` if it could never fit the KV pool."""
+        worst_case = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        needed = self.kv_cache_manager.blocks_needed(worst_case)
+        if needed > self.kv_cache_manager.num_blocks:
+            capacity = self.kv_cache_manager.num_blocks * self.block_size
+            raise RequestTooLargeError(
+                f"request {request.request_id} needs up to {worst_case} tokens of KV cache "
+                f"(prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}) but the "
+                f"whole cache holds {capacity} tokens ({self.kv_cache_manager.num_blocks} blocks "
+                f"of {self.block_size}). Lower max_tokens or give the KV cache more memory."
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string): free their blocks at once."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            prefix_cache_hit_rate=self.kv_cache_manager.prefix_stats.hit_rate,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV slots."""
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        budget = self.max_num_batched_tokens
+        preempted_any = self._schedule_running(out, budget)
+        budget -= out.total_num_scheduled_tokens
+        if not preempted_any:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
+        preempted_any = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted_any = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            out.num_scheduled_tokens[request.request_id] = num_new
+            out.total_num_scheduled_tokens += num_new
+            budget -= num_new
+            index += 1
+        return preempted_any
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        manager = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            new_block_ids = manager.allocate_slots(request, num_new, hit_blocks, num_hit_tokens)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    seed=request.seed,
+                    block_ids=manager.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            out.num_scheduled_tokens[request.request_id] = num_new
+            out.total_num_scheduled_tokens += num_new
+            budget -= num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        logger.debug("preempting %s to free KV blocks", request.request_id)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.finished_req_ids.add(request.request_id)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Record a step's results; return what each request produced."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted while the step ran
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
+            finished = False
+            for token_id in sampled:
+                request.append_output_token(token_id)
+                if request.check_stop(self.max_model_len):
+                    finished = True
+                    break
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if not sampled and prompt_logprobs is None:
+                continue
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=list(sampled),
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=runner_output.logprobs.get(req_id),
+                    new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]

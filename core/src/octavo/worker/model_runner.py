@@ -1,0 +1,304 @@
+"""``ModelRunner``: turns a ``SchedulerOutput`` into one forward pass and one sampler call.
+
+It keeps a small state per request (tokens, blocks, progress) updated from the scheduler's
+"what changed" messages, builds the flat batch (token ids, positions, slot mapping, block
+tables), runs the model, computes logits only where they are needed (the last token of each
+sequence that samples, and prompt positions that asked for prompt logprobs) and samples the
+whole batch in one call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import pluggy
+import torch
+
+from octavo.attention.base import AttentionBackend, AttentionMetadata
+from octavo.config import EngineConfig
+from octavo.engine.messages import LogprobsLists
+from octavo.model_executor.model_loader import load_model
+from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
+from octavo.sample.metadata import SamplingRow
+from octavo.sample.sampler import Sampler
+from octavo.sampling_params import SamplingParams
+from octavo.scheduler.output import SchedulerOutput
+from octavo.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """The runner's view of one request."""
+
+    # Request id.
+    req_id: str
+    # Number of prompt tokens at the front of token_ids.
+    num_prompt_tokens: int
+    # Prompt followed by the generated tokens.
+    token_ids: list[int]
+    # Sampling settings.
+    sampling_params: SamplingParams
+    # Effective seed (None: unseeded).
+    seed: int | None
+    # KV blocks, in order.
+    block_ids: list[int]
+    # Tokens already in the KV cache.
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    """The flat batch of one step, on the device."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    # Flat index of the last token of every request that samples this step.
+    sample_indices: list[int]
+    # Request ids in step order.
+    req_ids: list[str]
+    # Which requests sample (parallel to req_ids).
+    samples: list[bool]
+    # Prompt-logprob positions per request id: (flat indices, target token ids).
+    prompt_logprob_positions: dict[str, tuple[list[int], list[int]]]
+
+
+class ModelRunner:
+    """Holds the model, its KV cache and the per-request state on one device."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        attn_backend: AttentionBackend,
+        pm: pluggy.PluginManager,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.attn_backend = attn_backend
+        self.pm = pm
+        self.model_config = config.model_config
+        self.block_size = config.cache_config.block_size
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+
+    # ---- set-up ------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = load_model(self.model_config, self.attn_backend, self.device, self.pm)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        mc = self.model_config
+        shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        element_size = torch.empty((), dtype=mc.dtype).element_size()
+        return int(np.prod(shape)) * element_size * mc.num_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim
+        )
+        # Uninitialised on purpose (zeroing gigabytes costs seconds): kernels never read a
+        # slot that was not written (see octavo.attention.base).
+        self.kv_caches = [
+            torch.empty(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Forward the largest single step (token budget, capped at max_model_len) once.
+
+        Uses a temporary KV cache just big enough for it; logits for ``max_num_seqs`` rows.
+        """
+        sched = self.config.scheduler_config
+        num_tokens = min(sched.max_num_batched_tokens, self.model_config.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        saved = self.kv_caches
+        self.initialize_kv_cache(num_blocks)
+        try:
+            positions = torch.arange(num_tokens, device=self.device)
+            metadata = self._build_metadata(
+                slot_mapping=positions.clone(),
+                query_start_loc=[0, num_tokens],
+                seq_lens=[num_tokens],
+                block_tables=[list(range(num_blocks))],
+            )
+            input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            rows = min(sched.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:rows])
+        finally:
+            self.kv_caches = saved
+
+    # ---- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        output = ModelRunnerOutput(req_ids=inputs.req_ids)
+        sampled_per_req = self._sample(hidden, inputs, output)
+        output.sampled_token_ids = sampled_per_req
+        self._compute_prompt_logprobs(hidden, inputs, output)
+        return output
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                num_prompt_tokens=len(new.prompt_token_ids),
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                seed=new.seed,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        req_ids = [r.req_id for r in so.scheduled_new_reqs] + [
+            r.req_id for r in so.scheduled_cached_reqs
+        ]
+        input_ids: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_indices: list[int] = []
+        samples: list[bool] = []
+        prompt_positions: dict[str, tuple[list[int], list[int]]] = {}
+        bs = self.block_size
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            num_new = so.num_scheduled_tokens[req_id]
+            end = start + num_new
+            pos = np.arange(start, end, dtype=np.int64)
+            block_ids = np.asarray(state.block_ids, dtype=np.int64)
+            input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
+            positions.append(pos)
+            slots.append(block_ids[pos // bs] * bs + pos % bs)
+            flat_start = query_start_loc[-1]
+            query_start_loc.append(flat_start + num_new)
+            seq_lens.append(end)
+            block_tables.append(state.block_ids)
+            does_sample = end == len(state.token_ids)
+            samples.append(does_sample)
+            if does_sample:
+                sample_indices.append(flat_start + num_new - 1)
+            if state.sampling_params.prompt_logprobs is not None:
+                # Position p predicts prompt token p + 1.
+                last = min(end, state.num_prompt_tokens - 1)
+                if start < last:
+                    flat = [flat_start + p - start for p in range(start, last)]
+                    targets = state.token_ids[start + 1 : last + 1]
+                    prompt_positions[req_id] = (flat, targets)
+        metadata = self._build_metadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+        )
+        return _StepInputs(
+            input_ids=torch.from_numpy(np.concatenate(input_ids)).to(self.device),
+            positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
+            metadata=metadata,
+            sample_indices=sample_indices,
+            req_ids=req_ids,
+            samples=samples,
+            prompt_logprob_positions=prompt_positions,
+        )
+
+    def _build_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> AttentionMetadata:
+        max_blocks = max(len(t) for t in block_tables)
+        table = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
+        for i, blocks in enumerate(block_tables):
+            table[i, : len(blocks)] = blocks
+        query_lens = np.diff(query_start_loc)
+        return AttentionMetadata(
+            num_seqs=len(seq_lens),
+            num_tokens=query_start_loc[-1],
+            slot_mapping=slot_mapping.to(self.device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.from_numpy(table).to(self.device),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=list(query_start_loc),
+            seq_lens_cpu=list(seq_lens),
+        )
+
+    def _sample(
+        self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput
+    ) -> list[list[int]]:
+        sampled_per_req: list[list[int]] = [[] for _ in inputs.req_ids]
+        if not inputs.sample_indices:
+            return sampled_per_req
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        sampling_states = [
+            self.requests[req_id]
+            for req_id, does_sample in zip(inputs.req_ids, inputs.samples)
+            if does_sample
+        ]
+        rows = [
+            SamplingRow(
+                params=s.sampling_params,
+                prompt_token_ids=s.token_ids[: s.num_prompt_tokens],
+                output_token_ids=s.token_ids[s.num_prompt_tokens :],
+                seed=s.seed,
+            )
+            for s in sampling_states
+        ]
+        result = self.sampler(logits, rows)
+        token_ids = result.sampled_token_ids.tolist()
+        row = 0
+        for i, does_sample in enumerate(inputs.samples):
+            if not does_sample:
+                continue
+            state = sampling_states[row]
+            state.token_ids.append(token_ids[row])
+            sampled_per_req[i] = [token_ids[row]]
+            num_logprobs = state.sampling_params.logprobs
+            if num_logprobs is not None and result.logprobs is not None:
+                output.logprobs[state.req_id] = _to_lists(result.logprobs, row, row + 1, num_logprobs)
+            row += 1
+        return sampled_per_req
+
+    def _compute_prompt_logprobs(
+        self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput
+    ) -> None:
+        for req_id, (flat, targets) in inputs.prompt_logprob_positions.items():
+            num = self.requests[req_id].sampling_params.prompt_logprobs
+            logits = self.model.compute_logits(hidden[flat])
+            chosen = torch.tensor(targets, dtype=torch.long, device=logits.device)
+            tensors = compute_logprobs(logits, chosen, num)
+            output.prompt_logprobs[req_id] = _to_lists(tensors, 0, len(flat), num)
+
+
+def _to_lists(tensors: LogprobsTensors, start: int, end: int, num_top: int) -> LogprobsLists:
+    return LogprobsLists(
+        token_ids=tensors.token_ids[start:end, : num_top + 1].tolist(),
+        logprobs=tensors.logprobs[start:end, : num_top + 1].tolist(),
+        ranks=tensors.ranks[start:end].tolist(),
+    )

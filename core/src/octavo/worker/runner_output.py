@@ -1,0 +1,21 @@
+"""``ModelRunnerOutput``: what a worker returns for one ``SchedulerOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from octavo.engine.messages import LogprobsLists
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Per scheduled request, in the step's order."""
+
+    # Request ids in the order of the step.
+    req_ids: list[str] = field(default_factory=list)
+    # Sampled token ids per request: [] for a prefill chunk that does not end the prompt.
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Logprobs of the sampled token per request id, for requests that asked.
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Prompt logprobs of the positions computed this step, per request id that asked.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

@@ -1,0 +1,118 @@
+"""``Worker``: runs the model on one device. Backends subclass it for their device.
+
+The base class owns the device-independent logic and the error messages (loading, KV-cache
+sizing, stepping); a backend's subclass fills in ``init_device`` and, where needed, memory
+details. Returned to the executor by the ``octavo_worker_class`` hook.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pluggy
+import torch
+
+from octavo.config import EngineConfig
+from octavo.scheduler.output import SchedulerOutput
+from octavo.worker.model_runner import ModelRunner
+from octavo.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """One device's model runner, KV cache and profiling."""
+
+    def __init__(self, config: EngineConfig, pm: pluggy.PluginManager) -> None:
+        self.config = config
+        self.pm = pm
+        self.device = torch.device("cpu")
+        self.model_runner: ModelRunner | None = None
+
+    # ---- to be specialised by backends --------------------------------------------------
+
+    def init_device(self) -> None:
+        """Pick and prepare the device (threads, streams, ...). Sets ``self.device``."""
+
+    # ---- common logic ------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        assert self.model_runner is not None, "load_model() must run first"
+        return self.model_runner.model
+
+    def load_model(self) -> None:
+        """Ask the backend for its attention implementation and load the weights."""
+        config = self.config
+        attn_backend = self.pm.hook.octavo_attention_backend(
+            backend=config.backend,
+            model_config=config.model_config,
+            cache_config=config.cache_config,
+        )
+        if attn_backend is None:
+            raise RuntimeError(
+                f"backend {config.backend!r} provides no attention implementation "
+                "(octavo_attention_backend returned None)"
+            )
+        supported = attn_backend.supported_head_dims()
+        head_dim = config.model_config.head_dim
+        if supported is not None and head_dim not in supported:
+            raise ValueError(
+                f"attention backend {attn_backend.name!r} of {config.backend!r} does not support "
+                f"head_dim {head_dim}; supported: {list(supported)}"
+            )
+        self.model_runner = ModelRunner(config, self.device, attn_backend, self.pm)
+        self.model_runner.load_model()
+
+    def profile_run(self) -> None:
+        """Run the largest step the scheduler may build, to measure peak activation memory."""
+        assert self.model_runner is not None
+        self.model_runner.profile_run()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        assert self.model_runner is not None
+        return self.model_runner.kv_cache_bytes_per_block()
+
+    def determine_num_blocks(self) -> int:
+        """Number of KV blocks: the override if set, else the backend's memory budget."""
+        cache = self.config.cache_config
+        model = self.config.model_config
+        per_block = self.kv_cache_bytes_per_block()
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        else:
+            available = self.pm.hook.octavo_available_kv_cache_memory(
+                backend=self.config.backend, worker=self, cache_config=cache
+            )
+            if available is None:
+                raise RuntimeError(
+                    f"backend {self.config.backend!r} did not size the KV cache "
+                    "(octavo_available_kv_cache_memory returned None)"
+                )
+            num_blocks = int(available) // per_block
+            if num_blocks < 1:
+                raise RuntimeError(
+                    f"no memory left for the KV cache on {self.device}: {available} bytes "
+                    f"available, one block needs {per_block}. Free memory, lower max_model_len, "
+                    "or set kv_cache_memory_bytes."
+                )
+        tokens = num_blocks * cache.block_size
+        logger.info(
+            "backend %s: %d KV blocks of %d tokens (%.2f GiB, %d tokens, max concurrency %.1f "
+            "at %d tokens per request)",
+            self.config.backend, num_blocks, cache.block_size,
+            num_blocks * per_block / 2**30, tokens, tokens / model.max_model_len,
+            model.max_model_len,
+        )
+        return num_blocks
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        assert self.model_runner is not None
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.model_runner is not None
+        return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.model_runner = None
