@@ -2,11 +2,13 @@
 
     python benchmarks/kernels/bench_triton_attention.py [--dtype bf16] [--head-dim 128]
 
-For each case it prints the median time of the Triton kernel and of
-``octavo.attention.reference.paged_attention_reference`` (``triton.testing.do_bench``), the
-speed-up, and what the kernel achieved: decode is memory-bound, so GB/s of K/V read; prefill
-is compute-bound, so TFLOP/s of causal attention. It checks each kernel's output against the
-reference first. The last line is the whole result as one JSON object.
+For each case it prints the median time of the Triton kernel called from Python (launch
+overhead included) and replayed from a CUDA graph (kernels alone), the time of
+``octavo.attention.reference.paged_attention_reference`` and the speed-up over it (Python
+call vs Python call), and what the kernels achieved in the graph: decode is memory-bound, so
+GB/s moved (K/V, query, output); prefill is compute-bound, so TFLOP/s of causal attention.
+Each kernel's output is checked against the reference first (``rel err`` column). The last
+line is the whole result as one JSON object. ``--set FIELD=VALUE`` overrides launch knobs.
 Without CUDA it exits with a message (the CPU interpreter is for tests, not timing).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 import torch
 
@@ -76,12 +79,12 @@ def make_step(query_lens, seq_lens, args, device="cuda"):
 
 
 def run_case(name, query_lens, seq_lens, args):
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     from octavo.attention.reference import paged_attention_reference
     from octavo.kernels.triton import TritonLaunchConfig, decode_attention, prefill_attention
 
-    config = TritonLaunchConfig()
+    config = TritonLaunchConfig(**args.overrides)
     query, kv_cache, meta = make_step(query_lens, seq_lens, args)
     scale = args.head_dim**-0.5
     common = (query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
@@ -111,9 +114,11 @@ def run_case(name, query_lens, seq_lens, args):
     out, expected = triton_fn().float(), reference_fn().float()
     rel_err = ((out - expected).norm() / expected.norm()).item()
     triton_ms = do_bench(triton_fn, warmup=25, rep=200, return_mode="median")
-    reference_ms = (
-        None if args.skip_reference else do_bench(reference_fn, warmup=5, rep=50, return_mode="median")
-    )
+    # Replayed from a CUDA graph: the kernels alone, without Python launch overhead.
+    graph_ms = do_bench_cudagraph(triton_fn, rep=200, return_mode="median")
+    reference_ms = None
+    if not args.skip_reference:
+        reference_ms = do_bench(reference_fn, warmup=5, rep=50, return_mode="median")
 
     elem = query.element_size()
     kv_bytes = sum(seq_lens) * args.num_kv_heads * args.head_dim * 2 * elem
@@ -127,10 +132,11 @@ def run_case(name, query_lens, seq_lens, args):
         "case": name,
         "kind": kind,
         "triton_ms": triton_ms,
+        "graph_ms": graph_ms,
         "reference_ms": reference_ms,
         "speedup": None if reference_ms is None else reference_ms / triton_ms,
-        "gb_per_s": io_bytes / triton_ms / 1e6,
-        "tflop_per_s": flops / triton_ms / 1e9,
+        "gb_per_s": io_bytes / graph_ms / 1e6,
+        "tflop_per_s": flops / graph_ms / 1e9,
         "rel_err": rel_err,
     }
 
@@ -144,12 +150,25 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--skip-reference", action="store_true", help="time only the kernels")
     parser.add_argument("--only", choices=["decode", "prefill"], help="run one kind of case")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a TritonLaunchConfig field, e.g. --set prefill_block_n=32 (repeatable)",
+    )
     args = parser.parse_args()
+    args.overrides = {}
+    for item in args.set:
+        field, _, value = item.partition("=")
+        args.overrides[field] = value if field == "fp32_dot_precision" else int(value)
     if not torch.cuda.is_available():
         sys.exit(
             "bench_triton_attention: no CUDA device found; this benchmark times GPU kernels "
             "(the CPU Triton interpreter is only for tests: pytest tests/kernels)"
         )
+    from octavo.kernels.triton import TritonLaunchConfig
+
     torch.manual_seed(0)
     cases = []
     if args.only != "prefill":
@@ -162,20 +181,24 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}  dtype={args.dtype} head_dim={args.head_dim} "
         f"heads={args.num_heads}/{args.num_kv_heads} block_size={args.block_size}"
     )
-    header = f"{'case':<28}{'triton ms':>11}{'ref ms':>11}{'speedup':>9}{'GB/s':>9}{'TFLOP/s':>9}{'rel err':>10}"
+    header = (
+        f"{'case':<28}{'triton ms':>11}{'graph ms':>10}{'ref ms':>9}{'speedup':>9}"
+        f"{'GB/s':>7}{'TFLOP/s':>9}{'rel err':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         ref = "-" if r["reference_ms"] is None else f"{r['reference_ms']:.3f}"
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
         print(
-            f"{r['case']:<28}{r['triton_ms']:>11.3f}{ref:>11}{speedup:>9}"
-            f"{r['gb_per_s']:>9.0f}{r['tflop_per_s']:>9.1f}{r['rel_err']:>10.1e}"
+            f"{r['case']:<28}{r['triton_ms']:>11.3f}{r['graph_ms']:>10.3f}{ref:>9}{speedup:>9}"
+            f"{r['gb_per_s']:>7.0f}{r['tflop_per_s']:>9.1f}{r['rel_err']:>9.1e}"
         )
     summary = {
         "bench": "triton_attention",
         "device": torch.cuda.get_device_name(),
-        "config": {k: v for k, v in vars(args).items() if k != "only"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("only", "set")},
+        "launch_config": asdict(TritonLaunchConfig(**args.overrides)),
         "results": results,
     }
     print(json.dumps(summary))

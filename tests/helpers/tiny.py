@@ -60,6 +60,7 @@ def train_tokenizer(folder: Path) -> None:
 def _config(arch: str, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+    overrides = dict(overrides)
     common = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
@@ -73,6 +74,10 @@ def _config(arch: str, **overrides):
         eos_token_id=2,
         pad_token_id=2,
     )
+    # Overrides go through the constructor so derived fields (e.g. head_dim) follow them.
+    for key in list(overrides):
+        if key in common:
+            common[key] = overrides.pop(key)
     if arch == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=False)
     elif arch == "llama3-rope":

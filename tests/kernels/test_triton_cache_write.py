@@ -54,7 +54,9 @@ def test_write_casts_to_cache_dtype():
 
 def test_write_strided_key_value():
     # K and V as views into one fused [num_tokens, 2 * kv_heads, head_dim] projection output.
-    batch = make_paged_batch([6, 2], [6, 10], num_heads=2, num_kv_heads=2, head_dim=80, block_size=8)
+    batch = make_paged_batch(
+        [6, 2], [6, 10], num_heads=2, num_kv_heads=2, head_dim=80, block_size=8
+    )
     fused = torch.cat([batch.key, batch.value], dim=1)  # [num_tokens, 4, head_dim]
     key, value = fused[:, :2], fused[:, 2:]
     assert not key.is_contiguous()

@@ -92,9 +92,10 @@ def test_decode_skips_sequences_without_tokens():
     run_and_compare(batch, torch.float32, block_n=16, partition_size=16)
 
 
-def test_decode_default_launch_config():
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_decode_default_launch_config(head_dim):
     config = TritonLaunchConfig()
-    batch = make_paged_batch([1, 1], [600, 70], num_heads=8, num_kv_heads=2, head_dim=128,
+    batch = make_paged_batch([1, 1], [600, 70], num_heads=8, num_kv_heads=2, head_dim=head_dim,
                              block_size=16)
     run_and_compare(batch, torch.float32, block_n=config.decode_block_n,
                     partition_size=config.decode_partition_size)

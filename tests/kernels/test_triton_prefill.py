@@ -82,10 +82,12 @@ def test_prefill_heads_dims_dtypes(heads, head_dim, dtype):
     run_and_compare(batch, dtype, **SMALL_TILES)
 
 
-def test_prefill_default_launch_config():
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_prefill_default_launch_config(head_dim):
+    # 256 also covers the halved key step for head dims above 128.
     config = TritonLaunchConfig()
     batch = make_paged_batch(
-        [40, 3], [70, 3], num_heads=4, num_kv_heads=1, head_dim=96, block_size=16
+        [40, 3], [70, 3], num_heads=4, num_kv_heads=1, head_dim=head_dim, block_size=16
     )
     run_and_compare(batch, torch.float32, block_m=config.prefill_block_m,
                     block_n=config.prefill_block_n)

@@ -47,6 +47,8 @@ class ModelConfig:
     max_model_len: int
     # Global seed for unseeded sampling.
     seed: int = 0
+    # Never capture/replay graphs (CUDA graphs); run every step eagerly.
+    enforce_eager: bool = False
 
     @property
     def architectures(self) -> list[str]:
@@ -129,7 +131,7 @@ class SchedulerConfig:
     """Continuous batching limits."""
 
     # Most sequences in one step.
-    max_num_seqs: int = 128
+    max_num_seqs: int = 256
     # Most new tokens in one step (prefill chunks + decodes).
     max_num_batched_tokens: int = 2048
     # Split long prompts into chunks that fit the token budget; when off, a prompt must be

@@ -64,8 +64,8 @@ def paged_attention_reference(
         q = query[q_start:q_end].to(torch.float32).transpose(0, 1)  # [heads, query_len, dim]
         scores = torch.matmul(q, keys.transpose(1, 2)) * scale  # [heads, query_len, seq_len]
         context_len = seq_len - query_len
-        q_pos = torch.arange(query_len).unsqueeze(1) + context_len
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(query_len, device=query.device).unsqueeze(1) + context_len
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1).to(query.dtype)

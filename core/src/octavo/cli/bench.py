@@ -144,15 +144,17 @@ def run_latency(args: argparse.Namespace) -> int:
     llm = LLM(**asdict(EngineArgs.from_cli_args(args)))
     engine = llm.llm_engine
     vocab = min(len(engine.tokenizer), engine.config.model_config.vocab_size)
-    workload = make_workload(1, (args.input_len, args.input_len),
+    # A fresh random prompt per iteration, so no run is served from the prefix cache.
+    workload = make_workload(args.num_iters_warmup + args.num_iters,
+                             (args.input_len, args.input_len),
                              (args.output_len, args.output_len), vocab, 0)
-    prompt = {"prompt_token_ids": workload.prompts[0]}
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    for _ in range(args.num_iters_warmup):
+    for prompt in prompts[: args.num_iters_warmup]:
         llm.generate(prompt, params, use_tqdm=False)
     latencies = []
     ttfts = []
-    for _ in range(args.num_iters):
+    for prompt in prompts[args.num_iters_warmup :]:
         start = time.perf_counter()
         out = llm.generate(prompt, params, use_tqdm=False)[0]
         latencies.append(time.perf_counter() - start)

@@ -40,7 +40,7 @@ class EngineArgs:
     # Chunked prefill.
     enable_chunked_prefill: bool = True
     # Most sequences per step.
-    max_num_seqs: int = 128
+    max_num_seqs: int = 256
     # Most new tokens per step.
     max_num_batched_tokens: int = 2048
     # Exact KV-cache size in bytes.
@@ -55,6 +55,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # Global seed for unseeded sampling.
     seed: int = 0
+    # Run every step eagerly (no CUDA graphs on backends that capture them).
+    enforce_eager: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and backend, and check every option."""
@@ -85,6 +87,7 @@ class EngineArgs:
             dtype=dtype,
             max_model_len=derive_max_model_len(hf_config, self.max_model_len),
             seed=self.seed,
+            enforce_eager=self.enforce_eager,
         )
         return EngineConfig(
             model_config=model_config,
@@ -127,7 +130,7 @@ class EngineArgs:
                            action="store_false", help="turn automatic prefix caching off")
         group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                            action="store_false", help="run every prompt in one step (no chunks)")
-        group.add_argument("--max-num-seqs", type=int, default=128,
+        group.add_argument("--max-num-seqs", type=int, default=256,
                            help="most sequences in one step")
         group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                            help="most new tokens in one step (the chunked-prefill budget)")
@@ -142,6 +145,8 @@ class EngineArgs:
         group.add_argument("--tensor-parallel-size", type=int, default=1,
                            help="devices per model (only 1 today)")
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+        group.add_argument("--enforce-eager", action="store_true",
+                           help="never use CUDA graphs (GPU backends); run every step eagerly")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -63,7 +63,12 @@ class EngineCore:
             if scheduler_output.finished_req_ids:
                 self.executor.execute_model(scheduler_output)  # lets the worker drop state
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except BaseException:
+            # KeyboardInterrupt or a failed forward: the step's KV writes cannot be trusted.
+            self.scheduler.discard_step(scheduler_output)
+            raise
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def stats(self) -> SchedulerStats:

@@ -92,11 +92,16 @@ class Processor:
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = arrival_time if arrival_time is not None else time.time()
+        # Prompt logprobs are the same for every completion: only the first computes them
+        # (the others may then reuse its prompt blocks through the prefix cache).
+        child_params = params
+        if params.n > 1 and params.prompt_logprobs is not None:
+            child_params = dataclasses.replace(params, prompt_logprobs=None)
         core_requests = [
             EngineCoreRequest(
                 request_id=child_request_id(request_id, i, params.n),
                 prompt_token_ids=token_ids,
-                sampling_params=params,
+                sampling_params=params if i == 0 else child_params,
                 max_tokens=max_tokens,
                 seed=child_seed(params.seed, i, params.n),
                 arrival_time=arrival,

@@ -66,6 +66,9 @@ class Request:
         # Prompt tokens found in the prefix cache at first scheduling.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Prompt positions whose logprobs were sent to the front end (kept across preemption,
+        # so recomputed positions are not sent twice).
+        self.num_prompt_logprobs_sent = 0
         self.stop_reason: int | str | None = None
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []

@@ -121,6 +121,11 @@ def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
         return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(
+            "sampling_params must be a SamplingParams or a list of them, got "
+            f"{type(params).__name__}"
+        )
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one or one per prompt")

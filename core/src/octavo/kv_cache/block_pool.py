@@ -119,10 +119,14 @@ class BlockPool:
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int
-    ) -> None:
-        """Index blocks ``start..end-1`` of a request (now full) under their prefix hashes."""
+    ) -> list[KVCacheBlock]:
+        """Index blocks ``start..end-1`` of a request (now full) under their prefix hashes.
+
+        Returns the blocks newly indexed (so a step that never ran can ``uncache`` them).
+        """
         if not self.enable_caching:
-            return
+            return []
+        indexed = []
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is not None:
@@ -132,6 +136,13 @@ class BlockPool:
                 continue  # the same prefix was computed twice; keep the first copy indexed
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            indexed.append(block)
+        return indexed
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the prefix hashes of ``blocks`` (their contents were never computed)."""
+        for block in blocks:
+            self._evict(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference to each block; blocks reaching 0 join the queue in this order."""

@@ -42,6 +42,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.prefix_stats = PrefixCacheStats()
+        # Blocks indexed by allocations of the step being scheduled: their KV is written when
+        # the step runs. ``commit_step`` accepts them, ``discard_step`` un-indexes them.
+        self._uncommitted: list[KVCacheBlock] = []
 
     @property
     def num_blocks(self) -> int:
@@ -111,7 +114,9 @@ class KVCacheManager:
         # Index blocks that are full once this step has run (their tokens are known now).
         num_full = min(total_tokens // self.block_size, len(request.block_hashes))
         num_cached_before = num_computed // self.block_size
-        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached_before, num_full)
+        self._uncommitted += self.block_pool.cache_full_blocks(
+            blocks, request.block_hashes, num_cached_before, num_full
+        )
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
 
     def free(self, request: Request) -> None:
@@ -119,6 +124,16 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def commit_step(self) -> None:
+        """The last scheduled step ran: the blocks it filled hold valid KV."""
+        self._uncommitted.clear()
+
+    def discard_step(self) -> None:
+        """The last scheduled step did not run (it raised): forget the prefixes it would have
+        filled, so no later request reads their uncomputed slots as a cache hit."""
+        self.block_pool.uncache(self._uncommitted)
+        self._uncommitted.clear()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(request_id, [])]

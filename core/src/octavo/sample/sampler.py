@@ -66,8 +66,20 @@ class Sampler:
                 f"logits shape {tuple(logits.shape)} does not match the metadata's "
                 f"({metadata.num_rows}, {metadata.vocab_size})"
             )
-        processed = self.process_logits(logits, metadata)  # [batch, vocab] float32
-        if metadata.all_greedy:
+        if (
+            metadata.all_greedy
+            and metadata.no_penalties
+            and metadata.bias_row_ids is None
+            and metadata.min_tokens_row_ids is None
+        ):
+            # Fast path of the common greedy batch: nothing to process, no float32 copy.
+            sampled = logits.argmax(dim=-1)
+            processed = None
+        else:
+            processed = self.process_logits(logits, metadata)  # [batch, vocab] float32
+        if processed is None:
+            pass
+        elif metadata.all_greedy:
             sampled = processed.argmax(dim=-1)
         else:
             greedy = None if metadata.all_random else processed.argmax(dim=-1)

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.engine.messages import EngineCoreOutput
+from octavo.engine.messages import EngineCoreOutput, LogprobsLists
 from octavo.engine.request import Request, RequestStatus
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -122,6 +122,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV slots."""
+        self.kv_cache_manager.commit_step()  # the previous step, if any, ran
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         budget = self.max_num_batched_tokens
@@ -191,6 +192,25 @@ class Scheduler:
             out.total_num_scheduled_tokens += num_new
             budget -= num_new
 
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Undo a scheduled step that raised before its results were recorded.
+
+        Its KV writes may not have happened: the prefixes it would have filled are forgotten
+        and every request it scheduled is reset to be recomputed from scratch (its worker
+        state dropped), exactly like a preemption. Nothing else changes.
+        """
+        self.kv_cache_manager.discard_step()
+        self._finished_req_ids |= scheduler_output.finished_req_ids
+        step_ids = set(scheduler_output.num_scheduled_tokens)
+        for request in reversed([r for r in self.running if r.request_id in step_ids]):
+            self.running.remove(request)
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.num_preemptions += 1
+            self.waiting.appendleft(request)
+            self._finished_req_ids.add(request.request_id)
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         logger.debug("preempting %s to free KV blocks", request.request_id)
         self.kv_cache_manager.free(request)
@@ -210,6 +230,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
+            prompt_logprobs = self._new_prompt_logprobs(
+                request, runner_output.prompt_logprobs.get(req_id)
+            )
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
             finished = False
             for token_id in sampled:
@@ -217,7 +240,6 @@ class Scheduler:
                 if request.check_stop(self.max_model_len):
                     finished = True
                     break
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not sampled and prompt_logprobs is None:
                 continue
             outputs.append(
@@ -235,6 +257,30 @@ class Scheduler:
                 self.running.remove(request)
                 self._free(request)
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(
+        request: Request, computed: LogprobsLists | None
+    ) -> LogprobsLists | None:
+        """The part of this step's prompt logprobs not already sent.
+
+        A request recomputed after preemption recomputes its prompt logprobs from position 0;
+        the positions sent before the preemption must not be sent again. Call before
+        ``num_computed_tokens`` is advanced (row i is position ``num_computed_tokens + i``).
+        """
+        if computed is None:
+            return None
+        skip = max(request.num_prompt_logprobs_sent - request.num_computed_tokens, 0)
+        request.num_prompt_logprobs_sent = max(
+            request.num_prompt_logprobs_sent, request.num_computed_tokens + len(computed.ranks)
+        )
+        if skip == 0:
+            return computed
+        if skip >= len(computed.ranks):
+            return None
+        return LogprobsLists(
+            computed.token_ids[skip:], computed.logprobs[skip:], computed.ranks[skip:]
+        )
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

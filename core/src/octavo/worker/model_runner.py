@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pluggy
@@ -40,6 +41,10 @@ class CachedRequestState:
     num_prompt_tokens: int
     # Prompt followed by the generated tokens.
     token_ids: list[int]
+    # The prompt alone and the generated tokens alone (kept beside token_ids so the sampler
+    # gets them without copying long lists every step).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
     # Sampling settings.
     sampling_params: SamplingParams
     # Effective seed (None: unseeded).
@@ -87,6 +92,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        # Set by a backend that replays captured decode steps (e.g. CUDA graphs): an object
+        # with can_run(metadata) -> bool and run(input_ids, positions, metadata) -> hidden.
+        self.graph_runner: Any = None
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -144,7 +152,10 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         output = ModelRunnerOutput(req_ids=inputs.req_ids)
         sampled_per_req = self._sample(hidden, inputs, output)
         output.sampled_token_ids = sampled_per_req
@@ -159,6 +170,8 @@ class ModelRunner:
                 req_id=new.req_id,
                 num_prompt_tokens=len(new.prompt_token_ids),
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
                 sampling_params=new.sampling_params,
                 seed=new.seed,
                 block_ids=list(new.block_ids),
@@ -173,9 +186,11 @@ class ModelRunner:
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + [
             r.req_id for r in so.scheduled_cached_reqs
         ]
-        input_ids: list[np.ndarray] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        # Plain Python lists: a decode step adds one token per request, and per-request numpy
+        # calls cost more than the arithmetic (this loop runs for every request every step).
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
@@ -188,15 +203,19 @@ class ModelRunner:
             start = state.num_computed_tokens
             num_new = so.num_scheduled_tokens[req_id]
             end = start + num_new
-            pos = np.arange(start, end, dtype=np.int64)
-            block_ids = np.asarray(state.block_ids, dtype=np.int64)
-            input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
-            positions.append(pos)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
+            block_ids = state.block_ids
+            if num_new == 1:
+                input_ids.append(state.token_ids[start])
+                positions.append(start)
+                slots.append(block_ids[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(state.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             flat_start = query_start_loc[-1]
             query_start_loc.append(flat_start + num_new)
             seq_lens.append(end)
-            block_tables.append(state.block_ids)
+            block_tables.append(block_ids)
             does_sample = end == len(state.token_ids)
             samples.append(does_sample)
             if does_sample:
@@ -208,15 +227,12 @@ class ModelRunner:
                     flat = [flat_start + p - start for p in range(start, last)]
                     targets = state.token_ids[start + 1 : last + 1]
                     prompt_positions[req_id] = (flat, targets)
-        metadata = self._build_metadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-        )
+        # One host-to-device copy for the three per-token vectors.
+        per_token = torch.tensor([input_ids, positions, slots], dtype=torch.long).to(self.device)
+        metadata = self._build_metadata(per_token[2], query_start_loc, seq_lens, block_tables)
         return _StepInputs(
-            input_ids=torch.from_numpy(np.concatenate(input_ids)).to(self.device),
-            positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
+            input_ids=per_token[0],
+            positions=per_token[1],
             metadata=metadata,
             sample_indices=sample_indices,
             req_ids=req_ids,
@@ -235,15 +251,17 @@ class ModelRunner:
         table = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
         for i, blocks in enumerate(block_tables):
             table[i, : len(blocks)] = blocks
-        query_lens = np.diff(query_start_loc)
+        num_seqs = len(seq_lens)
+        # query_start_loc and seq_lens travel in one copy.
+        lengths = torch.tensor(query_start_loc + seq_lens, dtype=torch.int32).to(self.device)
         return AttentionMetadata(
-            num_seqs=len(seq_lens),
+            num_seqs=num_seqs,
             num_tokens=query_start_loc[-1],
             slot_mapping=slot_mapping.to(self.device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            query_start_loc=lengths[: num_seqs + 1],
+            seq_lens=lengths[num_seqs + 1 :],
             block_tables=torch.from_numpy(table).to(self.device),
-            max_query_len=int(query_lens.max()),
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=list(query_start_loc),
             seq_lens_cpu=list(seq_lens),
@@ -264,8 +282,8 @@ class ModelRunner:
         rows = [
             SamplingRow(
                 params=s.sampling_params,
-                prompt_token_ids=s.token_ids[: s.num_prompt_tokens],
-                output_token_ids=s.token_ids[s.num_prompt_tokens :],
+                prompt_token_ids=s.prompt_token_ids,
+                output_token_ids=s.output_token_ids,
                 seed=s.seed,
             )
             for s in sampling_states
@@ -278,6 +296,7 @@ class ModelRunner:
                 continue
             state = sampling_states[row]
             state.token_ids.append(token_ids[row])
+            state.output_token_ids.append(token_ids[row])
             sampled_per_req[i] = [token_ids[row]]
             num_logprobs = state.sampling_params.logprobs
             if num_logprobs is not None and result.logprobs is not None:

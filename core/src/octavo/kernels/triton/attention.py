@@ -1,4 +1,4 @@
-"""The ``"triton"`` attention backend: ``AttentionBackend``/``AttentionImpl`` over the Triton kernels.
+"""The ``"triton"`` attention backend: ``AttentionBackend``/``AttentionImpl`` on the Triton kernels.
 
 ``TritonAttentionImpl.forward`` writes the K/V of every new token first (a sequence may read
 prefix blocks another sequence fills in the same step), then:
@@ -40,7 +40,7 @@ class TritonLaunchConfig:
     # Prefill tile rows: query tokens x query heads per KV head (padded to a power of two).
     # Power of two, >= 16 (tl.dot's smallest M).
     prefill_block_m: int = 64
-    # Keys per prefill loop step; power of two, >= 16.
+    # Keys per prefill loop step (halved for head dims above 128); power of two, >= 16.
     prefill_block_n: int = 64
     # Warps (NVIDIA: 32 threads, AMD: 64-thread wavefronts) per prefill program.
     prefill_num_warps: int = 4

@@ -1,4 +1,7 @@
-"""Writing new K/V into the paged cache, and the cache-addressing helpers the attention kernels share.
+"""Writing new K/V into the paged cache, plus the paged-cache helpers the attention kernels share.
+
+Shared helpers: ``paged_token_offsets`` (block table -> cache addresses), ``dot_fp32`` and
+``upcast_dot`` (``tl.dot`` with an interpreter workaround), ``check_attention_inputs``.
 
 Cache layout (``octavo.attention.base``): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset

@@ -1,10 +1,31 @@
-"""Gated activations of the feed-forward block."""
+"""Gated activations of the feed-forward block.
+
+On CUDA tensors ``SiluAndMul`` runs the Triton kernel of ``octavo.kernels.triton.activation``
+(one launch instead of three eager ops); elsewhere, or without Triton, ``forward_native``.
+"""
 
 from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """``octavo.kernels.triton.activation``, or ``None`` when Triton cannot be imported."""
+    try:
+        from octavo.kernels.triton import activation
+    except ImportError as exc:
+        logger.debug("Triton SiluAndMul unavailable, using torch ops: %s", exc)
+        return None
+    return activation
 
 
 class SiluAndMul(nn.Module):
@@ -14,5 +35,12 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        kernels = _triton_kernels() if x.is_cuda else None
+        if kernels is None:
+            return self.forward_native(x)
+        return kernels.silu_and_mul(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        """``forward`` with torch ops only (the CPU path and the kernel's reference)."""
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

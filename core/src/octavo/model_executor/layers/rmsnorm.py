@@ -1,9 +1,30 @@
-"""Root-mean-square layer norm, optionally fused with the residual add before it."""
+"""Root-mean-square layer norm, optionally fused with the residual add before it.
+
+On CUDA tensors ``RMSNorm`` runs the Triton kernels of ``octavo.kernels.triton.rmsnorm`` (one
+launch instead of ~8 eager ops); elsewhere, or without Triton, ``forward_native``.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+from types import ModuleType
+
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """``octavo.kernels.triton.rmsnorm``, or ``None`` when Triton cannot be imported."""
+    try:
+        from octavo.kernels.triton import rmsnorm
+    except ImportError as exc:
+        logger.debug("Triton RMSNorm unavailable, using torch ops: %s", exc)
+        return None
+    return rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +49,24 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [..., hidden_size]
         residual: torch.Tensor | None = None,  # [..., hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Return ``norm(x)``; with ``residual``, return ``(norm(x + residual), x + residual)``."""
+        """Return ``norm(x)``; with ``residual``, return ``(norm(x + residual), x + residual)``.
+
+        CUDA tensors go through the fused Triton kernel (same math, see
+        ``octavo.kernels.triton.rmsnorm``), others through ``forward_native``.
+        """
+        kernels = _triton_kernels() if x.is_cuda else None
+        if kernels is None:
+            return self.forward_native(x, residual)
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_native(
+        self,
+        x: torch.Tensor,  # [..., hidden_size]
+        residual: torch.Tensor | None = None,  # [..., hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with torch ops only (the CPU path and the kernels' reference)."""
         if residual is None:
             return self._norm(x)
         summed = x + residual

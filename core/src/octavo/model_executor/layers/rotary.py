@@ -7,16 +7,24 @@ Supported ``rope_type``s: ``default``, ``linear`` (positions divided by ``factor
 - transformers >= 5: ``config.rope_parameters = {"rope_type", "rope_theta", "factor", ...}``;
 - older: ``config.rope_theta`` plus an optional ``config.rope_scaling`` dict (``"type"`` or
   ``"rope_type"``).
+
+On CUDA tensors ``RotaryEmbedding`` runs the Triton kernel of ``octavo.kernels.triton.rotary``
+(query and key in one launch); elsewhere, or without Triton, ``forward_native``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
@@ -127,9 +135,37 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated copies of ``query`` and ``key`` (the inputs are left untouched).
+
+        CUDA tensors go through the Triton kernel (same math, see
+        ``octavo.kernels.triton.rotary``), others through ``forward_native``.
+        """
+        kernels = _triton_kernels() if query.is_cuda else None
+        if kernels is None:
+            return self.forward_native(positions, query, key)
+        return kernels.apply_rotary(positions, query, key, self.cos_sin_cache)
+
+    def forward_native(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with torch ops only (the CPU path and the kernel's reference)."""
         cos_sin = self.cos_sin_cache[positions]  # [num_tokens, head_dim]
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2] each
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """``octavo.kernels.triton.rotary``, or ``None`` when Triton cannot be imported."""
+    try:
+        from octavo.kernels.triton import rotary
+    except ImportError as exc:
+        logger.debug("Triton rotary embedding unavailable, using torch ops: %s", exc)
+        return None
+    return rotary
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Octavo's CUDA backend (NVIDIA GPUs)."""

@@ -1,0 +1,114 @@
+"""Per-step time breakdown of Octavo on a GPU: GPU busy time vs exposed CPU time.
+
+    python benchmarks/gpu/profile_steps.py --model /tmp/qwen2.5-0.5b-random
+
+Runs the W1-shaped workload until the batch is in steady decode, then times a window of
+steps two ways: (1) wall time of each phase of a step (scheduler, input preparation, model
+forward launch, sampler, output processing), by wrapping those methods with timers that
+synchronize the GPU; (2) torch.profiler over the same number of steps without the
+synchronizing timers: total CUDA kernel time vs wall time. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--warmup-steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+
+    from octavo import LLM, SamplingParams
+    from octavo.cli.bench import make_workload
+
+    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=256)
+    engine = llm.llm_engine
+    vocab = engine.config.model_config.vocab_size
+    workload = make_workload(args.num_requests, (100, 1024), (100, 1024), vocab, 0)
+    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+    for _ in range(args.warmup_steps):
+        engine.step()
+    stats = engine.stats()
+    print(f"after warm-up: {stats.num_running} running, {stats.num_waiting} waiting")
+
+    # (1) phase timers (synchronizing, so each phase's GPU work is attributed to it)
+    runner = engine.engine_core.executor.worker.model_runner
+    core = engine.engine_core
+    phases: dict[str, float] = defaultdict(float)
+
+    def timed(obj, name, label):
+        original = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = original(*a, **k)
+            torch.cuda.synchronize()
+            phases[label] += time.perf_counter() - start
+            return result
+
+        setattr(obj, name, wrapper)
+        return original
+
+    originals = [
+        (core.scheduler, "schedule", timed(core.scheduler, "schedule", "schedule")),
+        (runner, "_prepare_inputs", timed(runner, "_prepare_inputs", "prepare_inputs")),
+        (runner.model, "forward", timed(runner.model, "forward", "model_forward")),
+        (runner, "_sample", timed(runner, "_sample", "logits+sample")),
+        (core.scheduler, "update_from_output",
+         timed(core.scheduler, "update_from_output", "update_from_output")),
+        (engine.output_processor, "process_outputs",
+         timed(engine.output_processor, "process_outputs", "detokenize")),
+    ]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = 0
+    for _ in range(args.steps):
+        tokens += sum(len(o.outputs[0].token_ids) > 0 for o in engine.step())
+    torch.cuda.synchronize()
+    timed_wall = time.perf_counter() - start
+    for obj, name, original in originals:
+        setattr(obj, name, original)
+
+    # (2) profiler: kernel time vs wall time, no synchronizing timers
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    running = engine.stats().num_running
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+    print(f"\nphase breakdown over {args.steps} steps ({running} running), ms per step:")
+    for label, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:<20} {seconds / args.steps * 1000:8.3f}")
+    print(f"  {'timed step total':<20} {timed_wall / args.steps * 1000:8.3f}")
+    gpu_ms = gpu_us / 1000 / args.steps
+    wall_ms = wall / args.steps * 1000
+    print(f"\nprofiled: {wall_ms:.3f} ms per step wall, {gpu_ms:.3f} ms GPU kernel time, "
+          f"{max(wall_ms - gpu_ms, 0):.3f} ms exposed CPU/idle")
+    print(json.dumps({
+        "profile": "decode-steps", "running": running, "steps": args.steps,
+        "wall_ms_per_step": round(wall_ms, 3), "gpu_ms_per_step": round(gpu_ms, 3),
+        "phases_ms_per_step": {k: round(v / args.steps * 1000, 3) for k, v in phases.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()

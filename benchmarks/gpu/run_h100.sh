@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
+#   bash benchmarks/gpu/run_h100.sh [setup] [tests] [bench] [latency] [profile]
+# Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/octavo-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+MODEL=/tmp/qwen2.5-0.5b-random
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(setup tests bench latency)
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+      python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./backends/cuda || exit 1
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+      octavo backends
+      ;;
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests/backends_cuda 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+      ;;
+    bench)
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 --compare-hf --hf-batch-size 256 2>"$OUT/bench-throughput.err" \
+        | tee "$OUT/bench-throughput.log"
+      tail -3 "$OUT/bench-throughput.err"
+      ;;
+    bench-octavo)
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 2>"$OUT/bench-octavo.err" | tee "$OUT/bench-octavo.log"
+      tail -3 "$OUT/bench-octavo.err"
+      ;;
+    latency)
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench latency --model $MODEL --dtype bfloat16 --input-len 128 --output-len 256 \
+        --num-iters 3 2>"$OUT/bench-latency.err" | tee "$OUT/bench-latency.log"
+      tail -3 "$OUT/bench-latency.err"
+      ;;
+    profile)
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      python3 benchmarks/gpu/profile_steps.py --model $MODEL 2>&1 | tee "$OUT/profile.log" | tail -40
+      ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,208 @@
+"""Rotary position embedding ("neox" halves) of the query and key heads, in one launch.
+
+Reference: ``octavo.model_executor.layers.rotary.RotaryEmbedding.forward_native``. For each
+token at position ``p`` and each head, with ``d = head_dim // 2``, ``cos = table[p, :d]`` and
+``sin = table[p, d:]`` (``table`` is the layer's ``cos_sin_cache``)::
+
+    out[:d] = x[:d] * cos - x[d:] * sin
+    out[d:] = x[d:] * cos + x[:d] * sin
+
+computed like torch's eager ops: ``cos``/``sin`` rounded to the head's dtype first, and every
+product and sum rounded to that dtype, so results match the torch path exactly (float32 and,
+on GPU or with ``round_to``'s emulation, 16-bit dtypes too).
+
+Grid: ``(num_tokens, query head blocks + key head blocks)``; each program rotates up to
+``BLOCK_H`` heads of one token, of either the query or the key.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from octavo.kernels.triton.cache_write import check_last_dim_contiguous
+from octavo.kernels.triton.rmsnorm import emulate_bf16_rounding, round_to
+
+# Most heads one program rotates (query and key heads are never mixed in one program).
+_MAX_BLOCK_H = 16
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr,  # this token's first head, [heads, head_dim] with stride_src_head
+    dst_ptr,  # this token's first output head, [heads, head_dim] with stride_dst_head
+    stride_src_head,
+    stride_dst_head,
+    first_head,
+    num_heads,
+    cos,  # [HALF_PADDED] float32 (table dtype)
+    sin,  # [HALF_PADDED] float32
+    dims,  # [HALF_PADDED] arange
+    half_dim,
+    BLOCK_H: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    """Rotate heads ``first_head .. first_head + BLOCK_H`` (those ``< num_heads``)."""
+    dtype = dst_ptr.dtype.element_ty
+    heads = first_head + tl.arange(0, BLOCK_H)
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < half_dim)  # [BLOCK_H, HALF_PADDED]
+    src = src_ptr + heads[:, None] * stride_src_head + dims[None, :]
+    x1 = tl.load(src, mask=mask, other=0).to(tl.float32)  # [BLOCK_H, HALF_PADDED]
+    x2 = tl.load(src + half_dim, mask=mask, other=0).to(tl.float32)
+    cos = round_to(cos, dtype, EMULATE_BF16)[None, :]  # cos.to(x.dtype)
+    sin = round_to(sin, dtype, EMULATE_BF16)[None, :]
+    out1 = round_to(
+        round_to(x1 * cos, dtype, EMULATE_BF16) - round_to(x2 * sin, dtype, EMULATE_BF16),
+        dtype,
+        EMULATE_BF16,
+    )
+    out2 = round_to(
+        round_to(x2 * cos, dtype, EMULATE_BF16) + round_to(x1 * sin, dtype, EMULATE_BF16),
+        dtype,
+        EMULATE_BF16,
+    )
+    dst = dst_ptr + heads[:, None] * stride_dst_head + dims[None, :]
+    tl.store(dst, out1.to(dtype), mask=mask)
+    tl.store(dst + half_dim, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,  # [num_tokens] int32/int64
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    q_out_ptr,  # [num_tokens, num_heads, head_dim] (may be q_ptr: in place)
+    k_out_ptr,  # [num_tokens, num_kv_heads, head_dim] (may be k_ptr: in place)
+    cos_sin_ptr,  # [max_positions, head_dim] cos | sin halves
+    stride_q_token,
+    stride_q_head,
+    stride_k_token,
+    stride_k_head,
+    stride_qo_token,
+    stride_qo_head,
+    stride_ko_token,
+    stride_ko_head,
+    stride_cache_pos,
+    num_heads,
+    num_kv_heads,
+    num_q_blocks,  # cdiv(num_heads, BLOCK_H); later head blocks are key blocks
+    half_dim,
+    BLOCK_H: tl.constexpr,
+    HALF_PADDED: tl.constexpr,  # next power of two >= half_dim
+    EMULATE_BF16: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PADDED)
+    dim_mask = dims < half_dim
+    row = cos_sin_ptr + position * stride_cache_pos
+    cos = tl.load(row + dims, mask=dim_mask, other=0).to(tl.float32)
+    sin = tl.load(row + half_dim + dims, mask=dim_mask, other=0).to(tl.float32)
+    if head_block < num_q_blocks:
+        _rotate_heads(
+            q_ptr + token * stride_q_token,
+            q_out_ptr + token * stride_qo_token,
+            stride_q_head,
+            stride_qo_head,
+            head_block * BLOCK_H,
+            num_heads,
+            cos,
+            sin,
+            dims,
+            half_dim,
+            BLOCK_H,
+            EMULATE_BF16,
+        )
+    else:
+        _rotate_heads(
+            k_ptr + token * stride_k_token,
+            k_out_ptr + token * stride_ko_token,
+            stride_k_head,
+            stride_ko_head,
+            (head_block - num_q_blocks) * BLOCK_H,
+            num_kv_heads,
+            cos,
+            sin,
+            dims,
+            half_dim,
+            BLOCK_H,
+            EMULATE_BF16,
+        )
+
+
+def apply_rotary(
+    positions: torch.Tensor,  # [num_tokens] int64 (or int32), each < max_positions
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]: cos | sin halves (float32)
+    *,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query`` and ``key`` by their tokens' positions; returns ``(query, key)``.
+
+    ``inplace=False`` (what ``RotaryEmbedding`` uses) returns new contiguous tensors and leaves
+    the inputs untouched; ``inplace=True`` overwrites ``query``/``key`` and returns them.
+    ``query``/``key`` may be strided views (e.g. of a fused QKV projection output); only their
+    last dimension must be contiguous. Positions are not range-checked (that would need a host
+    sync): one ``>= max_positions`` reads outside the table.
+    """
+    if query.dim() != 3:
+        raise ValueError(f"query shape {tuple(query.shape)} != [num_tokens, num_heads, head_dim]")
+    num_tokens, num_heads, head_dim = query.shape
+    if key.dim() != 3 or key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(
+            f"key shape {tuple(key.shape)} != [{num_tokens}, num_kv_heads, {head_dim}]"
+        )
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions shape {tuple(positions.shape)} != ({num_tokens},)")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or head_dim % 2 != 0:
+        raise ValueError(
+            f"cos_sin_cache shape {tuple(cos_sin_cache.shape)} != [max_positions, {head_dim}] "
+            "(head_dim must be even)"
+        )
+    for name, tensor in {
+        "positions": positions,
+        "key": key,
+        "cos_sin_cache": cos_sin_cache,
+    }.items():
+        if tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
+    check_last_dim_contiguous(query=query, key=key, cos_sin_cache=cos_sin_cache)
+
+    q_out = query if inplace else torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = key if inplace else torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    num_kv_heads = key.shape[1]
+    block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(max(num_heads, num_kv_heads)))
+    num_q_blocks = triton.cdiv(num_heads, block_h)
+    num_k_blocks = triton.cdiv(num_kv_heads, block_h)
+    _rotary_kernel[(num_tokens, num_q_blocks + num_k_blocks)](
+        positions,
+        query,
+        key,
+        q_out,
+        k_out,
+        cos_sin_cache,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos_sin_cache.stride(0),
+        num_heads,
+        num_kv_heads,
+        num_q_blocks,
+        head_dim // 2,
+        BLOCK_H=block_h,
+        HALF_PADDED=triton.next_power_of_2(head_dim // 2),
+        EMULATE_BF16=emulate_bf16_rounding(),
+        num_warps=4 if block_h * head_dim >= 1024 else 1,
+        enable_fp_fusion=False,  # no FMA contraction: same roundings as torch's eager ops
+    )
+    return q_out, k_out

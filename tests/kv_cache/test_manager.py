@@ -1,0 +1,174 @@
+"""``KVCacheManager``: block tables, prefix-cache hits (chained hashes), all-or-nothing allocation."""
+
+from __future__ import annotations
+
+from octavo.engine.request import Request
+from octavo.kv_cache.hashing import hash_block_tokens
+from octavo.kv_cache.manager import KVCacheManager
+from octavo.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_request(req_id: str, prompt: list[int], **params) -> Request:
+    return Request(req_id, prompt, SamplingParams(**params), max_tokens=8, block_size=BS)
+
+
+def run_prompt(manager: KVCacheManager, request: Request) -> list[int]:
+    """Schedule a request's whole prompt (after its cached prefix), as the scheduler does."""
+    hits, num_hit = manager.get_computed_blocks(request)
+    ids = manager.allocate_slots(request, request.num_tokens - num_hit, hits, num_hit)
+    assert ids is not None
+    request.num_computed_tokens = request.num_tokens
+    return ids
+
+
+def test_allocate_and_free() -> None:
+    manager = KVCacheManager(8, BS, enable_caching=True)
+    request = make_request("a", list(range(10, 20)))  # 10 tokens -> 3 blocks
+    ids = run_prompt(manager, request)
+    assert ids == [0, 1, 2] and manager.get_block_ids("a") == [0, 1, 2]
+    assert manager.num_free_blocks == 5 and manager.num_requests_holding_blocks() == 1
+    # Decode: 2 more tokens fit the third block, the 13th needs a fourth.
+    assert manager.allocate_slots(request, 2) == []
+    request.num_computed_tokens = 12
+    assert manager.allocate_slots(request, 1) == [3]
+    manager.free(request)
+    assert manager.num_free_blocks == 8 and manager.num_requests_holding_blocks() == 0
+    assert manager.get_block_ids("a") == []
+    # The tail goes back first, so it is evicted first.
+    assert manager.block_pool.free_queue.block_ids() == [4, 5, 6, 7, 3, 2, 1, 0]
+    manager.free(request)  # a second free is a no-op
+    assert manager.num_free_blocks == 8
+
+
+def test_prefix_hit_shares_full_blocks() -> None:
+    manager = KVCacheManager(8, BS, enable_caching=True)
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
+    a = make_request("a", prompt)
+    run_prompt(manager, a)
+    b = make_request("b", prompt[:8] + [7, 7, 7])
+    hits, num_hit = manager.get_computed_blocks(b)
+    assert [blk.block_id for blk in hits] == manager.get_block_ids("a")[:2] and num_hit == 8
+    assert manager.allocate_slots(b, b.num_tokens - num_hit, hits, num_hit) == [0, 1, 3]
+    assert [blk.ref_cnt for blk in hits] == [2, 2]
+    manager.free(a)
+    assert [blk.ref_cnt for blk in hits] == [1, 1]
+    assert manager.num_free_blocks == 8 - 3  # b still holds 0, 1 and 3
+    assert manager.prefix_stats.queries == 10 + 11 and manager.prefix_stats.hits == 8
+
+
+def test_hit_on_a_free_cached_block_takes_it_out_of_the_queue() -> None:
+    manager = KVCacheManager(4, BS, enable_caching=True)
+    prompt = list(range(50, 59))
+    a = make_request("a", prompt)
+    run_prompt(manager, a)
+    manager.free(a)
+    assert manager.num_free_blocks == 4
+    b = make_request("b", prompt)
+    ids = run_prompt(manager, b)
+    assert ids[:2] == [0, 1]  # the same blocks, not recomputed
+    assert manager.num_free_blocks == 4 - 3
+    assert 0 not in manager.block_pool.free_queue.block_ids()
+
+
+def test_same_block_after_a_different_prefix_does_not_hit() -> None:
+    manager = KVCacheManager(8, BS, enable_caching=True)
+    shared_block = [5, 6, 7, 8]
+    a = make_request("a", [1, 2, 3, 4] + shared_block + [9])
+    run_prompt(manager, a)
+    b = make_request("b", [4, 3, 2, 1] + shared_block + [9])
+    # The second blocks hold the same tokens, but their chained hashes differ.
+    assert a.block_hashes[1] != b.block_hashes[1]
+    assert b.block_hashes[1] != hash_block_tokens(None, shared_block)
+    assert manager.block_pool.get_cached_block(b.block_hashes[1]) is None
+    assert manager.get_computed_blocks(b) == ([], 0)
+
+
+def test_fully_cached_prompt_leaves_one_token_to_compute() -> None:
+    manager = KVCacheManager(8, BS, enable_caching=True)
+    prompt = list(range(20, 29))  # 9 tokens: 2 full blocks + 1
+    run_prompt(manager, make_request("a", prompt))
+    hits, num_hit = manager.get_computed_blocks(make_request("b", prompt))
+    assert len(hits) == 2 and num_hit == 8  # the 9th token is computed
+    # Block-aligned prompt: the last full block is not taken, so its last token is computed.
+    aligned = list(range(40, 48))
+    run_prompt(manager, make_request("c", aligned))
+    hits, num_hit = manager.get_computed_blocks(make_request("d", aligned))
+    assert len(hits) == 1 and num_hit == 4
+
+
+def test_prompt_logprobs_requests_skip_the_cache() -> None:
+    manager = KVCacheManager(8, BS, enable_caching=True)
+    prompt = list(range(20, 29))
+    run_prompt(manager, make_request("a", prompt))
+    assert manager.get_computed_blocks(make_request("b", prompt, prompt_logprobs=1)) == ([], 0)
+    assert manager.get_computed_blocks(make_request("c", prompt))[1] == 8
+
+
+def test_caching_disabled_never_hits() -> None:
+    manager = KVCacheManager(8, BS, enable_caching=False)
+    prompt = list(range(20, 29))
+    run_prompt(manager, make_request("a", prompt))
+    assert manager.get_computed_blocks(make_request("b", prompt)) == ([], 0)
+
+
+def test_failed_allocation_changes_nothing() -> None:
+    manager = KVCacheManager(5, BS, enable_caching=True)
+    prompt = list(range(60, 69))  # 3 blocks
+    a = make_request("a", prompt)
+    run_prompt(manager, a)
+    manager.free(a)
+    filler = make_request("filler", [1, 1])
+    assert manager.allocate_slots(filler, 2) is not None  # takes block 3
+    # b hits a's 2 cached free blocks and needs 3 more for 12 new tokens; only 2 are left.
+    b = make_request("b", prompt[:8] + list(range(200, 212)))
+    hits, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 8
+    queue_before = manager.block_pool.free_queue.block_ids()
+    refs_before = [blk.ref_cnt for blk in manager.block_pool.blocks]
+    assert manager.allocate_slots(b, b.num_tokens - num_hit, hits, num_hit) is None
+    assert manager.block_pool.free_queue.block_ids() == queue_before
+    assert [blk.ref_cnt for blk in manager.block_pool.blocks] == refs_before
+    assert manager.get_block_ids("b") == [] and manager.num_requests_holding_blocks() == 1
+    assert manager.block_pool.get_cached_block(b.block_hashes[0]) is hits[0]  # still cached
+    # A running request that cannot grow keeps what it had.
+    held = manager.get_block_ids("filler")
+    filler.num_computed_tokens = 2
+    assert manager.allocate_slots(filler, 5 * BS) is None
+    assert manager.get_block_ids("filler") == held and manager.num_free_blocks == 4
+
+
+def test_blocks_are_indexed_once_full() -> None:
+    manager = KVCacheManager(8, BS, enable_caching=True)
+    request = make_request("a", [1, 2, 3, 4, 5, 6])
+    run_prompt(manager, request)
+    pool = manager.block_pool
+    assert pool.get_cached_block(request.block_hashes[0]) is not None
+    assert len(request.block_hashes) == 1  # the second block is not full yet
+    for token in (7, 8):  # two decode steps fill the second block
+        request.append_output_token(token)
+        assert manager.allocate_slots(request, 1) == []
+        request.num_computed_tokens += 1
+    assert len(request.block_hashes) == 2
+    second = pool.get_cached_block(request.block_hashes[1])
+    assert second is not None and second.block_id == manager.get_block_ids("a")[1]
+
+
+def test_discard_step_forgets_prefixes_the_step_would_have_filled() -> None:
+    manager = KVCacheManager(8, BS, enable_caching=True)
+    done = make_request("done", list(range(30, 39)))
+    run_prompt(manager, done)
+    manager.commit_step()  # its step ran
+    lost = make_request("lost", list(range(30, 34)) + list(range(70, 78)))
+    hits, num_hit = manager.get_computed_blocks(lost)
+    assert num_hit == 4
+    manager.allocate_slots(lost, lost.num_tokens - num_hit, hits, num_hit)
+    assert manager.block_pool.get_cached_block(lost.block_hashes[1]) is not None
+    manager.discard_step()  # its step raised: blocks 1 and 2 of "lost" were never written
+    pool = manager.block_pool
+    assert pool.get_cached_block(lost.block_hashes[1]) is None
+    assert pool.get_cached_block(lost.block_hashes[2]) is None
+    # Prefixes computed by earlier steps stay cached.
+    assert pool.get_cached_block(done.block_hashes[0]) is not None
+    assert pool.get_cached_block(done.block_hashes[1]) is not None
