@@ -18,8 +18,13 @@ Two kinds of hooks:
   its own. A separately installed plugin can therefore replace one piece of an existing backend
   (say, a faster attention kernel for ``cpu``) with ``@hookimpl(tryfirst=True)``.
 
-Selection hooks are called in the process that runs the model (the worker), after the backend is
-chosen; contribution hooks once per plugin manager, when the engine starts.
+When each hook is called (every spec's docstring says it exactly): ``octavo_register_backends``
+whenever backends are listed or one is selected (engine creation, ``octavo backends``);
+``octavo_worker_class`` by the executor in the engine process; ``octavo_attention_backend``,
+``octavo_register_models`` and ``octavo_available_kv_cache_memory`` in the worker while it loads
+the model and sizes the KV cache. With today's uniproc executor all of them run in the engine's
+process. ``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps the two
+in step.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def octavo_register_backends(register: Callable[[Backend], None]) -> None:
     """Describe the hardware backends this plugin provides.
 
-    Called once when the plugin manager is built, in every process that selects a backend.
-    Must be cheap: import no device runtime (no ``torch.cuda`` initialisation, no kernels);
-    availability is probed later through ``Backend.is_available``.
+    Called every time backends are listed or one is selected (``octavo.backends.list_backends``:
+    when an engine is created, and by ``octavo backends``), in the engine process; may be called
+    many times, so it must be cheap and side-effect free: import no device runtime (no
+    ``torch.cuda`` initialisation, no kernels). Availability is probed separately through
+    ``Backend.is_available``. Registering a name twice (two plugins) is an error.
 
     :param register: call ``register(Backend(...))`` once per backend provided.
     """
@@ -58,8 +65,10 @@ def octavo_attention_backend(
 ) -> AttentionBackend | None:
     """Return the attention implementation for ``backend`` and this model.
 
-    Called in the worker process when the model is built. The returned object makes one
-    ``AttentionImpl`` per layer and fixes the KV-cache tensor layout.
+    Called once per engine in the worker process (``Worker.load_model``), before the model is
+    built. The returned object makes one ``AttentionImpl`` per layer and fixes the KV-cache
+    tensor layout; the worker checks the model's head size against its
+    ``supported_head_dims()``.
 
     :param backend: name of the selected backend (e.g. ``"cpu"``).
     :param model_config: the model being served (head dims, dtype, ...).
@@ -75,8 +84,11 @@ def octavo_available_kv_cache_memory(
 ) -> int | None:
     """Return how many bytes the KV cache may take on this worker's device.
 
-    Called in the worker process after the model weights are loaded and before the KV cache is
-    allocated. Implementations typically run ``worker.profile_run()`` (a forward pass of the
+    Called once per engine in the worker process after the model weights are loaded and before
+    the KV cache is allocated; not called at all when ``cache_config.num_gpu_blocks_override``
+    is set. The worker divides the answer by ``worker.kv_cache_bytes_per_block()`` (rounding
+    down) and fails with a clear error if not even one block fits.
+    Implementations typically run ``worker.profile_run()`` (a forward pass of the
     largest step the scheduler may build) and subtract peak usage from the memory budget set by
     ``cache_config`` (``kv_cache_memory_bytes`` wins when set).
 
@@ -92,7 +104,9 @@ def octavo_available_kv_cache_memory(
 def octavo_worker_class(backend: str, parallel_config: ParallelConfig) -> type[Worker] | None:
     """Return the ``Worker`` subclass that runs the model on ``backend``'s device.
 
-    Called by the executor in the engine process before workers are started.
+    Called once per engine by the executor, in the engine process, before workers are started;
+    the executor then calls ``init_device()`` and ``load_model()`` on an instance
+    ``worker_cls(config, pm)``.
 
     :param backend: name of the selected backend.
     :param parallel_config: tensor-parallel size and distributed settings.
@@ -105,8 +119,12 @@ def octavo_worker_class(backend: str, parallel_config: ParallelConfig) -> type[W
 def octavo_register_models(register: Callable[[str, type[Any]], None]) -> None:
     """Add model architectures.
 
-    Called once when the model registry is built. Built-in architectures are registered
-    through this same hook; a later registration of the same name replaces the earlier one.
+    Called every time a model is loaded, in the worker process, to build a fresh registry
+    (``octavo.model_executor.model_loader.resolve_model_class``). Octavo's own architectures are
+    registered through this same hook (``octavo.model_executor.models.builtin_plugin``). Within
+    one call a later registration of a name replaces an earlier one; pluggy calls the built-in
+    implementation last (it is registered first), so today a plugin can add architectures but
+    cannot replace a built-in name.
 
     :param register: call ``register("MyArchForCausalLM", MyArchForCausalLM)``; the class
         follows the contract of ``octavo.model_executor.models.llama.LlamaForCausalLM``

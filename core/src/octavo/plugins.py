@@ -59,10 +59,18 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             continue
         if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
             continue
-        plugin = ep.load()
-        pm.register(plugin, name=ep.name)
         dist = getattr(ep, "dist", None)
-        logger.debug("loaded plugin %s from %s", ep.name, dist.name if dist else ep.value)
+        source = f"{ep.value} of {dist.name}" if dist else ep.value
+        try:
+            plugin = ep.load()
+        except Exception as exc:
+            # One broken plugin must say which it is and how to run without it.
+            raise RuntimeError(
+                f"Octavo plugin {ep.name!r} ({source}) failed to import: {exc!r}. Fix or "
+                f"uninstall it, or skip it with OCTAVO_DISABLE_PLUGINS={ep.name}."
+            ) from exc
+        pm.register(plugin, name=ep.name)
+        logger.debug("loaded plugin %s (%s)", ep.name, source)
 
 
 def _enable_tracing(pm: pluggy.PluginManager) -> None:

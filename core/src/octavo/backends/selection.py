@@ -76,6 +76,10 @@ def select_backend(pm: pluggy.PluginManager, device: str | None = None) -> Backe
             logger.debug("selected backend %s (%s)", backend.name, answer.reason)
             return backend
         reasons.append(f"{backend.name}: {answer.reason}")
+    missing = [hint for name, hint in KNOWN_BACKEND_PACKAGES.items()
+               if name not in {b.name for b in backends}]
+    install = f" Install one that runs here, e.g. {'; '.join(missing)}." if missing else ""
     raise BackendNotAvailableError(
         "No installed backend is available on this machine (" + "; ".join(reasons) + ")."
+        + install
     )

@@ -55,4 +55,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"         package {row['package']}, priority {row['priority']}, dtypes "
               f"{', '.join(row['dtypes'])}, block sizes {row['block_sizes']}, "
               f"CUDA graphs {'yes' if row['cuda_graphs'] else 'no'}")
+    if selected is None:
+        installed = {row["name"] for row in rows}
+        hints = [hint for name, hint in KNOWN_BACKEND_PACKAGES.items() if name not in installed]
+        print("No installed backend can run on this machine."
+              + (f" Install one that does, e.g. {'; '.join(hints)}." if hints else ""))
+        return 1
     return 0

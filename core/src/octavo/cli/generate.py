@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from octavo import LLM, SamplingParams
 
+    if not args.prompts and sys.stdin.isatty():
+        # Reading a terminal would wait silently for input the user does not know is expected.
+        raise ValueError("no prompt given (pass prompts as arguments or pipe them on stdin)")
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompt given (pass prompts as arguments or on stdin)")

@@ -1,0 +1,123 @@
+"""The CPU backend's hook implementations: registration, dispatch by name, KV-cache sizing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import namedtuple
+from types import SimpleNamespace
+
+import octavo_cpu.memory
+import pytest
+from octavo.backends import Backend, list_backends, select_backend
+from octavo.config import CacheConfig, ParallelConfig
+from octavo.plugins import build_plugin_manager
+from octavo_cpu import plugin
+from octavo_cpu.attention import CPUAttentionBackend
+from octavo_cpu.worker import CPUWorker
+
+PER_BLOCK = 8192  # bytes of one KV block (all layers) of the fake worker
+GiB = 2**30
+
+_VirtualMemory = namedtuple("_VirtualMemory", "total available")
+
+
+def _fake_worker(max_num_seqs: int, max_model_len: int):
+    """Just what the memory hook reads: the scheduler/model limits and the bytes per block."""
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+    )
+    return SimpleNamespace(config=config, kv_cache_bytes_per_block=lambda: PER_BLOCK)
+
+
+@pytest.fixture
+def host_memory(monkeypatch):
+    """Pretend the host has ``available`` bytes available (psutil patched)."""
+
+    def set_available(available: int) -> None:
+        monkeypatch.setattr(octavo_cpu.memory.psutil, "virtual_memory",
+                            lambda: _VirtualMemory(total=2 * available, available=available))
+
+    return set_available
+
+
+def _kv_memory(worker, cache_config, backend="cpu"):
+    return plugin.octavo_available_kv_cache_memory(
+        backend=backend, worker=worker, cache_config=cache_config)
+
+
+def test_kv_cache_memory_bytes_is_honoured_exactly(host_memory):
+    host_memory(1 * GiB)
+    worker = _fake_worker(max_num_seqs=1, max_model_len=16)  # the cap would be one block
+    cache = CacheConfig(kv_cache_memory_bytes=123_456_789)
+    assert _kv_memory(worker, cache) == 123_456_789
+
+
+def test_fraction_of_available_host_memory(host_memory):
+    host_memory(8 * GiB)
+    worker = _fake_worker(max_num_seqs=256, max_model_len=131072)  # cap far above the budget
+    assert _kv_memory(worker, CacheConfig()) == 2 * GiB  # default fraction 0.25
+    assert _kv_memory(worker, CacheConfig(cpu_kv_cache_fraction=0.5)) == 4 * GiB
+
+
+def test_capped_at_what_max_num_seqs_sequences_can_use(host_memory):
+    host_memory(8 * GiB)
+    worker = _fake_worker(max_num_seqs=3, max_model_len=100)
+    # 300 tokens -> ceil(300 / 16) = 19 blocks of PER_BLOCK bytes, far below 2 GiB.
+    assert _kv_memory(worker, CacheConfig(block_size=16)) == 19 * PER_BLOCK
+    assert _kv_memory(worker, CacheConfig(block_size=32)) == 10 * PER_BLOCK
+
+
+def test_selection_hooks_answer_only_for_cpu(host_memory):
+    host_memory(GiB)
+    worker = _fake_worker(1, 16)
+    model_config = SimpleNamespace()  # not read by the CPU hook
+    assert _kv_memory(worker, CacheConfig(), backend="cuda") is None
+    assert plugin.octavo_worker_class(backend="cuda", parallel_config=ParallelConfig()) is None
+    assert plugin.octavo_attention_backend(
+        backend="cuda", model_config=model_config, cache_config=CacheConfig()) is None
+    assert plugin.octavo_worker_class(backend="cpu", parallel_config=ParallelConfig()) is CPUWorker
+    assert isinstance(plugin.octavo_attention_backend(
+        backend="cpu", model_config=model_config, cache_config=CacheConfig()),
+        CPUAttentionBackend)
+
+
+def test_registers_one_available_cpu_backend():
+    pm = build_plugin_manager(load_entry_points=False)
+    pm.register(plugin, name="cpu")
+    pm.check_pending()
+    (backend,) = list_backends(pm)
+    assert isinstance(backend, Backend)
+    assert (backend.name, backend.device_type, backend.package) == (
+        "cpu", "cpu", "octavo-backend-cpu")
+    answer = backend.is_available()
+    assert answer.available and "CPU cores" in answer.reason
+    assert select_backend(pm).name == "cpu"
+    assert {"float32", "bfloat16"} <= set(backend.capabilities.dtypes)
+
+
+def test_memory_hook_through_the_plugin_manager(host_memory):
+    """The hook as the worker calls it: by keyword, first non-None result wins."""
+    host_memory(4 * GiB)
+    pm = build_plugin_manager(load_entry_points=False)
+    pm.register(plugin, name="cpu")
+    worker = _fake_worker(max_num_seqs=2, max_model_len=64)
+    got = pm.hook.octavo_available_kv_cache_memory(
+        backend="cpu", worker=worker, cache_config=CacheConfig())
+    assert got == 8 * PER_BLOCK
+    assert pm.hook.octavo_available_kv_cache_memory(
+        backend="nosuch", worker=worker, cache_config=CacheConfig()) is None
+
+
+def test_entry_point_module_is_cheap_to_import():
+    """Discovery imports ``octavo_cpu.plugin`` only: no torch, no kernels, no psutil."""
+    code = (
+        "import sys, octavo_cpu.plugin; "
+        "print(sorted(m for m in ('torch', 'psutil', 'octavo_cpu.attention', "
+        "'octavo_cpu.memory', 'octavo_cpu.worker') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,174 @@
+"""The ``octavo`` command line: a few real subprocesses (the console script), the rest through
+``octavo.cli.main.main(argv)`` in process, which is what the script runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from octavo.cli.main import build_parser, main
+
+SUBCOMMANDS = [["generate"], ["backends"], ["bench", "throughput"], ["bench", "latency"]]
+
+
+def octavo_cmd(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run the installed ``octavo`` script (or ``python -m octavo.cli.main``) with ``args``."""
+    script = shutil.which("octavo")
+    command = [script] if script else [sys.executable, "-m", "octavo.cli.main"]
+    env = {**os.environ, "OCTAVO_LOG_LEVEL": "WARNING"}
+    return subprocess.run([*command, *args], capture_output=True, text=True, env=env,
+                          input=stdin, timeout=300, check=False)
+
+
+def last_json_line(text: str) -> dict:
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+def one_line_error(text: str, command: str) -> str:
+    """The single ``octavo COMMAND: error: ...`` line of stderr (and no traceback)."""
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if line.startswith(f"octavo {command}: error:")]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+# ---- subprocesses ------------------------------------------------------------------------------
+
+
+def test_backends_json_lists_cpu_available():
+    done = octavo_cmd("backends", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    rows = {row["name"]: row for row in data["backends"]}
+    assert rows["cpu"]["available"] is True and rows["cpu"]["package"] == "octavo-backend-cpu"
+    assert data["default"] in {name for name, row in rows.items() if row["available"]}
+    priorities = [row["priority"] for row in data["backends"]]
+    assert priorities == sorted(priorities, reverse=True)
+
+
+def test_generate_prints_text_and_exits_0(tiny_llama):
+    done = octavo_cmd("generate", "The capital of France is", "--model", str(tiny_llama),
+                      "--max-tokens", "5", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("The capital of France is")
+    assert len(done.stdout.strip()) > len("The capital of France is")
+    assert "finish_reason=length, 5 tokens" in done.stderr
+
+
+def test_bad_input_in_a_real_process_is_one_line_and_exit_1(tmp_path):
+    done = octavo_cmd("generate", "hi", "--model", str(tmp_path / "missing"))
+    assert done.returncode == 1
+    line = one_line_error(done.stderr, "generate")
+    assert "does not exist" in line and "missing" in line
+
+
+def test_bench_throughput_against_hf(tiny_llama):
+    done = octavo_cmd("bench", "throughput", "--model", str(tiny_llama), "--device", "cpu",
+                      "--num-prompts", "4", "--input-len", "8:16", "--output-len", "4:8",
+                      "--num-gpu-blocks-override", "64", "--compare-hf")
+    assert done.returncode == 0, done.stderr
+    result = last_json_line(done.stdout)
+    assert result["bench"] == "throughput" and result["backend"] == "cpu"
+    assert result["num_requests"] == 4
+    assert 4 * 4 <= result["output_tokens"] <= 4 * 8  # EOS ignored: lengths as drawn
+    assert 4 * 8 <= result["prompt_tokens"] <= 4 * 16
+    assert result["output_tokens_per_s"] > 0
+    assert result["hf_output_tokens_per_s"] > 0
+    assert result["speedup_vs_hf"] == pytest.approx(
+        result["output_tokens_per_s"] / result["hf_output_tokens_per_s"], rel=0.01)
+    assert "octavo / HF" in done.stdout
+
+
+# ---- in process --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", SUBCOMMANDS, ids=" ".join)
+def test_help_of_each_subcommand_lists_its_options(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert f"octavo {' '.join(argv)}" in text
+    parser = build_parser()
+    for name in argv:  # walk down to the subcommand's own parser
+        parser = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"
+                      ).choices[name]
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    assert options and all(option in text for option in options)
+    expected = {"generate": "--max-tokens", "backends": "--json", "throughput": "--compare-hf",
+                "latency": "--num-iters"}[argv[-1]]
+    assert expected in text
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("generate", "backends", "bench"))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
+    (["--device", "nosuch"], "Backend 'nosuch' is not installed"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_bad_input_is_one_clear_line(tiny_llama, capsys, args, message):
+    assert main(["generate", "hi", "--model", str(tiny_llama), *args]) == 1
+    line = one_line_error(capsys.readouterr().err, "generate")
+    assert message in line
+    if "nosuch" in args:
+        assert "'cpu'" in line  # names what is installed
+
+
+def test_bad_range_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "throughput", "--input-len", "0:3"])
+    assert info.value.code == 2
+    assert "expected MIN:MAX with 1 <= MIN <= MAX" in capsys.readouterr().err
+
+
+def test_generate_reads_prompts_from_stdin_as_json(tiny_llama, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello world\n\nOnce upon a time\n"))
+    code = main(["generate", "--model", str(tiny_llama), "--max-tokens", "3", "--json",
+                 "--num-gpu-blocks-override", "32", "--n", "2", "--temperature", "0.8",
+                 "--sampling-seed", "7"])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["prompt"] for row in rows] == ["Hello world", "Once upon a time"]
+    for row in rows:
+        assert len(row["completions"]) == 2
+        assert all(len(c["token_ids"]) == 3 and c["finish_reason"] == "length"
+                   for c in row["completions"])
+
+
+def test_generate_without_prompts_on_a_terminal_fails_fast(tiny_llama, capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal(""))
+    assert main(["generate", "--model", str(tiny_llama)]) == 1
+    assert "no prompt given" in one_line_error(capsys.readouterr().err, "generate")
+
+
+def test_bench_latency(tiny_llama, capsys):
+    code = main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "8",
+                 "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
+                 "--num-gpu-blocks-override", "32", "--device", "cpu"])
+    assert code == 0
+    result = last_json_line(capsys.readouterr().out)
+    assert result["bench"] == "latency" and result["backend"] == "cpu"
+    assert (result["input_len"], result["output_len"]) == (8, 4)
+    assert result["mean_latency_s"] > 0 and result["mean_ttft_s"] > 0
+    assert result["ms_per_output_token"] >= 0
+
+
+def test_backends_text_marks_the_default(capsys):
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("cpu") and "available" in line for line in out.splitlines())
+    assert "<- default" in out
