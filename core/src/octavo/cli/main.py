@@ -1,4 +1,4 @@
-"""``octavo``: generate, list backends, benchmark."""
+"""``octavo``: generate, serve, list backends, benchmark."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from octavo.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from octavo.cli import backends, bench, generate
+    from octavo.cli import backends, bench, generate, serve
 
     parser = argparse.ArgumentParser(
         prog="octavo",
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"octavo {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
+    serve.add_parser(sub)
     backends.add_parser(sub)
     bench.add_parser(sub)
     return parser

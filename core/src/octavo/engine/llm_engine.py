@@ -10,7 +10,7 @@ import torch
 from octavo.config import EngineConfig
 from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.core import EngineCore
-from octavo.engine.output_processor import OutputProcessor
+from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
 from octavo.engine.processor import Processor, PromptType
 from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
 from octavo.outputs import RequestOutput
@@ -49,8 +49,13 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
-        """Validate and queue a request; raises ``ValueError`` for bad input (nothing queued)."""
+        """Validate and queue a request; raises ``ValueError`` for bad input (nothing queued).
+
+        ``output_kind`` says what ``step()`` returns for it: a snapshot every step it changed
+        (CUMULATIVE), only what is new (DELTA), or one snapshot when it finishes (FINAL_ONLY).
+        """
         if self.output_processor.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.processor.process(request_id, prompt, params, arrival_time)
@@ -62,7 +67,7 @@ class LLMEngine:
         except Exception:
             self.engine_core.abort_requests(added)
             raise
-        self.output_processor.add_request(request_id, processed)
+        self.output_processor.add_request(request_id, processed, output_kind)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort requests (by the ids given to add_request); their blocks are freed at once."""

@@ -56,3 +56,99 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     new_prompt_logprobs: LogprobsLists | None = None
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
+
+
+# ---- the engine-core process protocol ---------------------------------------------------------
+# When the core runs in its own process (``AsyncLLM``), the front end and the core exchange the
+# tagged structs below as msgpack over two zmq PUSH/PULL sockets: front end -> core carries
+# ``EngineCoreInput``, core -> front end carries ``EngineCoreEvent``.
+
+
+class EngineCoreAdd(msgspec.Struct, tag="add", kw_only=True):
+    """Queue requests (the n completions of one user request travel together)."""
+
+    # The completions to queue; the core rejects each one that cannot run (see ``rejected``).
+    requests: list[EngineCoreRequest]
+
+
+class EngineCoreAbort(msgspec.Struct, tag="abort", kw_only=True):
+    """End requests now and free their KV blocks."""
+
+    # Child request ids (as in ``EngineCoreRequest.request_id``); unknown ids are ignored.
+    request_ids: list[str]
+    # True: the front end found a stop string (status "stop"); False: an abort.
+    stopped: bool = False
+
+
+class EngineCoreUtility(msgspec.Struct, tag="utility", kw_only=True):
+    """Call one whitelisted method of the core and send back an ``EngineCoreUtilityResult``."""
+
+    # Matches the result to the call.
+    call_id: int
+    # Method name (see ``core_proc.UTILITY_METHODS``).
+    method: str
+
+
+class EngineCoreShutdown(msgspec.Struct, tag="shutdown"):
+    """Stop the loop, release the device and exit 0."""
+
+
+EngineCoreInput = EngineCoreAdd | EngineCoreAbort | EngineCoreUtility | EngineCoreShutdown
+
+
+class EngineCoreStats(msgspec.Struct, kw_only=True):
+    """Scheduler snapshot after a step (for metrics and admission control)."""
+
+    # Requests in the running batch.
+    num_running: int
+    # Requests waiting (new or preempted).
+    num_waiting: int
+    # Fraction of KV blocks held by requests, in [0, 1].
+    kv_cache_usage: float
+    # Prefix-cache hits / queried prompt tokens since start.
+    prefix_cache_hit_rate: float
+    # Preemptions since start.
+    num_preemptions: int
+
+
+class EngineCoreReady(msgspec.Struct, tag="ready", kw_only=True):
+    """Sent once, when the model is loaded and the KV cache allocated."""
+
+    # Backend that runs the model.
+    backend: str
+    # Number of KV blocks and tokens per block.
+    num_blocks: int
+    block_size: int
+    # Longest prompt + completion in tokens.
+    max_model_len: int
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
+    """What one step (or one batch of inputs while idle) produced."""
+
+    # Per request that produced something this step.
+    outputs: list[EngineCoreOutput]
+    # The scheduler after the step.
+    stats: EngineCoreStats
+    # Child request ids the core refused to queue, with the reason (a ValueError's message).
+    rejected: dict[str, str] = {}
+
+
+class EngineCoreUtilityResult(msgspec.Struct, tag="utility_result", kw_only=True):
+    """Answer to an ``EngineCoreUtility`` call."""
+
+    call_id: int
+    # The method's result (msgpack-able), None on error.
+    result: dict[str, int | float | str] | None = None
+    # Error message when the call failed.
+    error: str | None = None
+
+
+class EngineCoreFailed(msgspec.Struct, tag="failed", kw_only=True):
+    """The core hit an error it cannot recover from (at startup or in a step) and exits."""
+
+    # What went wrong (exception type and message).
+    message: str
+
+
+EngineCoreEvent = EngineCoreReady | EngineCoreOutputs | EngineCoreUtilityResult | EngineCoreFailed

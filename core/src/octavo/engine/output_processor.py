@@ -3,10 +3,14 @@
 Lives in the front-end process. Per request it keeps one ``IncrementalDetokenizer`` per
 completion; a stop string ends a completion here, and its id is returned so the caller can
 finish it in the engine core (which frees its KV blocks).
+
+Each request chooses how its outputs come (``RequestOutputKind``): whole snapshots every step
+(the offline ``LLM``), only what is new every step (streaming), or only the finished request.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +19,18 @@ from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.messages import EngineCoreOutput, LogprobsLists
 from octavo.engine.processor import ProcessedPrompt
 from octavo.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``process_outputs`` returns for a request."""
+
+    # Every step that changed it: the whole request so far (token ids, text, logprobs).
+    CUMULATIVE = "cumulative"
+    # Every step that added something: only the new tokens, text and logprobs. Text that could
+    # still be cut by a stop string is held back, so the deltas join up to the final text.
+    DELTA = "delta"
+    # Once, when every completion has finished: the whole request.
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(slots=True)
@@ -28,6 +44,9 @@ class _CompletionState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # DELTA outputs: tokens (and their logprobs) already handed out, and whether the finish was.
+    num_tokens_sent: int = 0
+    finish_sent: bool = False
 
 
 @dataclass(slots=True)
@@ -40,6 +59,9 @@ class _RequestState:
     completions: dict[str, _CompletionState]
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # DELTA outputs: the prompt logprobs go out once, with the first output.
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -64,7 +86,12 @@ class OutputProcessor:
         self._requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
 
-    def add_request(self, request_id: str, processed: ProcessedPrompt) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
         params = processed.params
         completions = {}
         for index, core_request in enumerate(processed.core_requests):
@@ -83,6 +110,7 @@ class OutputProcessor:
             completions=completions,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             metrics=RequestMetrics(arrival_time=arrival),
+            output_kind=output_kind,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -133,7 +161,15 @@ class OutputProcessor:
                 del self._requests[parent_id]
                 for child_id in state.completions:
                     self._child_to_parent.pop(child_id, None)
-            request_outputs.append(self._snapshot(state))
+            if state.output_kind is RequestOutputKind.CUMULATIVE:
+                request_outputs.append(self._snapshot(state))
+            elif state.output_kind is RequestOutputKind.FINAL_ONLY:
+                if finished:
+                    request_outputs.append(self._snapshot(state))
+            else:
+                delta = self._delta(state)
+                if delta is not None:
+                    request_outputs.append(delta)
         return ProcessedOutputs(request_outputs, stopped)
 
     def _add_tokens(self, completion: _CompletionState, out: EngineCoreOutput) -> None:
@@ -166,6 +202,48 @@ class OutputProcessor:
                 )
             positions.append(position)
         return positions
+
+    def _delta(self, state: _RequestState) -> RequestOutput | None:
+        """What is new in ``state`` since its last delta; None when nothing is."""
+        deltas = []
+        for c in sorted(state.completions.values(), key=lambda c: c.index):
+            finished = c.finish_reason is not None
+            text = c.detokenizer.take_delta(finished)
+            new_token_ids = c.token_ids[c.num_tokens_sent:]
+            report_finish = finished and not c.finish_sent
+            if not text and not new_token_ids and not report_finish:
+                continue
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = c.logprobs[c.num_tokens_sent:len(c.token_ids)]
+            c.num_tokens_sent = len(c.token_ids)
+            c.finish_sent = finished
+            deltas.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=new_token_ids,
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        if not deltas:
+            return None
+        prompt_logprobs = None
+        if not state.prompt_logprobs_sent:
+            prompt_logprobs = state.prompt_logprobs
+            state.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=deltas,
+            finished=state.finished,
+            metrics=state.metrics,
+        )
 
     def _snapshot(self, state: _RequestState) -> RequestOutput:
         completions = sorted(state.completions.values(), key=lambda c: c.index)

@@ -1,0 +1,80 @@
+"""``octavo serve``: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+
+from octavo.engine.arg_utils import EngineArgs
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /metrics, ...). With no MODEL, serves the embedded "
+        "SmolLM2-135M-Instruct. Example: octavo serve ./my-model --port 8000",
+    )
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="local Hugging Face folder or .gguf file (same as --model)")
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    group.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) clients use in 'model' (default: the model path); "
+                       "responses carry the first")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (except on /health and /metrics)")
+    group.add_argument("--chat-template", default=None,
+                       help="chat template file or jinja text (default: the tokenizer's)")
+    group.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="CORS origins allowed to call the API from browsers ('*' for any)")
+    group.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20,
+                       help="largest request body accepted (413 above; default 16 MiB)")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="answer 503 to new requests while this many wait to run (default: no limit)")
+    group.add_argument("--max-logprobs", type=int, default=20,
+                       help="most top logprobs a request may ask for (default 20)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds requests in flight may take to finish on SIGTERM/SIGINT")
+    group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from octavo.entrypoints.openai.api_server import ServerArgs, run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    for name in ("port", "max_request_body_bytes", "max_logprobs"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    engine_args = EngineArgs.from_cli_args(args)
+    # Fail here, with one clear line, on a missing model or backend or a bad option or template
+    # (cheap: reads config.json; the weights load in the engine-core process).
+    engine_args.create_engine_config()
+    if args.chat_template is not None:
+        from octavo.entrypoints.openai.chat_template import ChatTemplate, load_chat_template
+
+        ChatTemplate(load_chat_template(args.chat_template, None), None)
+    server_args = ServerArgs(
+        engine_args=engine_args,
+        host=args.host,
+        port=args.port,
+        served_model_names=args.served_model_name or [],
+        api_key=args.api_key,
+        chat_template=args.chat_template,
+        allowed_origins=args.allowed_origins or [],
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_waiting_requests=args.max_waiting_requests,
+        max_logprobs=args.max_logprobs,
+        shutdown_timeout=args.shutdown_timeout,
+        access_log=args.access_log,
+    )
+    return run_server(server_args)

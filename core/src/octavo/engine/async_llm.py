@@ -1,0 +1,365 @@
+"""``AsyncLLM``: the online engine — front end here, ``EngineCore`` in a background process.
+
+This process tokenizes (``Processor``), detokenizes and applies stop strings
+(``OutputProcessor``) and hands each request's outputs to whoever awaits them; the scheduler
+and the model run in the engine-core process (``core_proc``), reached through
+``EngineCoreClient``. Everything here runs on one asyncio event loop:
+
+    engine = await AsyncLLM.from_engine_args(EngineArgs(model=...))
+    async for output in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+        print(output.outputs[0].text, end="")     # DELTA outputs: only what is new
+    await engine.shutdown()
+
+Leaving the ``async for`` early (break, cancellation, a client gone) aborts the request in the
+core, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from octavo.engine.arg_utils import EngineArgs
+from octavo.engine.core_client import EngineCoreClient, EngineDeadError
+from octavo.engine.messages import (
+    EngineCoreFailed,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreStats,
+    EngineCoreUtilityResult,
+)
+from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
+from octavo.engine.processor import ProcessedPrompt, Processor, PromptType
+from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDeadError", "IterationStats", "RequestOutputKind", "StatLogger"]
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What happened in the front end since the previous engine-core message."""
+
+    # Prompt tokens of requests admitted since then.
+    num_prompt_tokens: int = 0
+    # Tokens generated in this step.
+    num_generation_tokens: int = 0
+    # Seconds from arrival to the first token, per completion that got its first token.
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    # Seconds between a completion's previous token and this one.
+    inter_token_latencies: list[float] = field(default_factory=list)
+    # Seconds from arrival to the end, per finished request.
+    e2e_latencies: list[float] = field(default_factory=list)
+    # finish_reason of each completion that finished ("stop", "length", "abort").
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    """Receives a snapshot after every engine-core step (e.g. Prometheus metrics)."""
+
+    def record(self, scheduler_stats: EngineCoreStats, iteration_stats: IterationStats) -> None: ...
+
+
+class AsyncLLM:
+    """Online engine: ``generate`` is an async iterator of ``RequestOutput``s."""
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        self.engine_args = engine_args
+        # Resolves the model folder and the backend; loads no weights (the core does).
+        self.config = engine_args.create_engine_config()
+        self.model_config = self.config.model_config
+        self.tokenizer = load_tokenizer(self.model_config)
+        self.processor = Processor(
+            self.model_config, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.core = EngineCoreClient()
+        # Set by start(): what the core reported once the model was loaded.
+        self.core_info: EngineCoreReady | None = None
+        # Latest scheduler snapshot from the core.
+        self.scheduler_stats = EngineCoreStats(
+            num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
+            num_preemptions=0,
+        )
+        self.stat_loggers: list[StatLogger] = []
+        # Why the engine is dead, once it is (None while healthy).
+        self.dead_reason: str | None = None
+        self._dead_callbacks: list[Callable[[str], None]] = []
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # request id -> ids of its completions in the core (n of them).
+        self._child_ids: dict[str, list[str]] = {}
+        # child request id -> (parent id, arrival time, time of its latest token or None).
+        self._children: dict[str, tuple[str, float, float | None]] = {}
+        self._pending_prompt_tokens = 0
+        # Completions aborted since the last step (reported with the next stats).
+        self._pending_aborts = 0
+        self._utility_calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._call_ids = itertools.count()
+        self._output_task: asyncio.Task[None] | None = None
+        self._shutting_down = False
+
+    @classmethod
+    async def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        engine = cls(engine_args)
+        try:
+            await engine.start()
+        except BaseException:
+            await engine.shutdown()
+            raise
+        return engine
+
+    async def start(self) -> None:
+        """Spawn the engine core, wait for the model to load, start reading its outputs."""
+        self.core_info = await self.core.start(self.engine_args, self._on_core_exit)
+        self._output_task = asyncio.create_task(self._output_loop(), name="octavo-output-loop")
+
+    # ---- properties -----------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._queues)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Completions queued but not running (the core's view plus what is on its way)."""
+        return max(len(self._children) - self.scheduler_stats.num_running, 0)
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once, if the engine core dies unexpectedly."""
+        self._dead_callbacks.append(callback)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        arrival_time: float | None = None,
+    ) -> asyncio.Queue[RequestOutput | BaseException]:
+        """Validate and queue a request; raises ``ValueError``/``TypeError`` for bad input."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.processor.process(request_id, prompt, params, arrival_time)
+        self._check_fits_kv_cache(processed)
+        self.output_processor.add_request(request_id, processed, output_kind)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._child_ids[request_id] = [r.request_id for r in processed.core_requests]
+        for core_request in processed.core_requests:
+            self._children[core_request.request_id] = (request_id, core_request.arrival_time, None)
+        self._pending_prompt_tokens += len(processed.prompt_token_ids)
+        self.core.add_requests(processed.core_requests)
+        return queue
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; the last one has ``finished`` set.
+
+        :raises ValueError: bad input (before anything is yielded) or refused by the core.
+        :raises EngineDeadError: the engine core died.
+        """
+        queue = self.add_request(request_id, prompt, params, output_kind)
+        async for output in self.iterate_outputs(request_id, queue):
+            yield output
+
+    async def iterate_outputs(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request queued with ``add_request`` (aborts it if left early)."""
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if request_id in self._queues:  # left early: cancelled, client gone, error
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (its blocks are freed in the core); unknown ids are ignored."""
+        self.output_processor.abort_request(request_id)
+        child_ids = self._forget(request_id)
+        self._pending_aborts += len(child_ids)
+        if child_ids and self.dead_reason is None:
+            self.core.abort_requests(child_ids)
+
+    def _forget(self, request_id: str) -> list[str]:
+        """Drop the front end's records of a request; return its child ids."""
+        self._queues.pop(request_id, None)
+        child_ids = self._child_ids.pop(request_id, [])
+        for child_id in child_ids:
+            self._children.pop(child_id, None)
+        return child_ids
+
+    def _check_fits_kv_cache(self, processed: ProcessedPrompt) -> None:
+        """Refuse a request that could never fit the whole KV cache (it would wait forever)."""
+        info = self.core_info
+        if info is None:
+            return
+        request = processed.core_requests[0]
+        worst_case = min(len(request.prompt_token_ids) + request.max_tokens, info.max_model_len)
+        needed = -(-worst_case // info.block_size)
+        if needed > info.num_blocks:
+            raise ValueError(
+                f"the request needs up to {worst_case} tokens of KV cache (prompt "
+                f"{len(request.prompt_token_ids)} + max_tokens {request.max_tokens}) but the whole "
+                f"cache holds {info.num_blocks * info.block_size} tokens; lower max_tokens"
+            )
+
+    # ---- utility calls --------------------------------------------------------------------
+
+    async def call_utility(self, method: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Call a whitelisted method in the core (``ping``, ``kv_cache_stats``)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        call_id = next(self._call_ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        try:
+            self.core.call_utility(call_id, method)
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._utility_calls.pop(call_id, None)
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` unless the core is alive and answers."""
+        if self.dead_reason is not None or not self.core.is_alive():
+            raise EngineDeadError(self.dead_reason or "the engine core process is not running")
+
+    # ---- the output loop ------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                event = await self.core.receive()
+                if isinstance(event, EngineCoreOutputs):
+                    self._process_outputs(event)
+                elif isinstance(event, EngineCoreUtilityResult):
+                    self._resolve_utility(event)
+                elif isinstance(event, EngineCoreFailed):
+                    self._set_dead(f"the engine core failed: {event.message}")
+                    return
+                else:
+                    logger.warning("unexpected message from the engine core: %r", event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here would hang every request: fail them instead
+            logger.exception("output loop failed")
+            self._set_dead(f"the output loop failed: {type(exc).__name__}: {exc}")
+
+    def _process_outputs(self, event: EngineCoreOutputs) -> None:
+        now = time.time()
+        stats = IterationStats(
+            num_prompt_tokens=self._pending_prompt_tokens,
+            finish_reasons=["abort"] * self._pending_aborts,
+        )
+        self._pending_prompt_tokens = 0
+        self._pending_aborts = 0
+        for out in event.outputs:
+            child = self._children.get(out.request_id)
+            if child is None or not out.new_token_ids:
+                continue
+            parent_id, arrival, last_token_time = child
+            stats.num_generation_tokens += len(out.new_token_ids)
+            if last_token_time is None:
+                stats.time_to_first_tokens.append(now - arrival)
+            else:
+                stats.inter_token_latencies.append(now - last_token_time)
+            self._children[out.request_id] = (parent_id, arrival, now)
+        processed = self.output_processor.process_outputs(event.outputs)
+        if processed.stopped_req_ids:
+            self.core.abort_requests(processed.stopped_req_ids, stopped=True)
+        for output in processed.request_outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is None:
+                continue
+            queue.put_nowait(output)
+            if output.finished:
+                self._forget(output.request_id)
+                stats.e2e_latencies.append(now - output.metrics.arrival_time)
+                stats.finish_reasons.extend(c.finish_reason or "abort" for c in output.outputs)
+        for child_id, message in event.rejected.items():
+            parent_id = self._children.get(child_id, (None,))[0]
+            if parent_id is None:
+                continue
+            queue = self._queues.get(parent_id)
+            self.abort(parent_id)
+            if queue is not None:
+                queue.put_nowait(ValueError(message))
+        self.scheduler_stats = event.stats
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(event.stats, stats)
+
+    def _resolve_utility(self, event: EngineCoreUtilityResult) -> None:
+        future = self._utility_calls.get(event.call_id)
+        if future is None or future.done():
+            return
+        if event.error is not None:
+            future.set_exception(RuntimeError(event.error))
+        else:
+            future.set_result(event.result or {})
+
+    # ---- death and shutdown ---------------------------------------------------------------
+
+    def _on_core_exit(self) -> None:
+        if not self._shutting_down:
+            code = self.core.process.exitcode if self.core.process is not None else None
+            self._set_dead(f"the engine core process exited unexpectedly (exit code {code})")
+
+    def _set_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("engine dead: %s", reason)
+        self.core.kill()  # whatever state it is in, it will not be used again
+        error = EngineDeadError(reason)
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        self._child_ids.clear()
+        self._children.clear()
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        if self._output_task is not None and self._output_task is not asyncio.current_task():
+            self._output_task.cancel()
+        for callback in self._dead_callbacks:
+            callback(reason)
+
+    async def shutdown(self) -> None:
+        """Stop the core process (gracefully, then by force) and release everything."""
+        self._shutting_down = True
+        if self._output_task is not None:
+            self._output_task.cancel()
+            try:
+                await self._output_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("the engine is shutting down"))
+        self._queues.clear()
+        self.core.shutdown()

@@ -1,0 +1,169 @@
+"""``EngineCoreClient``: the front end's handle on the engine-core process.
+
+Starts ``core_proc.run_engine_core`` in a *spawn* process, binds the two ipc:// sockets in a
+private temporary folder, and sends/receives the typed messages of ``engine.messages``
+(msgpack via msgspec; nothing is pickled on a socket — only spawn's own process arguments).
+Every method runs on the asyncio event loop of the front end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from octavo.engine.messages import (
+    EngineCoreAbort,
+    EngineCoreAdd,
+    EngineCoreEvent,
+    EngineCoreFailed,
+    EngineCoreInput,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineCoreUtility,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; nothing more can run."""
+
+
+class EngineCoreClient:
+    """Spawns the engine-core process and carries messages to and from it."""
+
+    def __init__(self) -> None:
+        self._tmpdir = tempfile.mkdtemp(prefix="octavo-core-")
+        self.input_address = f"ipc://{os.path.join(self._tmpdir, 'input')}"
+        self.output_address = f"ipc://{os.path.join(self._tmpdir, 'output')}"
+        # Sends are plain (never-blocking: no high-water mark) sends; receives are awaited.
+        self._sync_context = zmq.Context()
+        self._input_socket = self._sync_context.socket(zmq.PUSH)
+        self._input_socket.setsockopt(zmq.SNDHWM, 0)
+        self._input_socket.bind(self.input_address)
+        self._context = zmq.asyncio.Context()
+        self._output_socket = self._context.socket(zmq.PULL)
+        self._output_socket.setsockopt(zmq.RCVHWM, 0)
+        self._output_socket.bind(self.output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreEvent)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._closed = False
+
+    async def start(self, engine_args: Any, on_process_exit: Callable[[], None]) -> EngineCoreReady:
+        """Spawn the core and wait until it has loaded the model.
+
+        :param on_process_exit: called (on the event loop) when the process ends, whatever
+            the reason; the caller decides whether that was expected.
+        :raises RuntimeError: the core failed to start (its error message is included).
+        """
+        ctx = multiprocessing.get_context("spawn")
+        from octavo.engine.core_proc import run_engine_core
+
+        self.process = ctx.Process(
+            target=run_engine_core,
+            args=(engine_args, self.input_address, self.output_address, os.getpid(), self._tmpdir),
+            name="octavo-engine-core",
+        )
+        self.process.start()
+        # Never leave the core behind, even if the owner forgets shutdown() (interpreter exit).
+        weakref.finalize(self, _kill_process, self.process)
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def sentinel_ready() -> None:
+            loop.remove_reader(self.process.sentinel)
+            if not exited.done():
+                exited.set_result(None)
+            on_process_exit()
+
+        loop.add_reader(self.process.sentinel, sentinel_ready)
+        receive = asyncio.ensure_future(self.receive())
+        done, _ = await asyncio.wait({receive, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if receive not in done:
+            receive.cancel()
+            raise RuntimeError(
+                f"the engine-core process exited with code {self.process.exitcode} while starting"
+            )
+        event = receive.result()
+        if isinstance(event, EngineCoreFailed):
+            raise RuntimeError(f"the engine core failed to start: {event.message}")
+        if not isinstance(event, EngineCoreReady):
+            raise RuntimeError(f"unexpected first message from the engine core: {event!r}")
+        return event
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    async def receive(self) -> EngineCoreEvent:
+        """The next message from the core (waits for it)."""
+        return self._decoder.decode(await self._output_socket.recv())
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._send(EngineCoreAdd(requests=requests))
+
+    def kill(self) -> None:
+        """End the core process at once (it is considered dead already)."""
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        if request_ids:
+            self._send(EngineCoreAbort(request_ids=request_ids, stopped=stopped))
+
+    def call_utility(self, call_id: int, method: str) -> None:
+        self._send(EngineCoreUtility(call_id=call_id, method=method))
+
+    def _send(self, message: EngineCoreInput) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine core is shut down")
+        self._input_socket.send(self._encoder.encode(message), copy=False)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the core to exit, wait for it, then kill it if it did not; release the sockets."""
+        if self._closed:
+            return
+        process = self.process
+        if process is not None and process.is_alive():
+            try:
+                self._input_socket.send(self._encoder.encode(EngineCoreShutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            process.join(timeout_s)
+            if process.is_alive():
+                logger.warning("engine core did not exit in %.0f s; killing it", timeout_s)
+                process.kill()
+                process.join(5.0)
+        if process is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(process.sentinel)
+            except (RuntimeError, ValueError, OSError):
+                pass
+        self._closed = True
+        self._input_socket.close(linger=0)
+        self._output_socket.close(linger=0)
+        self._context.term()
+        self._sync_context.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def _kill_process(process: multiprocessing.process.BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)

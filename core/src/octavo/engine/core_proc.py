@@ -1,0 +1,236 @@
+"""The engine core in its own process: the loop behind ``AsyncLLM``.
+
+``run_engine_core`` is the target of a ``multiprocessing`` *spawn* process. It builds the
+``EngineCore`` from the same ``EngineArgs`` as ``octavo.LLM`` (passed as a spawn argument),
+then talks to the front end over two zmq PUSH/PULL sockets, msgpack-encoded with msgspec:
+
+- in:  ``EngineCoreInput``  (add, abort, utility call, shutdown)
+- out: ``EngineCoreEvent``  (ready once, then outputs + a stats snapshot each step, utility
+  results; ``EngineCoreFailed`` just before exiting on an error)
+
+The loop: take every pending input (waiting for one while there is nothing to run), run one
+step while there is work, send what it produced. It exits when told to, when a step fails
+(exit code 1), or when the parent process is gone: never an orphan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from octavo.engine.messages import (
+    EngineCoreAbort,
+    EngineCoreAdd,
+    EngineCoreEvent,
+    EngineCoreFailed,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreShutdown,
+    EngineCoreStats,
+    EngineCoreUtility,
+    EngineCoreUtilityResult,
+)
+
+logger = logging.getLogger(__name__)
+
+# How often (seconds) the loop checks that its parent is still alive, busy or idle.
+PARENT_CHECK_INTERVAL_S = 0.5
+# How long the last messages (e.g. EngineCoreFailed) may wait to be delivered at exit.
+_LINGER_MS = 2000
+
+
+def run_engine_core(
+    engine_args: Any, input_address: str, output_address: str, parent_pid: int,
+    ipc_dir: str | None = None,
+) -> None:
+    """Process entry point: build the core, announce it, serve until told to stop.
+
+    :param engine_args: the ``EngineArgs`` of the server (the same options as ``octavo.LLM``).
+    :param input_address: zmq address the front end PUSHes ``EngineCoreInput`` to.
+    :param output_address: zmq address the front end PULLs ``EngineCoreEvent`` from.
+    :param parent_pid: the front end's pid; the loop exits when it is no longer our parent.
+    :param ipc_dir: the folder of the ipc sockets; removed here if the parent died (it could
+        not remove it itself).
+    """
+    # The front end owns shutdown: a Ctrl-C or SIGTERM sent to the whole process group must
+    # not kill the core under requests that are still finishing. It exits when told to or
+    # when its parent is gone (checked every PARENT_CHECK_INTERVAL_S).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from octavo.logger import configure_logging
+
+    configure_logging()
+    proc = EngineCoreProc(input_address, output_address, parent_pid)
+    try:
+        proc.start(engine_args)
+        exit_code = proc.run()
+    except BaseException as exc:  # anything: tell the front end before dying
+        logger.exception("engine core failed")
+        proc.send(EngineCoreFailed(message=f"{type(exc).__name__}: {exc}"))
+        exit_code = 1
+    finally:
+        proc.close()
+        if proc.orphaned and ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+    sys.exit(exit_code)
+
+
+class EngineCoreProc:
+    """The sockets and the busy loop around one ``EngineCore``."""
+
+    def __init__(self, input_address: str, output_address: str, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.context = zmq.Context()
+        self.input_socket = self.context.socket(zmq.PULL)
+        self.input_socket.connect(input_address)
+        self.output_socket = self.context.socket(zmq.PUSH)
+        # No high-water mark: a send never blocks, so the loop keeps checking that the parent
+        # lives even if it stopped reading (a blocked send would make an orphan).
+        self.output_socket.setsockopt(zmq.SNDHWM, 0)
+        self.output_socket.connect(output_address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+        self.engine_core: Any = None
+        self._shutdown = False
+        # True once the loop ended because the parent process was gone.
+        self.orphaned = False
+        self._last_parent_check = time.monotonic()
+        # Utility calls the front end may make (no arguments; results are small dicts).
+        self.utility_methods: dict[str, Callable[[], dict[str, Any]]] = {
+            "ping": lambda: {"pid": os.getpid()},
+            "kv_cache_stats": self._kv_cache_stats,
+        }
+
+    def start(self, engine_args: Any) -> None:
+        from octavo.engine.core import EngineCore
+
+        config = engine_args.create_engine_config()
+        self.engine_core = EngineCore(config)
+        self.send(
+            EngineCoreReady(
+                backend=config.backend,
+                num_blocks=self.engine_core.num_blocks,
+                block_size=config.cache_config.block_size,
+                max_model_len=config.model_config.max_model_len,
+            )
+        )
+
+    def run(self) -> int:
+        """Serve until shutdown (0) or the parent's death (0); a failing step raises."""
+        core = self.engine_core
+        while not self._shutdown:
+            busy = core.has_unfinished_requests()
+            rejected = self._process_inputs(block=not busy)
+            if not self._parent_alive():
+                logger.warning("the front-end process is gone; engine core exiting")
+                self.orphaned = True
+                return 0
+            if self._shutdown:
+                break
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self.send(
+                    EngineCoreOutputs(outputs=outputs, stats=self._stats(), rejected=rejected or {})
+                )
+            elif rejected is not None:
+                # Inputs while idle (aborts, rejections): the front end's gauges must move too.
+                self.send(EngineCoreOutputs(outputs=[], stats=self._stats(), rejected=rejected))
+        return 0
+
+    def _process_inputs(self, block: bool) -> dict[str, str] | None:
+        """Apply every pending input; wait up to PARENT_CHECK_INTERVAL_S for one if ``block``.
+
+        Returns the rejected request ids (a dict, maybe empty) when any input arrived, else None.
+        """
+        timeout = int(PARENT_CHECK_INTERVAL_S * 1000) if block else 0
+        if not self.input_socket.poll(timeout):
+            return None
+        rejected: dict[str, str] = {}
+        while True:
+            try:
+                frame = self.input_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return rejected
+            self._handle(self.decoder.decode(frame), rejected)
+
+    def _handle(self, message: EngineCoreInput, rejected: dict[str, str]) -> None:
+        core = self.engine_core
+        if isinstance(message, EngineCoreAdd):
+            for request in message.requests:
+                try:
+                    core.add_request(request)
+                except (ValueError, TypeError) as exc:
+                    rejected[request.request_id] = str(exc)
+        elif isinstance(message, EngineCoreAbort):
+            if message.stopped:
+                core.finish_requests_stopped(message.request_ids)
+            else:
+                core.abort_requests(message.request_ids)
+        elif isinstance(message, EngineCoreUtility):
+            self.send(self._call_utility(message))
+        elif isinstance(message, EngineCoreShutdown):
+            self._shutdown = True
+        else:  # pragma: no cover - the decoder only yields the union's members
+            raise AssertionError(f"unexpected engine-core input {message!r}")
+
+    def _call_utility(self, call: EngineCoreUtility) -> EngineCoreUtilityResult:
+        method = self.utility_methods.get(call.method)
+        if method is None:
+            return EngineCoreUtilityResult(
+                call_id=call.call_id,
+                error=f"unknown utility method {call.method!r}; known: {sorted(self.utility_methods)}",
+            )
+        try:
+            return EngineCoreUtilityResult(call_id=call.call_id, result=method())
+        except Exception as exc:
+            return EngineCoreUtilityResult(call_id=call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _kv_cache_stats(self) -> dict[str, Any]:
+        scheduler = self.engine_core.scheduler
+        manager = scheduler.kv_cache_manager
+        return {
+            "num_blocks": self.engine_core.num_blocks,
+            "num_free_blocks": manager.num_free_blocks,
+            "num_requests": len(scheduler.requests),
+            "num_requests_holding_blocks": manager.num_requests_holding_blocks(),
+        }
+
+    def _stats(self) -> EngineCoreStats:
+        stats = self.engine_core.stats()
+        return EngineCoreStats(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            num_preemptions=stats.num_preemptions,
+        )
+
+    def _parent_alive(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_parent_check < PARENT_CHECK_INTERVAL_S:
+            return True
+        self._last_parent_check = now
+        return os.getppid() == self.parent_pid
+
+    def send(self, event: EngineCoreEvent) -> None:
+        self.output_socket.send(self.encoder.encode(event))
+
+    def close(self) -> None:
+        if self.engine_core is not None:
+            try:
+                self.engine_core.shutdown()
+            except Exception:  # pragma: no cover - best effort at exit
+                logger.exception("engine core shutdown failed")
+        self.input_socket.close(linger=0)
+        self.output_socket.close(linger=_LINGER_MS)
+        self.context.term()

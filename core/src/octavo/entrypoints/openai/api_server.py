@@ -1,0 +1,261 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, routes, lifespan, uvicorn run loop.
+
+``build_app(ServerArgs)`` makes the app; its lifespan starts an ``AsyncLLM`` (engine core in
+a background process) and stops it. ``run_server`` runs it under uvicorn with the shutdown
+rules of ``octavo serve``:
+
+- SIGTERM/SIGINT: stop accepting, let requests in flight finish (up to ``shutdown_timeout``
+  seconds, then cancel them), stop the engine core, exit 0.
+- The engine core dies: requests in flight get 503 errors, ``/health`` answers 503, the
+  server shuts down and ``run_server`` returns 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from octavo.engine.arg_utils import EngineArgs
+from octavo.engine.async_llm import AsyncLLM
+from octavo.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from octavo.entrypoints.openai.metrics import PrometheusStatLogger
+from octavo.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from octavo.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from octavo.entrypoints.openai.serving_chat import OpenAIServingChat
+from octavo.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from octavo.version import __version__
+
+logger = logging.getLogger(__name__)
+
+# Paths that answer without an API key.
+OPEN_PATHS = ("/health", "/metrics")
+# After the engine dies, the server keeps answering (503s, /health included) this long before
+# it exits, so that the error responses go out and health checkers can see the state.
+DEAD_ENGINE_EXIT_DELAY_S = 1.0
+
+
+@dataclass(slots=True)
+class ServerArgs:
+    """Options of ``octavo serve`` besides the engine's."""
+
+    # The engine (same options as ``octavo.LLM``).
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
+    # Address to listen on (127.0.0.1: this machine only).
+    host: str = "127.0.0.1"
+    # TCP port (0: any free one; the startup log says which).
+    port: int = 8000
+    # Names clients may use in "model"; the first is the one responses carry. Empty: the model path.
+    served_model_names: list[str] = field(default_factory=list)
+    # Required as "Authorization: Bearer <key>" on every path but /health and /metrics.
+    api_key: str | None = None
+    # Chat template file or jinja text (default: the tokenizer's).
+    chat_template: str | None = None
+    # CORS origins allowed to call the API from a browser (empty: CORS off).
+    allowed_origins: list[str] = field(default_factory=list)
+    # Largest request body in bytes (413 above).
+    max_request_body_bytes: int = 16 * 2**20
+    # Most requests waiting to run before new ones get 503 (None: no limit).
+    max_waiting_requests: int | None = None
+    # Most top logprobs a request may ask for.
+    max_logprobs: int = 20
+    # Seconds requests in flight may take to finish after SIGTERM/SIGINT.
+    shutdown_timeout: float = 30.0
+    # Log one line per HTTP request (uvicorn's access log).
+    access_log: bool = False
+
+
+def build_app(args: ServerArgs) -> FastAPI:
+    """The FastAPI app; the engine starts with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = await AsyncLLM.from_engine_args(args.engine_args)
+        try:
+            _attach_engine(app, engine, args)
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(
+        title="Octavo",
+        version=__version__,
+        description="OpenAI-compatible API of the Octavo inference engine.",
+        lifespan=lifespan,
+        responses={400: {"model": ErrorResponse}},
+    )
+    install_error_handlers(app)
+    _add_routes(app)
+    # Added last = outermost: CORS, then the API key, then the body limit.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, open_paths=OPEN_PATHS)
+    if args.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"])
+    return app
+
+
+def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs) -> None:
+    model_config = engine.model_config
+    names = args.served_model_names or [model_config.model]
+    common: dict[str, Any] = dict(max_waiting_requests=args.max_waiting_requests,
+                                  max_logprobs=args.max_logprobs)
+    state = app.state
+    state.engine = engine
+    state.served_model_names = names
+    state.completion = OpenAIServingCompletion(engine, names, **common)
+    state.chat = OpenAIServingChat(engine, names, chat_template=args.chat_template, **common)
+    state.metrics = PrometheusStatLogger(names[0])
+    engine.stat_loggers.append(state.metrics)
+    on_dead = getattr(state, "on_engine_dead", None)
+    if on_dead is not None:
+        engine.on_dead(on_dead)
+    info = engine.core_info
+    assert info is not None, "the engine started without reporting its KV cache"
+    kv_tokens = info.num_blocks * info.block_size
+    max_concurrency = min(kv_tokens / info.max_model_len, args.engine_args.max_num_seqs)
+    logger.info(
+        "backend %s, model %s (served as %s), %d KV blocks of %d tokens (%d tokens), max "
+        "concurrency %.1f requests of max_model_len %d (max_num_seqs %d)",
+        info.backend, model_config.model, ", ".join(names), info.num_blocks, info.block_size,
+        kv_tokens, max_concurrency, info.max_model_len, args.engine_args.max_num_seqs,
+    )
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health", tags=["server"], summary="200 while the engine runs, else 503")
+    async def health(request: Request) -> Response:
+        engine: AsyncLLM = request.app.state.engine
+        await engine.check_health()  # EngineDeadError -> 503
+        return Response(status_code=200)
+
+    @app.get("/version", tags=["server"])
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics", tags=["server"], summary="Prometheus metrics (octavo:*)")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"])
+    async def list_models(request: Request) -> ModelList:
+        state = request.app.state
+        engine: AsyncLLM = state.engine
+        return ModelList(data=[
+            ModelCard(id=name, root=str(engine.model_config.model),
+                      max_model_len=engine.model_config.max_model_len)
+            for name in state.served_model_names
+        ])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
+              summary="Text completions (stream=true: server-sent events)")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await request.app.state.completion.create_completion(body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"],
+              summary="Chat completions (stream=true: server-sent events)")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await request.app.state.chat.create_chat_completion(body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        chat: OpenAIServingChat = request.app.state.chat
+        chat.check_fields(body)
+        chat.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("give exactly one of prompt and messages", 400, param="prompt",
+                              code="invalid_value")
+        if body.messages is not None:
+            _, token_ids = chat.render(body.messages, body.add_generation_prompt)
+        else:
+            token_ids = list(chat.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+        return TokenizeResponse(count=len(token_ids), max_model_len=chat.max_model_len, tokens=token_ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, tags=["tokenizer"])
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        chat: OpenAIServingChat = request.app.state.chat
+        chat.check_fields(body)
+        chat.check_model(body.model)
+        for token_id in body.tokens:
+            if not 0 <= token_id < chat.vocab_size:
+                raise OpenAIError(f"token id {token_id} is out of the vocabulary [0, {chat.vocab_size})",
+                                  400, param="tokens", code="invalid_value")
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens))
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus the URL in the log once listening and a way to exit non-zero."""
+
+    exit_code = 0
+
+    def request_exit(self, exit_code: int) -> None:
+        self.exit_code = exit_code
+        self.should_exit = True
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        logger.info("serving the OpenAI API on http://%s:%d/v1 (docs: http://%s:%d/docs)",
+                    shown, port, shown, port)
+
+
+def run_server(args: ServerArgs) -> int:
+    """Serve until SIGTERM/SIGINT (returns 0) or the engine dies / fails to start (returns 1)."""
+    app = build_app(args)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, lifespan="on", access_log=args.access_log,
+        timeout_graceful_shutdown=max(int(args.shutdown_timeout), 1), log_level="info",
+        timeout_keep_alive=5,
+    )
+    server = _Server(config)
+
+    def on_engine_dead(reason: str) -> None:
+        logger.error("shutting down in %.0f s: %s", DEAD_ENGINE_EXIT_DELAY_S, reason)
+        asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_DELAY_S, server.request_exit, 1)
+
+    app.state.on_engine_dead = on_engine_dead
+    # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown; with these
+    # handlers in place that re-raise is a no-op and the exit code stays ours (0).
+    previous = {sig: signal.signal(sig, _ignore_reraised_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(server.serve())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        logger.error("the server did not start")
+        return 1
+    return server.exit_code
+
+
+def _ignore_reraised_signal(signum: int, frame: Any) -> None:
+    logger.debug("signal %d after shutdown ignored", signum)

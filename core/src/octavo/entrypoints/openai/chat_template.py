@@ -1,0 +1,87 @@
+"""Chat templates rendered in a sandboxed jinja environment.
+
+The template is the tokenizer's (``tokenizer_config.json``'s ``chat_template``) or the one given
+with ``--chat-template`` (a file path or the template text itself). Templates come from model
+repositories, i.e. from strangers: they run in jinja's ``ImmutableSandboxedEnvironment``, which
+refuses attribute access to internals and mutation of the objects passed in.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template is missing, does not compile, or refused the conversation."""
+
+
+def load_chat_template(source: str | None, tokenizer: Any) -> str | None:
+    """The template text: ``source`` (a path or inline jinja) or the tokenizer's; None if neither."""
+    if source is not None:
+        path = Path(source).expanduser()
+        try:
+            if path.is_file():
+                return path.read_text(encoding="utf-8")
+        except OSError:  # e.g. a template too long to be a file name
+            pass
+        if "{" not in source:
+            raise ChatTemplateError(f"--chat-template {source!r} is neither a file nor a jinja template")
+        return source
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may refer to."""
+
+    def __init__(self, template: str, tokenizer: Any) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(template)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template does not compile: {exc}") from exc
+        self._special_tokens = {
+            name: getattr(tokenizer, name, None)
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of ``messages`` (dicts with ``role`` and string ``content``)."""
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                **self._special_tokens,
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # jinja errors (SecurityError from the sandbox too), bad types
+            raise ChatTemplateError(f"the chat template failed: {exc}") from exc

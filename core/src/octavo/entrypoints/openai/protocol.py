@@ -1,0 +1,261 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests accept extra fields at parse time and ``unsupported_fields`` lists them afterwards, so
+the server can answer 400 *naming* every field it does not support (OpenAI fields such as
+``tools`` or ``suffix`` as much as typos) instead of silently ignoring them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class OpenAIRequest(BaseModel):
+    """Base of request bodies: extra fields are kept so they can be reported."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class OpenAIResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def unsupported_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of every field given but not modelled, nested models and lists included."""
+    names = [f"{prefix}{key}" for key in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}."
+                names.extend(unsupported_fields(item, where))
+    return names
+
+
+# ---- shared pieces ----------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIRequest):
+    # Send a last chunk with the usage of the whole request (and "usage": null before).
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIRequest):
+    """Sampling fields shared by completions and chat (those of ``octavo.SamplingParams``)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # Token id (as a string, like OpenAI) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted for compatibility; not used.
+    user: str | None = None
+
+
+class UsageInfo(OpenAIResponse):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings, a list of token ids or a list of lists of token ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    # Top logprobs per token (0: only the chosen token's).
+    logprobs: int | None = None
+    # Top logprobs per prompt token (octavo extension; implied by echo + logprobs).
+    prompt_logprobs: int | None = None
+    # Only best_of == n (or unset) is supported.
+    best_of: int | None = None
+    # Not supported (rejected when set).
+    suffix: str | None = None
+
+
+class CompletionLogprobs(OpenAIResponse):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIResponse):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(OpenAIResponse):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk of a streamed completion (same shape as the full response)."""
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+
+
+class ContentPart(OpenAIRequest):
+    # Only "text" parts are supported; other types get a 400 naming them.
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIRequest):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # End the rendered prompt with the assistant turn's opening (octavo extension).
+    add_generation_prompt: bool = True
+
+
+class ChatMessageResponse(OpenAIResponse):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class TopLogprob(OpenAIResponse):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIResponse):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatCompletionChoice(OpenAIResponse):
+    index: int
+    message: ChatMessageResponse
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(OpenAIResponse):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIResponse):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIResponse):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIResponse):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, tokenizer, errors ----------------------------------------------------------------
+
+
+class ModelCard(OpenAIResponse):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "octavo"
+    # The model folder or file the name serves.
+    root: str
+    max_model_len: int
+
+
+class ModelList(OpenAIResponse):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    # Either a prompt...
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    # ...or chat messages, rendered with the chat template first.
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(OpenAIResponse):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIResponse):
+    prompt: str
+
+
+class ErrorInfo(OpenAIResponse):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIResponse):
+    error: ErrorInfo

@@ -1,0 +1,220 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template, then generated."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from octavo.engine.async_llm import AsyncLLM, RequestOutputKind
+from octavo.engine.core_client import EngineDeadError
+from octavo.entrypoints.openai.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    load_chat_template,
+)
+from octavo.entrypoints.openai.errors import OpenAIError, engine_dead_error
+from octavo.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatMessageResponse,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from octavo.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
+    OpenAIServing,
+    SSEResponse,
+    clamp_logprob,
+    merge_streams,
+    top_entries,
+)
+from octavo.outputs import PositionLogprobs, RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    id_prefix = "chatcmpl"
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 chat_template: str | None = None, **kwargs: Any) -> None:
+        super().__init__(engine, served_model_names, **kwargs)
+        source = load_chat_template(chat_template, self.tokenizer)
+        # None: the model has no template and none was given; chat requests get a 400.
+        self.chat_template = ChatTemplate(source, self.tokenizer) if source is not None else None
+
+    # ---- prompt ---------------------------------------------------------------------------
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a conversation."""
+        if self.chat_template is None:
+            raise OpenAIError(
+                "this model has no chat template; start the server with --chat-template "
+                "(a file or a jinja string), or use /v1/completions", 400, param="messages",
+                code="no_chat_template",
+            )
+        if not messages:
+            raise OpenAIError("messages must not be empty", 400, param="messages", code="invalid_value")
+        conversation = []
+        for i, message in enumerate(messages):
+            entry: dict[str, Any] = {
+                # "developer" is OpenAI's newer name for "system"; templates know "system".
+                "role": "system" if message.role == "developer" else message.role,
+                "content": _text_of(message, i),
+            }
+            if message.name is not None:
+                entry["name"] = message.name
+            conversation.append(entry)
+        try:
+            text = self.chat_template.render(conversation, add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise OpenAIError(str(exc), 400, param="messages", code="chat_template_error") from None
+        return text, list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    # ---- endpoint -------------------------------------------------------------------------
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_fields(request)
+        model = self.check_model(request.model)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs",
+                              code="invalid_value")
+        self.check_num_logprobs(request.top_logprobs, "top_logprobs")
+        max_tokens, param = request.max_tokens, "max_tokens"
+        if request.max_completion_tokens is not None:
+            max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
+        text, token_ids = self.render(request.messages, request.add_generation_prompt)
+        self.check_length(len(token_ids), max_tokens, param)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens, logprobs)
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        request_id = self.new_request_id()
+        if request.stream:
+            ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.DELTA)
+            return SSEResponse(
+                self._stream(request_id, model, request, len(token_ids), streams),
+                on_close=lambda: self.abort_all(ids),
+            )
+        ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.FINAL_ONLY)
+        try:
+            output = await self.wait_or_disconnect(raw_request, _final(streams[0]))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except EngineDeadError as exc:
+            raise engine_dead_error(exc) from None
+        except ValueError as exc:  # refused by the engine core
+            raise OpenAIError(str(exc), 400, code="invalid_value") from None
+        finally:
+            self.abort_all(ids)
+        choices = [
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatMessageResponse(content=c.text),
+                logprobs=self._logprobs(c.token_ids, c.logprobs, request),
+                finish_reason=c.finish_reason,
+            )
+            for c in output.outputs
+        ]
+        num_generated = sum(len(c.token_ids) for c in output.outputs)
+        response = ChatCompletionResponse(
+            id=request_id, model=model, choices=choices,
+            usage=UsageInfo(prompt_tokens=len(token_ids), completion_tokens=num_generated,
+                            total_tokens=len(token_ids) + num_generated),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _stream(self, request_id: str, model: str, request: ChatCompletionRequest,
+                      num_prompt_tokens: int, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                choices=choices, usage=usage)
+            return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
+
+        num_generated = 0
+        try:
+            # The role comes first, once per choice.
+            for index in range(request.n):
+                yield chunk([ChatCompletionStreamChoice(
+                    index=index, delta=DeltaMessage(role="assistant", content=""))])
+            async for _, output in merge_streams(streams):
+                for c in output.outputs:
+                    num_generated += len(c.token_ids)
+                    logprobs = self._logprobs(c.token_ids, c.logprobs, request)
+                    if not c.text and c.finish_reason is None and logprobs is None:
+                        continue
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                    )])
+            if include_usage:
+                yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens,
+                                          completion_tokens=num_generated,
+                                          total_tokens=num_prompt_tokens + num_generated))
+        except EngineDeadError as exc:
+            yield engine_dead_error(exc).to_sse()
+        except ValueError as exc:
+            yield OpenAIError(str(exc), 400, code="invalid_value").to_sse()
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None,
+                  request: ChatCompletionRequest) -> ChatChoiceLogprobs | None:
+        if not request.logprobs or positions is None:
+            return None
+        num_top = request.top_logprobs or 0
+        content = []
+        for token_id, position in zip(token_ids, positions):
+            chosen = position[token_id]
+            token = chosen.decoded_token if chosen.decoded_token is not None else self.token_text(token_id)
+            content.append(ChatLogprobToken(
+                token=token,
+                logprob=clamp_logprob(chosen.logprob),
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=lp.decoded_token or "", logprob=clamp_logprob(lp.logprob),
+                               bytes=list((lp.decoded_token or "").encode("utf-8")))
+                    for _, lp in top_entries(position, num_top)
+                ],
+            ))
+        return ChatChoiceLogprobs(content=content)
+
+
+def _text_of(message: ChatMessage, index: int) -> str:
+    """A message's content as one string (text parts joined by newlines)."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise OpenAIError(
+                f"content part type {part.type!r} is not supported (only 'text' parts with a "
+                "'text' field)", 400, param=f"messages[{index}].content[{j}]",
+                code="unsupported_content",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    assert final is not None, "a request ended without a final output"
+    return final

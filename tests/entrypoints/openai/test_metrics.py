@@ -1,0 +1,32 @@
+"""``/metrics`` parses with prometheus_client's parser and moves as requests run."""
+
+from __future__ import annotations
+
+from octavo.entrypoints.openai.metrics import METRICS
+
+from tests.entrypoints.openai.conftest import SERVED_NAME, metrics, wait_idle
+
+
+def test_every_metric_is_exported_and_moves(server, client) -> None:
+    before = wait_idle(server)
+    for name, kind, _ in METRICS:
+        suffix = {"counter": "_total", "histogram": "_count"}.get(kind, "")
+        if name == "octavo:request_success":
+            assert f'{name}_total{{finished_reason="length"}}' in before
+        else:
+            assert f"{name}{suffix}" in before, name
+    resp = client.completions.create(model=SERVED_NAME, prompt=["Hello world", "Hello there"], max_tokens=5,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    after = wait_idle(server)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["octavo:prompt_tokens_total"] == resp.usage.prompt_tokens
+    assert delta["octavo:generation_tokens_total"] == 10
+    assert delta['octavo:request_success_total{finished_reason="length"}'] == 2
+    assert delta["octavo:time_to_first_token_seconds_count"] == 2
+    assert delta["octavo:inter_token_latency_seconds_count"] == 8
+    assert delta["octavo:e2e_request_latency_seconds_count"] == 2
+    assert delta["octavo:e2e_request_latency_seconds_sum"] > 0
+    # The same prompt again: its full blocks come from the prefix cache.
+    client.completions.create(model=SERVED_NAME, prompt="Hello world " * 20, max_tokens=2)
+    client.completions.create(model=SERVED_NAME, prompt="Hello world " * 20, max_tokens=2)
+    assert metrics(server)["octavo:prefix_cache_hit_rate"] > 0
