@@ -21,7 +21,7 @@ for stage in "${stages[@]}"; do
       octavo backends
       ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/backends_cuda 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+      python3 -m pytest -q -p no:cacheprovider tests/backends_cuda tests/kernels/test_triton_fused.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
       ;;
     bench)
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
@@ -30,6 +30,15 @@ for stage in "${stages[@]}"; do
         --max-num-seqs 256 --compare-hf --hf-batch-size 256 2>"$OUT/bench-throughput.err" \
         | tee "$OUT/bench-throughput.log"
       tail -3 "$OUT/bench-throughput.err"
+      ;;
+    bench-hf32)
+      # The first 32 requests of W1 (same seed, same token ids), Octavo and HF in one process.
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 32 \
+        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 --compare-hf --hf-batch-size 32 2>"$OUT/bench-hf32.err" \
+        | tee "$OUT/bench-hf32.log"
+      tail -3 "$OUT/bench-hf32.err"
       ;;
     bench-octavo)
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL

@@ -63,7 +63,7 @@ def run_hf_generate(model_config: ModelConfig, workload: Workload, batch_size: i
             do_sample=False,
             pad_token_id=pad_id,
         )
-    if device != "cpu":
+    if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return HFResult(elapsed, workload.num_output_tokens / elapsed, batch_size)

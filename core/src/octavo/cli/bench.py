@@ -10,6 +10,7 @@ Latency: one request at a time, ms per output token.
 from __future__ import annotations
 
 import argparse
+import gc
 from dataclasses import asdict
 import json
 import platform
@@ -126,7 +127,18 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.compare_hf:
         from octavo.benchmarks.hf_baseline import run_hf_generate
 
-        hf = run_hf_generate(engine.config.model_config, workload, args.hf_batch_size)
+        # HF runs on the same device type as the backend Octavo used (cpu, cuda, ...), after
+        # Octavo's engine (and its KV cache) is released.
+        hf_device = engine.engine_core.executor.worker.device.type
+        model_config = engine.config.model_config
+        engine.shutdown()
+        del llm, engine
+        gc.collect()
+        if hf_device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        hf = run_hf_generate(model_config, workload, args.hf_batch_size, hf_device)
         result["hf_output_tokens_per_s"] = round(hf.output_tokens_per_s, 2)
         result["hf_elapsed_s"] = round(hf.elapsed_s, 3)
         result["hf_batch_size"] = hf.batch_size

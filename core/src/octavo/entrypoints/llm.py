@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.llm_engine import LLMEngine
+from octavo.engine.output_processor import RequestOutputKind
 from octavo.engine.processor import PromptType
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
@@ -54,7 +55,10 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, params)
+                # Only finished requests are returned: no per-step snapshots to build.
+                self.llm_engine.add_request(
+                    request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY
+                )
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)

@@ -53,6 +53,8 @@ class CachedRequestState:
     block_ids: list[int]
     # Tokens already in the KV cache.
     num_computed_tokens: int
+    # Greedy with nothing that changes the logits and no logprobs: argmax is the whole sampler.
+    plain_greedy: bool = False
 
 
 @dataclass(slots=True)
@@ -176,6 +178,7 @@ class ModelRunner:
                 seed=new.seed,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                plain_greedy=_is_plain_greedy(new.sampling_params),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -279,6 +282,16 @@ class ModelRunner:
             for req_id, does_sample in zip(inputs.req_ids, inputs.samples)
             if does_sample
         ]
+        if all(s.plain_greedy for s in sampling_states):
+            # The common benchmark/greedy batch: skip building sampling metadata.
+            token_ids = logits.argmax(dim=-1).tolist()
+            for i, state, token_id in zip(
+                [i for i, d in enumerate(inputs.samples) if d], sampling_states, token_ids
+            ):
+                state.token_ids.append(token_id)
+                state.output_token_ids.append(token_id)
+                sampled_per_req[i] = [token_id]
+            return sampled_per_req
         rows = [
             SamplingRow(
                 params=s.sampling_params,
@@ -313,6 +326,18 @@ class ModelRunner:
             chosen = torch.tensor(targets, dtype=torch.long, device=logits.device)
             tensors = compute_logprobs(logits, chosen, num)
             output.prompt_logprobs[req_id] = _to_lists(tensors, 0, len(flat), num)
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return (
+        params.greedy
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and not params.logit_bias
+        and params.min_tokens == 0
+        and params.logprobs is None
+    )
 
 
 def _to_lists(tensors: LogprobsTensors, start: int, end: int, num_top: int) -> LogprobsLists:
