@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from octavo.backends.backend import BackendCapabilities
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -172,6 +174,8 @@ class EngineConfig:
     parallel_config: ParallelConfig
     # Name of the selected backend (see octavo.backends.selection).
     backend: str = "cpu"
+    # What the selected backend supports; requests are checked against it at admission.
+    backend_capabilities: BackendCapabilities = field(default_factory=BackendCapabilities)
     # Extra fields kept for logs/benchmarks.
     extra: dict[str, Any] = field(default_factory=dict)
 

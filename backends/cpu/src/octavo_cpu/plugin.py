@@ -30,7 +30,12 @@ def octavo_register_backends(register: Callable[[Backend], None]) -> None:
             package="octavo-backend-cpu",
             dist_backend="gloo",
             capabilities=BackendCapabilities(
-                dtypes=("float32", "bfloat16", "float16"), block_sizes=None, cuda_graphs=False
+                dtypes=("float32", "bfloat16", "float16"),
+                head_dims=None,  # torch attention: any head size
+                block_sizes=None,  # any block size
+                cuda_graphs=False,
+                # No limit of its own on max_num_seqs / max_model_len (host memory decides);
+                # logprobs come from the core's sampler, so every count and prompt logprobs.
             ),
             description="torch paged attention on the host CPU",
         )

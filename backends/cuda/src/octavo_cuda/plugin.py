@@ -10,6 +10,7 @@ from typing import Callable
 
 from octavo.backends.backend import Availability, Backend, BackendCapabilities
 from octavo.hookspecs import hookimpl
+from octavo.kernels.triton_support import TRITON_DTYPES, TRITON_HEAD_DIMS
 
 BACKEND_NAME = "cuda"
 
@@ -42,9 +43,12 @@ def octavo_register_backends(register: Callable[[Backend], None]) -> None:
             package="octavo-backend-cuda",
             dist_backend="nccl",
             capabilities=BackendCapabilities(
-                dtypes=("bfloat16", "float16", "float32"),
-                block_sizes=(8, 16, 32, 64),
-                cuda_graphs=True,
+                dtypes=TRITON_DTYPES,
+                head_dims=TRITON_HEAD_DIMS,  # the Triton attention kernels' sizes
+                block_sizes=(8, 16, 32, 64),  # the sizes the kernels are tested and tuned for
+                cuda_graphs=True,  # decode steps, unless --enforce-eager
+                # No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
+                # logprobs come from the core's sampler, so every count and prompt logprobs.
             ),
             description="Triton paged attention on NVIDIA GPUs",
         )

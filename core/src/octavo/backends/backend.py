@@ -1,4 +1,7 @@
-"""``Backend``: what a hardware plugin says about itself through ``octavo_register_backends``."""
+"""``Backend``: what a hardware plugin says about itself through ``octavo_register_backends``.
+
+Cheap to import (no torch): backend plugins import it at discovery time.
+"""
 
 from __future__ import annotations
 
@@ -16,16 +19,75 @@ class Availability:
     reason: str
 
 
+# Model/KV-cache dtype names a backend may list (the values of --dtype other than "auto").
+KNOWN_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True, slots=True)
 class BackendCapabilities:
-    """What a backend supports; the core checks configurations against it at start-up."""
+    """What a backend's kernels and worker support; every field has a permissive default.
 
-    # Model/KV dtypes the kernels handle, as torch dtype names ("float32", "bfloat16", ...).
+    The core checks an engine's configuration against these once, at start-up
+    (``octavo.backends.capabilities.check_config``: dtype, head size, block size,
+    ``max_num_seqs``, ``max_model_len``), and every request at admission
+    (``check_request``: logprob counts, prompt logprobs); a mismatch is a ``ValueError`` that
+    names the backend, the value and what is supported. ``None`` means "no limit of the
+    backend's own" (memory and the model still apply). ``octavo backends`` shows them all.
+    """
+
+    # Model/KV dtypes the kernels handle, as torch dtype names from KNOWN_DTYPES.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    # KV-cache block sizes the kernels handle (None: any positive size).
+    # Attention head sizes the kernels handle (None: any).
+    head_dims: tuple[int, ...] | None = None
+    # KV-cache block sizes (tokens per block) the kernels handle (None: any positive size).
     block_sizes: tuple[int, ...] | None = None
-    # Whether decode steps can be captured as CUDA graphs.
+    # Whether decode steps can be captured as CUDA graphs (informational; --enforce-eager
+    # turns them off).
     cuda_graphs: bool = False
+    # Most sequences one step may hold (caps --max-num-seqs; None: no limit).
+    max_num_seqs: int | None = None
+    # Longest sequence, prompt + completion, in tokens (caps --max-model-len; None: no limit).
+    max_model_len: int | None = None
+    # Whether prompt logprobs (SamplingParams.prompt_logprobs) can be computed.
+    prompt_logprobs: bool = True
+    # Most top logprobs per token a request may ask for (logprobs, prompt_logprobs; None: no
+    # limit beyond the vocabulary).
+    max_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dtypes", "head_dims", "block_sizes"):  # lists are accepted, kept as tuples
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not self.dtypes or any(d not in KNOWN_DTYPES for d in self.dtypes):
+            raise ValueError(
+                f"BackendCapabilities.dtypes must be a non-empty tuple of {KNOWN_DTYPES}, "
+                f"got {self.dtypes!r}"
+            )
+        for name in ("head_dims", "block_sizes"):
+            values = getattr(self, name)
+            if values is not None and (not values or not all(_positive_int(v) for v in values)):
+                raise ValueError(
+                    f"BackendCapabilities.{name} must be None (any) or a non-empty tuple of "
+                    f"positive integers, got {values!r}"
+                )
+        for name in ("max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(
+                    f"BackendCapabilities.{name} must be None (no limit) or a positive "
+                    f"integer, got {value!r}"
+                )
+        if self.max_logprobs is not None and not (
+            _positive_int(self.max_logprobs) or self.max_logprobs == 0
+        ):
+            raise ValueError(
+                "BackendCapabilities.max_logprobs must be None (no limit) or an integer >= 0, "
+                f"got {self.max_logprobs!r}"
+            )
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +110,7 @@ class Backend:
     package: str
     # torch.distributed process-group backend for tensor parallelism ("gloo", "nccl").
     dist_backend: str = "gloo"
-    # What the kernels support.
+    # What the kernels and worker support (see BackendCapabilities).
     capabilities: BackendCapabilities = field(default_factory=BackendCapabilities)
     # One line for `octavo backends`.
     description: str = ""

@@ -59,37 +59,36 @@ class EngineArgs:
     enforce_eager: bool = False
 
     def create_engine_config(self) -> EngineConfig:
-        """Resolve the model and backend, and check every option."""
-        from octavo.backends.selection import select_backend
+        """Resolve the model and backend, and check every option.
+
+        Raises ``ValueError`` for a bad option, ``UnsupportedByBackendError`` (a
+        ``ValueError``) for one the backend does not support
+        (``octavo.backends.capabilities.check_config``), ``BackendNotAvailableError`` when no
+        backend can run.
+        """
+        from octavo.backends.capabilities import check_config, fit_max_model_len
+        from octavo.backends.selection import list_backends, select_backend
         from octavo.plugins import get_plugin_manager
 
-        backend = select_backend(get_plugin_manager(), self.device)
+        pm = get_plugin_manager()
+        backend = select_backend(pm, self.device)
         display, model_dir, gguf_file = resolve_model_path(self.model)
         hf_config = load_hf_config(model_dir, gguf_file)
         dtype = resolve_dtype(self.dtype, hf_config, is_gguf=gguf_file is not None)
-        dtype_name = str(dtype).removeprefix("torch.")
-        if dtype_name not in backend.capabilities.dtypes:
-            raise ValueError(
-                f"backend {backend.name!r} does not support dtype {dtype_name}; supported: "
-                f"{list(backend.capabilities.dtypes)}"
-            )
-        block_sizes = backend.capabilities.block_sizes
-        if block_sizes is not None and self.block_size not in block_sizes:
-            raise ValueError(
-                f"backend {backend.name!r} does not support block_size {self.block_size}; "
-                f"supported: {list(block_sizes)}"
-            )
+        max_model_len = fit_max_model_len(
+            backend, derive_max_model_len(hf_config, self.max_model_len), self.max_model_len
+        )
         model_config = ModelConfig(
             model=display,
             gguf_file=gguf_file,
             model_dir=model_dir,
             hf_config=hf_config,
             dtype=dtype,
-            max_model_len=derive_max_model_len(hf_config, self.max_model_len),
+            max_model_len=max_model_len,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
         )
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -106,7 +105,10 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             backend=backend.name,
+            backend_capabilities=backend.capabilities,
         )
+        check_config(backend, config, others=list_backends(pm))
+        return config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:

@@ -78,7 +78,8 @@ class AsyncLLM:
         self.model_config = self.config.model_config
         self.tokenizer = load_tokenizer(self.model_config)
         self.processor = Processor(
-            self.model_config, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer)
+            self.model_config, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer),
+            backend=self.config.backend, capabilities=self.config.backend_capabilities,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.core = EngineCoreClient()

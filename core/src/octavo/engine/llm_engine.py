@@ -28,7 +28,8 @@ class LLMEngine:
         torch.manual_seed(config.model_config.seed)
         self.tokenizer = load_tokenizer(config.model_config)
         self.processor = Processor(
-            config.model_config, self.tokenizer, eos_token_ids(config.model_config, self.tokenizer)
+            config.model_config, self.tokenizer, eos_token_ids(config.model_config, self.tokenizer),
+            backend=config.backend, capabilities=config.backend_capabilities,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)

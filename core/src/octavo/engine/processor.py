@@ -7,6 +7,8 @@ import hashlib
 import time
 from typing import Any, Union
 
+from octavo.backends.backend import BackendCapabilities
+from octavo.backends.capabilities import check_request
 from octavo.config import ModelConfig
 from octavo.engine.messages import EngineCoreRequest
 from octavo.sampling_params import SamplingParams
@@ -30,12 +32,28 @@ class ProcessedPrompt:
 
 
 class Processor:
-    """Tokenizes and validates requests; every problem is a ``ValueError`` naming it."""
+    """Tokenizes and validates requests; every problem is a ``ValueError`` naming it.
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, eos_token_ids: set[int]) -> None:
+    With ``capabilities`` (those of the selected backend, named ``backend``), a request that
+    asks more than the backend supports is refused too
+    (``octavo.backends.capabilities.check_request``).
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        backend: str | None = None,
+        capabilities: BackendCapabilities | None = None,
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
+        if capabilities is not None and backend is None:
+            raise TypeError("Processor: capabilities need the name of their backend (backend=...)")
+        self.backend = backend
+        self.capabilities = capabilities
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -72,6 +90,9 @@ class Processor:
     ) -> ProcessedPrompt:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if self.capabilities is not None:
+            assert self.backend is not None, "checked in __init__"
+            check_request(self.backend, self.capabilities, params)
         text, token_ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
         if not token_ids:

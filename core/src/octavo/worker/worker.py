@@ -12,6 +12,7 @@ import logging
 import pluggy
 import torch
 
+from octavo.backends.capabilities import check_head_dim
 from octavo.config import EngineConfig
 from octavo.scheduler.output import SchedulerOutput
 from octavo.worker.model_runner import ModelRunner
@@ -54,13 +55,10 @@ class Worker:
                 f"backend {config.backend!r} provides no attention implementation "
                 "(octavo_attention_backend returned None)"
             )
-        supported = attn_backend.supported_head_dims()
-        head_dim = config.model_config.head_dim
-        if supported is not None and head_dim not in supported:
-            raise ValueError(
-                f"attention backend {attn_backend.name!r} of {config.backend!r} does not support "
-                f"head_dim {head_dim}; supported: {list(supported)}"
-            )
+        # The backend's declared head sizes were checked at start-up; a plugin may have
+        # replaced its kernels, so the implementation actually chosen is checked too.
+        check_head_dim(config.backend, config.model_config.head_dim,
+                       attn_backend.supported_head_dims(), kernel=attn_backend.name)
         self.model_runner = ModelRunner(config, self.device, attn_backend, self.pm)
         self.model_runner.load_model()
 

@@ -1,0 +1,178 @@
+"""Capability negotiation: a configuration and each request, checked against the backend.
+
+A backend declares what it supports in its ``BackendCapabilities``; every check of a value
+against them lives here, so every such error reads the same way: the backend, the value, what
+the backend supports, and what to do (a value it supports, or another installed backend that
+runs here and supports the asked value). Where the checks run:
+
+- ``fit_max_model_len`` and ``check_config``: at start-up, in
+  ``EngineArgs.create_engine_config`` (so in the front end and in the engine-core process
+  alike), before any weight is loaded.
+- ``check_head_dim``: by ``check_config`` against the backend's declared head sizes, and by
+  the worker against the attention implementation actually chosen (a plugin may replace a
+  backend's kernels).
+- ``check_request``: at admission, by ``octavo.engine.processor.Processor`` (``LLM.generate``
+  and the OpenAI server, which answers 400).
+
+Importing this module is cheap (no torch): configurations and sampling params are only
+type-checked names here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from octavo.backends.backend import Backend, BackendCapabilities
+from octavo.backends.selection import probe
+
+if TYPE_CHECKING:
+    from octavo.config import EngineConfig
+    from octavo.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedByBackendError(ValueError):
+    """A configuration or a request asks for something the selected backend does not support."""
+
+
+def fit_max_model_len(backend: Backend, max_model_len: int, requested: int | None) -> int:
+    """The context length to use: the model's, lowered to the backend's limit when needed.
+
+    Only a length the user did not ask for is lowered (and logged); a requested length beyond
+    the backend's limit is left for ``check_config`` to reject.
+
+    :param max_model_len: the length derived from the model (or the requested one).
+    :param requested: what the user asked for (``--max-model-len``), or ``None``.
+    """
+    limit = backend.capabilities.max_model_len
+    if requested is None and limit is not None and max_model_len > limit:
+        logger.info(
+            "backend %s: max_model_len lowered from the model's %d to %d, the longest it "
+            "supports", backend.name, max_model_len, limit,
+        )
+        return limit
+    return max_model_len
+
+
+def check_config(backend: Backend, config: EngineConfig, others: Sequence[Backend] = ()) -> None:
+    """Raise ``UnsupportedByBackendError`` unless ``backend`` supports ``config``.
+
+    Checks, in order: dtype, the model's head size, KV block size, ``max_num_seqs``,
+    ``max_model_len``. The error names the backend, the value and what it supports, and
+    suggests a supported value and the backends among ``others`` (other installed ones) that
+    are available here and support the value; they are probed only when a check fails.
+    """
+    caps = backend.capabilities
+    model = config.model_config
+    dtype = model.dtype_name
+    if dtype not in caps.dtypes:
+        _fail(backend, "dtype", dtype, ", ".join(caps.dtypes), f"--dtype {caps.dtypes[0]}",
+              others, lambda c: dtype in c.dtypes)
+    check_head_dim(backend.name, model.head_dim, caps.head_dims, others=others)
+    block_size = config.cache_config.block_size
+    if caps.block_sizes is not None and block_size not in caps.block_sizes:
+        suggested = 16 if 16 in caps.block_sizes else caps.block_sizes[0]
+        _fail(backend, "block_size", block_size, ", ".join(map(str, caps.block_sizes)),
+              f"--block-size {suggested}", others,
+              lambda c: c.block_sizes is None or block_size in c.block_sizes)
+    max_num_seqs = config.scheduler_config.max_num_seqs
+    if caps.max_num_seqs is not None and max_num_seqs > caps.max_num_seqs:
+        _fail(backend, "max_num_seqs", max_num_seqs, f"at most {caps.max_num_seqs}",
+              f"--max-num-seqs {caps.max_num_seqs}", others,
+              lambda c: c.max_num_seqs is None or max_num_seqs <= c.max_num_seqs)
+    max_model_len = model.max_model_len
+    if caps.max_model_len is not None and max_model_len > caps.max_model_len:
+        _fail(backend, "max_model_len", max_model_len, f"at most {caps.max_model_len}",
+              f"--max-model-len {caps.max_model_len}", others,
+              lambda c: c.max_model_len is None or max_model_len <= c.max_model_len)
+
+
+def check_head_dim(
+    backend: str,
+    head_dim: int,
+    supported: Sequence[int] | None,
+    kernel: str | None = None,
+    others: Sequence[Backend] = (),
+) -> None:
+    """Raise ``UnsupportedByBackendError`` when ``head_dim`` is not in ``supported``.
+
+    :param backend: name of the selected backend.
+    :param supported: head sizes the backend (or its attention implementation) handles;
+        ``None`` accepts any.
+    :param kernel: name of the attention implementation when the list comes from it.
+    :param others: other installed backends, to suggest one that supports ``head_dim``.
+    """
+    if supported is None or head_dim in supported:
+        return
+    owner = f"attention implementation {kernel!r} of backend {backend!r}" if kernel else (
+        f"backend {backend!r}")
+    alternatives = _alternatives(
+        others, backend, lambda c: c.head_dims is None or head_dim in c.head_dims)
+    raise UnsupportedByBackendError(
+        f"{owner} does not support head_dim {head_dim}, the model's attention head size "
+        f"(supported: {', '.join(map(str, supported))}). {_advice(None, alternatives)}"
+    )
+
+
+def check_request(backend: str, capabilities: BackendCapabilities, params: SamplingParams) -> None:
+    """Raise ``UnsupportedByBackendError`` when a request asks more than the backend supports.
+
+    Called at admission, before anything is queued. Checks ``prompt_logprobs`` against
+    ``capabilities.prompt_logprobs`` and the ``logprobs``/``prompt_logprobs`` counts against
+    ``capabilities.max_logprobs``. Messages start with the field's name (the OpenAI server
+    reports it as the error's ``param``). The prompt and completion lengths need no check of
+    their own: ``max_model_len`` is already within the backend's limit.
+    """
+    if params.prompt_logprobs is not None and not capabilities.prompt_logprobs:
+        raise UnsupportedByBackendError(
+            f"prompt_logprobs are not supported by backend {backend!r}, which does not compute "
+            f"logprobs of prompt tokens (got prompt_logprobs={params.prompt_logprobs}); leave "
+            "prompt_logprobs unset"
+        )
+    limit = capabilities.max_logprobs
+    if limit is None:
+        return
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise UnsupportedByBackendError(
+                f"{name} must be at most {limit} on backend {backend!r} (its most top "
+                f"logprobs per token), got {value}"
+            )
+
+
+# ---- error messages ---------------------------------------------------------------------------
+
+
+def _fail(
+    backend: Backend,
+    what: str,
+    value: object,
+    supported: str,
+    fix: str,
+    others: Sequence[Backend],
+    accepts: Callable[[BackendCapabilities], bool],
+) -> None:
+    alternatives = _alternatives(others, backend.name, accepts)
+    raise UnsupportedByBackendError(
+        f"backend {backend.name!r} does not support {what} {value} (supported: {supported}). "
+        f"{_advice(fix, alternatives)}"
+    )
+
+
+def _alternatives(
+    others: Sequence[Backend], selected: str, accepts: Callable[[BackendCapabilities], bool]
+) -> list[str]:
+    """Names of the other backends that are available here and accept the value."""
+    return [b.name for b in others
+            if b.name != selected and accepts(b.capabilities) and probe(b).available]
+
+
+def _advice(fix: str | None, alternatives: list[str]) -> str:
+    options = ([fix] if fix else []) + [f"--device {name}" for name in alternatives]
+    if not options:
+        return "No other installed backend that runs here supports it."
+    return f"Use {' or '.join(options)}."
