@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
-#   bash benchmarks/gpu/run_h100.sh [setup] [tests] [bench] [latency] [profile]
+#   bash benchmarks/gpu/run_h100.sh [setup] [tests] [bench] [bench-offline] [bench-async]
+#                                    [latency] [profile]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -21,31 +22,33 @@ for stage in "${stages[@]}"; do
       octavo backends
       ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/backends_cuda tests/kernels/test_triton_fused.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/backends_cuda tests/kernels 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
       ;;
     bench)
+      # W1 through AsyncLLM (engine core in its own process, as `octavo serve` runs it), then
+      # HF transformers generate on the same token ids in static batches of 256, same process.
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
-        --max-num-seqs 256 --compare-hf --hf-batch-size 256 2>"$OUT/bench-throughput.err" \
-        | tee "$OUT/bench-throughput.log"
+        --max-num-seqs 256 --async-engine --compare-hf --hf-batch-size 256 \
+        2>"$OUT/bench-throughput.err" | tee "$OUT/bench-throughput.log"
       tail -3 "$OUT/bench-throughput.err"
       ;;
-    bench-hf32)
-      # The first 32 requests of W1 (same seed, same token ids), Octavo and HF in one process.
-      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
-      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 32 \
-        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
-        --max-num-seqs 256 --compare-hf --hf-batch-size 32 2>"$OUT/bench-hf32.err" \
-        | tee "$OUT/bench-hf32.log"
-      tail -3 "$OUT/bench-hf32.err"
-      ;;
-    bench-octavo)
+    bench-offline)
+      # W1 through LLM.generate (engine core in this process), Octavo only.
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
-        --max-num-seqs 256 2>"$OUT/bench-octavo.err" | tee "$OUT/bench-octavo.log"
-      tail -3 "$OUT/bench-octavo.err"
+        --max-num-seqs 256 2>"$OUT/bench-offline.err" | tee "$OUT/bench-offline.log"
+      tail -3 "$OUT/bench-offline.err"
+      ;;
+    bench-async)
+      # W1 through AsyncLLM, Octavo only.
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 --async-engine 2>"$OUT/bench-async.err" | tee "$OUT/bench-async.log"
+      tail -3 "$OUT/bench-async.err"
       ;;
     latency)
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
@@ -56,6 +59,8 @@ for stage in "${stages[@]}"; do
     profile)
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       python3 benchmarks/gpu/profile_steps.py --model $MODEL 2>&1 | tee "$OUT/profile.log" | tail -40
+      python3 benchmarks/gpu/profile_steps.py --model $MODEL --num-requests 1 2>&1 \
+        | tee "$OUT/profile-batch1.log" | tail -40
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -6,6 +6,8 @@ kernel + reduce kernel); ``partition_size=512`` keeps them in one (single-launch
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -84,6 +86,27 @@ def test_decode_many_partitions():
     batch = make_paged_batch([1, 1], [720, 30], num_heads=2, num_kv_heads=1, head_dim=64,
                              block_size=16)
     run_and_compare(batch, torch.float32, block_n=16, partition_size=16)
+
+
+@pytest.mark.parametrize("threshold,expect_split", [(4, False), (100, True)])
+def test_decode_wide_batch_is_not_split(threshold, expect_split, monkeypatch):
+    # 3 sequences x 2 KV heads = 6 programs; contexts span up to 12 partitions of 16.
+    module = importlib.import_module("octavo.kernels.triton.decode_attention")
+
+    launched = []
+    reduce_kernel = module._decode_reduce_kernel
+
+    class RecordingKernel:  # records launches of the reduce kernel, then runs it
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return reduce_kernel[grid]
+
+    monkeypatch.setattr(module, "_decode_reduce_kernel", RecordingKernel())
+    batch = make_paged_batch([1, 1, 1], [190, 33, 70], num_heads=4, num_kv_heads=2,
+                             head_dim=64, block_size=16)
+    run_and_compare(batch, torch.float32, block_n=16, partition_size=16,
+                    unsplit_min_programs=threshold)
+    assert bool(launched) == expect_split
 
 
 def test_decode_skips_sequences_without_tokens():

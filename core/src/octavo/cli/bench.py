@@ -1,7 +1,9 @@
 """``octavo bench throughput|latency``: measured figures plus one JSON line.
 
 Throughput: a synthetic workload (random token-id prompts, lengths uniform in the given
-ranges, fixed seed) run through ``LLM.generate``; with ``--compare-hf``, Hugging Face
+ranges, fixed seed) run through ``LLM.generate`` (or, with ``--async-engine``, through
+``AsyncLLM``: the engine core in its own process, detokenization overlapping the model's steps,
+as ``octavo serve`` runs it); with ``--compare-hf``, Hugging Face
 transformers ``generate`` runs the same token ids in the same process (static, left-padded
 batches; only the requested output tokens are counted for it) and the ratio is printed.
 Latency: one request at a time, ms per output token.
@@ -10,13 +12,13 @@ Latency: one request at a time, ms per output token.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
-from dataclasses import asdict
 import json
 import platform
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from octavo.engine.arg_utils import EngineArgs
 
@@ -37,6 +39,13 @@ class Workload:
     @property
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -68,7 +77,7 @@ def add_parser(sub) -> None:
     modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
     tp = modes.add_parser("throughput", help="offline throughput on a synthetic workload",
                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tp.add_argument("--num-prompts", type=int, default=64, help="number of requests")
+    tp.add_argument("--num-prompts", type=_positive_int, default=64, help="number of requests")
     tp.add_argument("--input-len", type=_range, default=(64, 256), metavar="MIN:MAX",
                     help="prompt lengths, uniform in [MIN, MAX] (default 64:256)")
     tp.add_argument("--output-len", type=_range, default=(64, 128), metavar="MIN:MAX",
@@ -76,6 +85,9 @@ def add_parser(sub) -> None:
     tp.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
     tp.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                     help="let EOS end requests early (default: ignore EOS so lengths are exact)")
+    tp.add_argument("--async-engine", action="store_true",
+                    help="run through AsyncLLM (engine core in a background process, as "
+                         "`octavo serve` does) instead of LLM.generate")
     tp.add_argument("--compare-hf", action="store_true",
                     help="also run HF transformers generate on the same token ids and print the ratio")
     tp.add_argument("--hf-batch-size", type=int, default=None,
@@ -84,33 +96,101 @@ def add_parser(sub) -> None:
     tp.set_defaults(func=run_throughput)
 
     lat = modes.add_parser("latency", help="single-request latency (ms per output token)")
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=128)
-    lat.add_argument("--num-iters", type=int, default=3)
-    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens")
+    lat.add_argument("--output-len", type=_positive_int, default=128, help="output tokens")
+    lat.add_argument("--num-iters", type=_positive_int, default=3, help="timed requests")
+    lat.add_argument("--num-iters-warmup", type=int, default=1, help="untimed requests first")
     EngineArgs.add_cli_args(lat)
     lat.set_defaults(func=run_latency)
 
 
-def run_throughput(args: argparse.Namespace) -> int:
-    from octavo import LLM, SamplingParams
+@dataclass(slots=True)
+class _OctavoRun:
+    """What one Octavo throughput run measured."""
 
-    llm = LLM(**asdict(EngineArgs.from_cli_args(args)))
-    engine = llm.llm_engine
-    vocab = min(len(engine.tokenizer), engine.config.model_config.vocab_size)
-    workload = make_workload(args.num_prompts, args.input_len, args.output_len, vocab,
-                             args.workload_seed)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=args.ignore_eos)
-              for n in workload.output_lens]
+    # Wall seconds from the first request queued to the last one finished.
+    elapsed_s: float
+    # Output tokens generated (all completions).
+    num_output_tokens: int
+    # Requests preempted (recomputed) during the run.
+    num_preemptions: int
+
+
+def _throughput_params(workload: Workload, ignore_eos: bool):
+    from octavo import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+            for n in workload.output_lens]
+
+
+def _run_offline(llm, workload: Workload, ignore_eos: bool) -> _OctavoRun:
+    params = _throughput_params(workload, ignore_eos)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return _OctavoRun(elapsed, num_out, llm.llm_engine.stats().num_preemptions)
+
+
+async def _run_async(engine, workload: Workload, ignore_eos: bool) -> _OctavoRun:
+    from octavo.engine.output_processor import RequestOutputKind
+
+    async def one(request_id: str, prompt: list[int], params) -> int:
+        num_out = 0
+        async for output in engine.generate({"prompt_token_ids": prompt}, params, request_id,
+                                            output_kind=RequestOutputKind.FINAL_ONLY):
+            num_out = sum(len(c.token_ids) for c in output.outputs)
+        return num_out
+
+    params = _throughput_params(workload, ignore_eos)
+    start = time.perf_counter()
+    counts = await asyncio.gather(
+        *(one(str(i), p, sp) for i, (p, sp) in enumerate(zip(workload.prompts, params)))
+    )
+    elapsed = time.perf_counter() - start
+    return _OctavoRun(elapsed, sum(counts), engine.scheduler_stats.num_preemptions)
+
+
+def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
+    vocab = min(len(tokenizer), model_config.vocab_size)
+    return make_workload(args.num_prompts, args.input_len, args.output_len, vocab,
+                         args.workload_seed)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.async_engine:
+        from octavo.engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM(engine_args)
+        config = engine.config
+        workload = _make_workload(args, engine.tokenizer, config.model_config)
+
+        async def run_async() -> _OctavoRun:
+            try:
+                await engine.start()
+                return await _run_async(engine, workload, args.ignore_eos)
+            finally:
+                await engine.shutdown()  # frees the device before HF runs
+
+        run = asyncio.run(run_async())
+    else:
+        from octavo import LLM
+
+        llm = LLM(**asdict(engine_args))
+        config = llm.llm_engine.config
+        workload = _make_workload(args, llm.llm_engine.tokenizer, config.model_config)
+        run = _run_offline(llm, workload, args.ignore_eos)
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+    elapsed, num_out = run.elapsed_s, run.num_output_tokens
     result = {
         "bench": "throughput",
-        "backend": engine.config.backend,
-        "model": engine.config.model_config.model,
-        "dtype": engine.config.model_config.dtype_name,
+        "backend": config.backend,
+        "engine": "async" if args.async_engine else "offline",
+        "model": config.model_config.model,
+        "dtype": config.model_config.dtype_name,
         "num_requests": len(workload.prompts),
         "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": num_out,
@@ -118,7 +198,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "requests_per_s": round(len(workload.prompts) / elapsed, 3),
         "output_tokens_per_s": round(num_out / elapsed, 2),
         "total_tokens_per_s": round((num_out + workload.num_prompt_tokens) / elapsed, 2),
-        "preemptions": engine.stats().num_preemptions,
+        "preemptions": run.num_preemptions,
         "host": platform.node(),
     }
     print(f"octavo  : {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} "
@@ -127,13 +207,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.compare_hf:
         from octavo.benchmarks.hf_baseline import run_hf_generate
 
-        # HF runs on the same device type as the backend Octavo used (cpu, cuda, ...), after
-        # Octavo's engine (and its KV cache) is released.
-        hf_device = engine.engine_core.executor.worker.device.type
-        model_config = engine.config.model_config
-        engine.shutdown()
-        del llm, engine
-        gc.collect()
+        # HF runs on the same device type as the backend Octavo used (cpu, cuda, ...), now
+        # that Octavo's engine (and its KV cache) is released.
+        hf_device = _device_type(config.backend)
+        model_config = config.model_config
         if hf_device == "cuda":
             import torch
 
@@ -188,3 +265,14 @@ def run_latency(args: argparse.Namespace) -> int:
           f"{per_token_ms:.2f} ms per output token")
     print(json.dumps(result))
     return 0
+
+
+def _device_type(backend_name: str) -> str:
+    """torch device type of the installed backend called ``backend_name``."""
+    from octavo.backends.selection import list_backends
+    from octavo.plugins import get_plugin_manager
+
+    for backend in list_backends(get_plugin_manager()):
+        if backend.name == backend_name:
+            return backend.device_type
+    raise ValueError(f"backend {backend_name!r} is not installed")

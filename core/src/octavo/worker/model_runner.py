@@ -231,7 +231,7 @@ class ModelRunner:
                     targets = state.token_ids[start + 1 : last + 1]
                     prompt_positions[req_id] = (flat, targets)
         # One host-to-device copy for the three per-token vectors.
-        per_token = torch.tensor([input_ids, positions, slots], dtype=torch.long).to(self.device)
+        per_token = self._to_device(torch.tensor([input_ids, positions, slots], dtype=torch.long))
         metadata = self._build_metadata(per_token[2], query_start_loc, seq_lens, block_tables)
         return _StepInputs(
             input_ids=per_token[0],
@@ -256,19 +256,30 @@ class ModelRunner:
             table[i, : len(blocks)] = blocks
         num_seqs = len(seq_lens)
         # query_start_loc and seq_lens travel in one copy.
-        lengths = torch.tensor(query_start_loc + seq_lens, dtype=torch.int32).to(self.device)
+        lengths = self._to_device(torch.tensor(query_start_loc + seq_lens, dtype=torch.int32))
         return AttentionMetadata(
             num_seqs=num_seqs,
             num_tokens=query_start_loc[-1],
             slot_mapping=slot_mapping.to(self.device),
             query_start_loc=lengths[: num_seqs + 1],
             seq_lens=lengths[num_seqs + 1 :],
-            block_tables=torch.from_numpy(table).to(self.device),
+            block_tables=self._to_device(torch.from_numpy(table)),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=list(query_start_loc),
             seq_lens_cpu=list(seq_lens),
         )
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Copy a host tensor to the device without blocking the host on a GPU device.
+
+        The copy goes through pinned memory (torch's caching host allocator keeps the buffer
+        alive until the copy has run), so building the next step's inputs never waits for
+        the device. On the CPU this is the tensor itself; other devices get a plain copy.
+        """
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _sample(
         self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput

@@ -23,9 +23,10 @@ from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMeta
 from octavo.kernels.triton.cache_write import interpreting, write_kv_cache
 from octavo.kernels.triton.decode_attention import decode_attention
 from octavo.kernels.triton.prefill_attention import prefill_attention
+from octavo.kernels.triton_support import TRITON_HEAD_DIMS
 
-#: Head dimensions the backend accepts (non powers of two are padded inside the kernels).
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Head dimensions the backend accepts (defined, importable without Triton, in triton_support).
+SUPPORTED_HEAD_DIMS = TRITON_HEAD_DIMS
 _DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
 
 
@@ -51,6 +52,11 @@ class TritonLaunchConfig:
     # Keys per decode partition (first flash-decoding kernel); a multiple of decode_block_n.
     # Contexts up to this length take one launch, longer ones add the reduce kernel.
     decode_partition_size: int = 512
+    # Decode batches of at least this many (sequence, KV head) programs are not split along
+    # the context: they fill the GPU already (H100: 132 SMs), and the split would only add
+    # empty programs and the reduce kernel. None: always split contexts longer than a
+    # partition.
+    decode_unsplit_min_programs: int | None = 256
     # Warps per decode program (both decode kernels).
     decode_num_warps: int = 4
     # Software-pipelining stages of the decode key loop.
@@ -76,6 +82,11 @@ class TritonLaunchConfig:
             raise ValueError(
                 f"decode_partition_size ({self.decode_partition_size}) must be a multiple of "
                 f"decode_block_n ({self.decode_block_n})"
+            )
+        if self.decode_unsplit_min_programs is not None and self.decode_unsplit_min_programs < 1:
+            raise ValueError(
+                "decode_unsplit_min_programs must be None or >= 1, "
+                f"got {self.decode_unsplit_min_programs}"
             )
         if self.fp32_dot_precision not in _DOT_PRECISIONS:
             raise ValueError(
@@ -132,6 +143,7 @@ class TritonAttentionImpl(AttentionImpl):
                 self.scale,
                 block_n=cfg.decode_block_n,
                 partition_size=cfg.decode_partition_size,
+                unsplit_min_programs=cfg.decode_unsplit_min_programs,
                 num_warps=cfg.decode_num_warps,
                 num_stages=cfg.decode_num_stages,
                 fp32_dot_precision=cfg.fp32_dot_precision,

@@ -12,7 +12,9 @@ tokens instead:
    partition by ``exp2(m_p - max_p m_p)`` and returns ``sum acc_p / sum l_p``.
 
 When the longest context fits in one partition, step 1 normalizes and writes the output
-itself and step 2 is skipped. The token's own K/V must already be in the cache
+itself and step 2 is skipped. So does a batch wide enough to fill the GPU on its own
+(``num_seqs * num_kv_heads >= unsplit_min_programs``): splitting it would only add programs
+and the reduce pass, since the bytes of K/V read are the same either way. The token's own K/V must already be in the cache
 (``write_kv_cache``). Reference: ``octavo.attention.reference.paged_attention_reference``.
 """
 
@@ -35,6 +37,9 @@ from octavo.kernels.triton.cache_write import (
 NEG_LARGE = tl.constexpr(-1.0e30)
 # Partitions combined per step of the reduce kernel's loop.
 _REDUCE_BLOCK = 32
+# PARTITION_SIZE of an unsplit launch: larger than any context, and one constant so every
+# unsplit launch shares one compiled kernel whatever max_seq_len is.
+_UNSPLIT_PARTITION_SIZE = 1 << 30
 
 
 @triton.jit
@@ -202,6 +207,7 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_n: int = 64,
     partition_size: int = 512,
+    unsplit_min_programs: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     fp32_dot_precision: str = "ieee",
@@ -211,7 +217,10 @@ def decode_attention(
     Every sequence must have query length 1 (or 0: skipped, its ``out`` rows untouched);
     ``max_seq_len`` must be >= every ``seq_lens`` entry (it sizes the partition grid).
     ``partition_size`` (a multiple of ``block_n``) is the number of keys per first-kernel
-    program; contexts up to that length use a single kernel launch.
+    program; contexts up to that length use a single kernel launch. With
+    ``unsplit_min_programs`` set, a batch of at least that many (sequence, KV head) programs
+    is not split at all (one program per sequence and KV head, no reduce kernel). The choice
+    depends only on the shapes and ``max_seq_len``, so it is fixed inside a captured graph.
     """
     check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
@@ -222,6 +231,8 @@ def decode_attention(
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_seq_len == 0:
         return out
+    if unsplit_min_programs is not None and num_seqs * num_kv_heads >= unsplit_min_programs:
+        partition_size = max(partition_size, _UNSPLIT_PARTITION_SIZE)
     num_partitions = triton.cdiv(max_seq_len, partition_size)
     single = num_partitions == 1
     if single:  # the statistics buffers are never touched; pass small placeholders
