@@ -14,7 +14,10 @@ from tests.helpers.tiny import make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or getattr(torch.version, "hip", None) is not None,
+        reason="needs an NVIDIA GPU and a CUDA build of torch",
+    ),
 ]
 
 PROMPTS = [
