@@ -1,0 +1,1 @@
+"""Octavo's ROCm backend (AMD GPUs through HIP)."""
