@@ -262,18 +262,24 @@ def test_register_models_adds_an_architecture(my_llama_dir, register_plugin, def
     assert MyLlamaForCausalLM.num_forwards > before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pluggy calls the built-in octavo_register_models last (registered first), so it overwrites "
-    "a plugin's class for a built-in name; fix: @hookimpl(tryfirst=True) in builtin_plugin.py"))
-def test_register_models_can_replace_a_builtin_architecture(tiny_llama, register_plugin):
+def test_register_models_can_replace_a_builtin_architecture(tiny_llama, register_plugin,
+                                                           default_token_ids, octavo_logs):
+    """The built-in hook implementation is tryfirst, so a plugin's class for a built-in name wins."""
+
     class ReplaceLlama:
         @hookimpl
         def octavo_register_models(self, register):
             register("LlamaForCausalLM", MyLlamaForCausalLM)
 
     register_plugin(ReplaceLlama())
-    llm = _llm(tiny_llama, num_gpu_blocks_override=64)
+    with octavo_logs.at_level(logging.INFO, logger="octavo"):
+        llm = _llm(tiny_llama, num_gpu_blocks_override=64)
     assert type(llm.llm_engine.engine_core.executor.worker.model) is MyLlamaForCausalLM
+    assert any(m == "model architecture LlamaForCausalLM: MyLlamaForCausalLM replaces "
+                    "LlamaForCausalLM" for m in (r.getMessage() for r in octavo_logs.records))
+    before = MyLlamaForCausalLM.num_forwards
+    assert _token_ids(llm) == default_token_ids
+    assert MyLlamaForCausalLM.num_forwards > before
 
 
 # ---- octavo_worker_class ----------------------------------------------------------------------

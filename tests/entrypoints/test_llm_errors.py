@@ -143,15 +143,15 @@ def test_unknown_model_path(tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture(tiny_llama: Path, tmp_path: Path) -> None:
-    folder = tmp_path / "gpt2-ish"
+    folder = tmp_path / "opt-ish"
     shutil.copytree(tiny_llama, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config["architectures"] = ["OPTForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError) as info:
         make_llm(folder)
     message = str(info.value)
-    assert "GPT2LMHeadModel" in message
+    assert "OPTForCausalLM" in message
     for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                       "Qwen3ForCausalLM"):
         assert supported in message

@@ -54,6 +54,11 @@ def octavo_register_backends(register: Callable[[Backend], None]) -> None:
     many times, so it must be cheap and side-effect free: import no device runtime (no
     ``torch.cuda`` initialisation, no kernels). Availability is probed separately through
     ``Backend.is_available``. Registering a name twice (two plugins) is an error.
+    ``Backend.capabilities`` declares what the backend supports (dtypes, head sizes, block
+    sizes, CUDA graphs, batch and length limits, logprobs); the core checks the engine's
+    configuration against it at start-up and every request at admission
+    (``octavo.backends.capabilities``), so an unsupported setting is a clear error, never a
+    crash inside a kernel.
 
     :param register: call ``register(Backend(...))`` once per backend provided.
     """
@@ -122,9 +127,9 @@ def octavo_register_models(register: Callable[[str, type[Any]], None]) -> None:
     Called every time a model is loaded, in the worker process, to build a fresh registry
     (``octavo.model_executor.model_loader.resolve_model_class``). Octavo's own architectures are
     registered through this same hook (``octavo.model_executor.models.builtin_plugin``). Within
-    one call a later registration of a name replaces an earlier one; pluggy calls the built-in
-    implementation last (it is registered first), so today a plugin can add architectures but
-    cannot replace a built-in name.
+    one call a later registration of a name replaces an earlier one; the built-in implementation
+    is ``tryfirst``, so pluggy calls it before any plain ``@hookimpl`` and a plugin can both add
+    architectures and replace a built-in name (e.g. its own ``LlamaForCausalLM``).
 
     :param register: call ``register("MyArchForCausalLM", MyArchForCausalLM)``; the class
         follows the contract of ``octavo.model_executor.models.llama.LlamaForCausalLM``

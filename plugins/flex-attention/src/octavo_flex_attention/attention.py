@@ -1,0 +1,148 @@
+"""Paged attention for the cpu backend on torch's FlexAttention.
+
+KV-cache layout: the core's default, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``,
+which is also the cpu backend's, so the cpu worker and its memory sizing work unchanged.
+
+One step's sequences are attended in FlexAttention batches, one batch row per sequence:
+
+* all decode rows (one new token each) in one call: ``q [batch, heads, 1, dim]``;
+* each prefill row (a prompt, or a chunk after a cached prefix) in its own call:
+  ``q [1, heads, query_len, dim]``, so the dense scores of the eager path stay
+  ``query_len x seq_len`` per head instead of growing with the batch's longest prompt.
+
+A row's keys/values are its pages gathered through the block table in token order
+(``[batch, kv_heads, num_pages * block_size, dim]``); the causal-after-prefix rule and the
+sequence end are the block mask of :mod:`octavo_flex_attention.block_mask`. Gathered slots at or
+past ``seq_len`` are zeroed: the cache is allocated uninitialised, and a masked-out NaN value
+would still poison ``probs @ values`` (0 * NaN is NaN).
+
+``compiled=False`` calls ``flex_attention`` eagerly: torch evaluates it with an unfused
+implementation that materialises the scores (correct on any CPU, no compiler needed).
+``compiled=True`` uses ``torch.compile(flex_attention, dynamic=True)``, inductor's fused C++
+kernel, which skips fully masked tiles; it compiles on first use (seconds to tens of seconds,
+per shape family and dtype, depending on inductor's on-disk cache).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import torch
+from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from octavo.attention.reference import write_kv_reference
+from torch.nn.attention.flex_attention import flex_attention
+
+from octavo_flex_attention.block_mask import causal_prefix_block_mask
+
+FlexFn = Callable[..., torch.Tensor]
+
+
+@functools.cache
+def compiled_flex_attention() -> FlexFn:
+    """``flex_attention`` compiled once per process, with dynamic shapes (no recompile per length)."""
+    return torch.compile(flex_attention, dynamic=True)
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """Makes :class:`FlexAttentionImpl` layers; keeps the default (cpu backend) KV layout."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled
+        self.name = "cpu-flex-compiled" if compiled else "cpu-flex"
+        if not compiled:
+            # torch warns that eager flex_attention is unfused; here eager is chosen on purpose
+            # (and the plugin logs it), so that one warning is silenced.
+            warnings.filterwarnings(
+                "ignore", message=r"flex_attention called without torch\.compile",
+                category=UserWarning,
+            )
+
+    def make_impl(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> AttentionImpl:
+        flex_fn = compiled_flex_attention() if self.compiled else flex_attention
+        return FlexAttentionImpl(num_heads, num_kv_heads, head_dim, scale, flex_fn)
+
+
+class FlexAttentionImpl(AttentionImpl):
+    """One layer: writes the step's K/V into the paged cache, then attends with FlexAttention."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, flex_fn: FlexFn
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.flex_fn = flex_fn
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        # Every new token's K/V first: a prefill may read prefix blocks another row fills.
+        write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        starts = metadata.query_start_loc_cpu
+        query_lens = [starts[i + 1] - starts[i] for i in range(metadata.num_seqs)]
+        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        if decode_rows:
+            self._attend(query, kv_cache, metadata, decode_rows, out)
+        for row, n in enumerate(query_lens):
+            if n > 1:
+                self._attend(query, kv_cache, metadata, [row], out)
+        return out
+
+    def _attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        rows: list[int],
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written at the rows' tokens
+    ) -> None:
+        """Attend the new tokens of sequences ``rows`` as one FlexAttention batch."""
+        device = query.device
+        block_size = kv_cache.shape[2]
+        starts = metadata.query_start_loc_cpu
+        seq_lens_list = [metadata.seq_lens_cpu[i] for i in rows]
+        query_lens_list = [starts[i + 1] - starts[i] for i in rows]
+        batch, max_query_len = len(rows), max(query_lens_list)
+        num_pages = -(-max(seq_lens_list) // block_size)
+        kv_len = num_pages * block_size
+
+        seq_lens = torch.tensor(seq_lens_list, device=device)  # [batch]
+        query_lens = torch.tensor(query_lens_list, device=device)  # [batch]
+        first_token = torch.tensor([starts[i] for i in rows], device=device)  # [batch]
+
+        # Pages of each row in token order.  [batch, num_pages]
+        pages = metadata.block_tables[rows, :num_pages].to(device=device, dtype=torch.long)
+        shape = (batch, kv_len, self.num_kv_heads, self.head_dim)
+        keys = kv_cache[0][pages].reshape(shape)  # [batch, kv_len, kv_heads, head_dim]
+        values = kv_cache[1][pages].reshape(shape)
+        past_end = torch.arange(kv_len, device=device)[None] >= seq_lens[:, None]  # [batch, kv_len]
+        keys.masked_fill_(past_end[:, :, None, None], 0.0)
+        values.masked_fill_(past_end[:, :, None, None], 0.0)
+
+        # Flat index of each row's new tokens; padded query slots repeat the row's first token.
+        offsets = torch.arange(max_query_len, device=device)[None]  # [1, max_query_len]
+        valid = offsets < query_lens[:, None]  # [batch, max_query_len]
+        token_index = first_token[:, None] + offsets * valid  # [batch, max_query_len]
+        q = query[token_index].transpose(1, 2)  # [batch, heads, max_query_len, head_dim]
+
+        block_mask = causal_prefix_block_mask(
+            seq_lens - query_lens, seq_lens, max_query_len, kv_len
+        )
+        result = self.flex_fn(
+            q,
+            keys.transpose(1, 2),  # [batch, kv_heads, kv_len, head_dim]
+            values.transpose(1, 2),
+            block_mask=block_mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [batch, heads, max_query_len, head_dim]
+        result = result.transpose(1, 2)  # [batch, max_query_len, heads, head_dim]
+        out[token_index[valid]] = result[valid].to(out.dtype)
