@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
-#   bash benchmarks/gpu/run_h100.sh [setup] [tests] [bench] [bench-offline] [bench-async]
-#                                    [latency] [profile]
+#   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
+#                                    [bench-async] [latency] [profile]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -20,6 +20,11 @@ for stage in "${stages[@]}"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
       octavo backends
+      ;;
+    conformance)
+      # The backend conformance kit that ships with the core, against the CUDA backend.
+      python3 -m pytest -q -p no:cacheprovider --octavo-backend cuda \
+        --pyargs octavo.testing.conformance 2>&1 | tee "$OUT/conformance.log" | tail -25
       ;;
     tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/backends_cuda tests/kernels 2>&1 | tee "$OUT/gpu-tests.log" | tail -25

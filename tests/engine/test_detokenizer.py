@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import random
 
 import pytest
 
@@ -217,6 +218,61 @@ def test_prompt_ending_mid_character(tokenizer, tok):
     run(detok, ids[split:])
     assert detok.output_text == tokenizer.decode(ids[split:])
     assert detok.output_text.endswith(" done")
+
+
+def per_step_and_deferred(tok, prompt, ids, params, chunk, finish=True):
+    """The text of ``ids`` decoded every step, and decoded deferred; fed ``chunk`` at a time."""
+    texts = []
+    for defer in (False, True):
+        detok = IncrementalDetokenizer(tok, prompt, params, defer=defer)
+        for start in range(0, len(ids), chunk):
+            detok.update(ids[start:start + chunk], finished=finish and start + chunk >= len(ids))
+        texts.append(detok.output_text)
+    return texts
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+@pytest.mark.parametrize("text", TEXTS)
+def test_deferred_decoding_gives_the_per_step_text(tokenizer, tok, text, chunk):
+    ids = encode(tokenizer, text)
+    prompt = encode(tokenizer, "ok \U0001F600 The capital of France is")
+    per_step, deferred = per_step_and_deferred(tok, prompt, ids, SamplingParams(), chunk)
+    assert deferred == per_step == text
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_deferred_decoding_of_random_ids_gives_the_per_step_text(tokenizer, tok, seed):
+    # Random ids include lone UTF-8 continuation bytes and special tokens: not text anyone
+    # typed, but what a random-weight model emits.
+    rng = random.Random(seed)
+    prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 12))]
+    ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 150))]
+    for skip in (True, False):
+        params = SamplingParams(skip_special_tokens=skip)
+        per_step, deferred = per_step_and_deferred(tok, prompt, ids, params, chunk=1)
+        assert deferred == per_step
+
+
+def test_deferred_text_read_before_the_end_holds_back_a_partial_character(tokenizer, tok):
+    # An aborted request's text is read while it runs: the same as per-step decoding, with
+    # the unfinished emoji held back, and decoding goes on correctly afterwards.
+    ids = encode(tokenizer, "ok \U0001F600 done")
+    split = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    per_step, deferred = per_step_and_deferred(tok, [], ids[:split], SamplingParams(), 1,
+                                               finish=False)
+    assert deferred == per_step
+    assert per_step.startswith("ok") and "\ufffd" not in per_step
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(), defer=True)
+    detok.update(ids[:split], finished=False)
+    assert detok.output_text == per_step
+    detok.update(ids[split:], finished=True)
+    assert detok.output_text == "ok \U0001F600 done"
+
+
+def test_stop_strings_turn_deferral_off(tokenizer, tok):
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=[" world"]), defer=True)
+    assert detok.update(encode(tokenizer, "Hello world again"), finished=False) == " world"
+    assert detok.output_text == "Hello"
 
 
 GREEK_HINDI_KOREAN = (

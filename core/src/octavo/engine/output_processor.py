@@ -97,7 +97,10 @@ class OutputProcessor:
         for index, core_request in enumerate(processed.core_requests):
             completions[core_request.request_id] = _CompletionState(
                 index=index,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, processed.prompt_token_ids, params),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, processed.prompt_token_ids, params,
+                    defer=output_kind is RequestOutputKind.FINAL_ONLY,
+                ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )

@@ -96,6 +96,8 @@ class KVCacheManager:
         adopted now. Returns the ids of newly added blocks (hits included), or ``None`` when
         the pool cannot provide enough blocks — nothing is changed then.
         """
+        if not new_computed_blocks and self._fits_without_change(request, num_new_tokens):
+            return []  # the common decode step: room in the last block, no block becomes full
         new_computed_blocks = new_computed_blocks or []
         blocks = self._req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -118,6 +120,17 @@ class KVCacheManager:
             blocks, request.block_hashes, num_cached_before, num_full
         )
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
+
+    def _fits_without_change(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks already hold ``num_new_tokens`` more tokens and none
+        of its blocks fills up with them (so there is nothing to allocate or to index)."""
+        blocks = self._req_blocks.get(request.request_id)
+        if not blocks:
+            return False
+        num_computed = request.num_computed_tokens
+        total_tokens = num_computed + num_new_tokens
+        return (total_tokens <= len(blocks) * self.block_size
+                and total_tokens // self.block_size == num_computed // self.block_size)
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request; the tail goes back first so it is evicted first."""
