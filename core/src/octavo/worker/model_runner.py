@@ -26,6 +26,7 @@ from octavo.sample.metadata import SamplingRow
 from octavo.sample.sampler import Sampler
 from octavo.sampling_params import SamplingParams
 from octavo.scheduler.output import SchedulerOutput
+from octavo.worker.block_table import BlockTable
 from octavo.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class CachedRequestState:
     block_ids: list[int]
     # Tokens already in the KV cache.
     num_computed_tokens: int
+    # This request's row in the runner's BlockTable (the same ids as block_ids).
+    block_table_row: int = -1
     # Greedy with nothing that changes the logits and no logprobs: argmax is the whole sampler.
     plain_greedy: bool = False
 
@@ -93,6 +96,11 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
+        # Block ids of every request in self.requests, one persistent row each.
+        self.block_table = BlockTable(
+            num_rows=config.scheduler_config.max_num_seqs,
+            num_cols=-(-config.model_config.max_model_len // self.block_size),
+        )
         self.sampler = Sampler()
         # Set by a backend that replays captured decode steps (e.g. CUDA graphs): an object
         # with can_run(metadata) -> bool and run(input_ids, positions, metadata) -> hidden.
@@ -137,7 +145,7 @@ class ModelRunner:
                 slot_mapping=positions.clone(),
                 query_start_loc=[0, num_tokens],
                 seq_lens=[num_tokens],
-                block_tables=[list(range(num_blocks))],
+                block_tables=np.arange(num_blocks, dtype=np.int32)[None, :],
             )
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
@@ -166,8 +174,9 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
         for new in so.scheduled_new_reqs:
+            self._forget(new.req_id)  # only if still known: re-added without being finished
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 num_prompt_tokens=len(new.prompt_token_ids),
@@ -178,12 +187,20 @@ class ModelRunner:
                 seed=new.seed,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                block_table_row=self.block_table.add_row(new.block_ids),
                 plain_greedy=_is_plain_greedy(new.sampling_params),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.block_ids.extend(cached.new_block_ids)
+                self.block_table.append(state.block_table_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _forget(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_table.free_row(state.block_table_row)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + [
@@ -196,7 +213,8 @@ class ModelRunner:
         slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
+        block_table_rows: list[int] = []
+        max_num_blocks = 0
         sample_indices: list[int] = []
         samples: list[bool] = []
         prompt_positions: dict[str, tuple[list[int], list[int]]] = {}
@@ -218,7 +236,9 @@ class ModelRunner:
             flat_start = query_start_loc[-1]
             query_start_loc.append(flat_start + num_new)
             seq_lens.append(end)
-            block_tables.append(block_ids)
+            block_table_rows.append(state.block_table_row)
+            if len(block_ids) > max_num_blocks:
+                max_num_blocks = len(block_ids)
             does_sample = end == len(state.token_ids)
             samples.append(does_sample)
             if does_sample:
@@ -232,6 +252,7 @@ class ModelRunner:
                     prompt_positions[req_id] = (flat, targets)
         # One host-to-device copy for the three per-token vectors.
         per_token = self._to_device(torch.tensor([input_ids, positions, slots], dtype=torch.long))
+        block_tables = self.block_table.gather(block_table_rows, max_num_blocks)
         metadata = self._build_metadata(per_token[2], query_start_loc, seq_lens, block_tables)
         return _StepInputs(
             input_ids=per_token[0],
@@ -248,12 +269,8 @@ class ModelRunner:
         slot_mapping: torch.Tensor,
         query_start_loc: list[int],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: np.ndarray,
     ) -> AttentionMetadata:
-        max_blocks = max(len(t) for t in block_tables)
-        table = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
-        for i, blocks in enumerate(block_tables):
-            table[i, : len(blocks)] = blocks
         num_seqs = len(seq_lens)
         # query_start_loc and seq_lens travel in one copy.
         lengths = self._to_device(torch.tensor(query_start_loc + seq_lens, dtype=torch.int32))
@@ -263,7 +280,7 @@ class ModelRunner:
             slot_mapping=slot_mapping.to(self.device),
             query_start_loc=lengths[: num_seqs + 1],
             seq_lens=lengths[num_seqs + 1 :],
-            block_tables=self._to_device(torch.from_numpy(table)),
+            block_tables=self._to_device(torch.from_numpy(block_tables)),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=list(query_start_loc),
