@@ -3,10 +3,11 @@
     python benchmarks/gpu/profile_steps.py --model /tmp/qwen2.5-0.5b-random
 
 Runs the W1-shaped workload until the batch is in steady decode, then times a window of
-steps two ways: (1) wall time of each phase of a step (scheduler, input preparation, model
+steps three ways: (0) plain wall time, nothing added; (1) wall time of each phase of a step (scheduler, input preparation, model
 forward launch, sampler, output processing), by wrapping those methods with timers that
-synchronize the GPU; (2) torch.profiler over the same number of steps without the
-synchronizing timers: total CUDA kernel time vs wall time. Prints a table and one JSON line.
+synchronize the GPU (so with async scheduling these are each phase's host cost, not what is
+exposed); (2) torch.profiler over the same number of steps without the synchronizing timers:
+total CUDA kernel time vs wall time. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--warmup-steps", type=int, default=120)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="default: the backend's (on for CUDA)")
     args = parser.parse_args()
 
     from octavo import LLM, SamplingParams
     from octavo.cli.bench import make_workload
     from octavo.engine.output_processor import RequestOutputKind
 
-    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=256)
+    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=256,
+              async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
     workload = make_workload(args.num_requests, (100, 1024), (100, 1024), vocab, 0)
@@ -44,6 +48,14 @@ def main() -> None:
         engine.step()
     stats = engine.stats()
     print(f"after warm-up: {stats.num_running} running, {stats.num_waiting} waiting")
+
+    # (0) plain wall time per step: no timers, no profiler (both add host work)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    plain_ms = (time.perf_counter() - start) / args.steps * 1000
 
     # (1) phase timers (synchronizing, so each phase's GPU work is attributed to it)
     runner = engine.engine_core.executor.worker.model_runner
@@ -104,10 +116,14 @@ def main() -> None:
     print(f"  {'timed step total':<20} {timed_wall / args.steps * 1000:8.3f}")
     gpu_ms = gpu_us / 1000 / args.steps
     wall_ms = wall / args.steps * 1000
-    print(f"\nprofiled: {wall_ms:.3f} ms per step wall, {gpu_ms:.3f} ms GPU kernel time, "
+    print(f"\nunprofiled: {plain_ms:.3f} ms per step wall ({max(plain_ms - gpu_ms, 0):.3f} ms "
+          "more than the GPU kernel time)")
+    print(f"profiled: {wall_ms:.3f} ms per step wall, {gpu_ms:.3f} ms GPU kernel time, "
           f"{max(wall_ms - gpu_ms, 0):.3f} ms exposed CPU/idle")
     print(json.dumps({
         "profile": "decode-steps", "running": running, "steps": args.steps,
+        "async_scheduling": engine.config.scheduler_config.async_scheduling,
+        "plain_wall_ms_per_step": round(plain_ms, 3),
         "wall_ms_per_step": round(wall_ms, 3), "gpu_ms_per_step": round(gpu_ms, 3),
         "phases_ms_per_step": {k: round(v / args.steps * 1000, 3) for k, v in phases.items()},
     }))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
-#                                    [bench-async] [latency] [profile]
+#                                    [bench-offline-sync] [bench-async] [latency]
+#                                    [latency-sync] [profile] [profile-sync]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -47,6 +48,15 @@ for stage in "${stages[@]}"; do
         --max-num-seqs 256 2>"$OUT/bench-offline.err" | tee "$OUT/bench-offline.log"
       tail -3 "$OUT/bench-offline.err"
       ;;
+    bench-offline-sync)
+      # As bench-offline, one step at a time (no async scheduling): what the overlap buys.
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 --no-async-scheduling 2>"$OUT/bench-offline-sync.err" \
+        | tee "$OUT/bench-offline-sync.log"
+      tail -3 "$OUT/bench-offline-sync.err"
+      ;;
     bench-async)
       # W1 through AsyncLLM, Octavo only.
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
@@ -61,11 +71,27 @@ for stage in "${stages[@]}"; do
         --num-iters 3 2>"$OUT/bench-latency.err" | tee "$OUT/bench-latency.log"
       tail -3 "$OUT/bench-latency.err"
       ;;
+    latency-sync)
+      # As latency, one step at a time (no async scheduling).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench latency --model $MODEL --dtype bfloat16 --input-len 128 --output-len 256 \
+        --num-iters 3 --no-async-scheduling 2>"$OUT/bench-latency-sync.err" \
+        | tee "$OUT/bench-latency-sync.log"
+      tail -3 "$OUT/bench-latency-sync.err"
+      ;;
     profile)
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       python3 benchmarks/gpu/profile_steps.py --model $MODEL 2>&1 | tee "$OUT/profile.log" | tail -40
       python3 benchmarks/gpu/profile_steps.py --model $MODEL --num-requests 1 2>&1 \
         | tee "$OUT/profile-batch1.log" | tail -40
+      ;;
+    profile-sync)
+      # As profile, one step at a time (no async scheduling).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      python3 benchmarks/gpu/profile_steps.py --model $MODEL --no-async-scheduling 2>&1 \
+        | tee "$OUT/profile-sync.log" | tail -12
+      python3 benchmarks/gpu/profile_steps.py --model $MODEL --num-requests 1 \
+        --no-async-scheduling 2>&1 | tee "$OUT/profile-batch1-sync.log" | tail -12
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

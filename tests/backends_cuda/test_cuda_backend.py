@@ -112,9 +112,11 @@ def reference(model_dir):
         {"block_size": 32},
         {"num_gpu_blocks_override": 24, "block_size": 8},
         {"enforce_eager": True},
+        {"async_scheduling": False},
+        {"async_scheduling": False, "enforce_eager": True},
     ],
     ids=["prefix-cache", "chunked-16", "no-chunking", "block-8", "block-32", "preemption",
-         "eager-no-cuda-graphs"],
+         "eager-no-cuda-graphs", "one-step-at-a-time", "one-step-at-a-time-eager"],
 )
 def test_equivalence(model_dir, reference, options):
     prompts, expected = reference
@@ -127,6 +129,33 @@ def test_equivalence(model_dir, reference, options):
     if options.get("num_gpu_blocks_override") == 24:
         assert llm.llm_engine.stats().num_preemptions > 0
     assert _free_all(llm)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"num_gpu_blocks_override": 24, "block_size": 8, "max_num_batched_tokens": 32}],
+    ids=["roomy", "preempting"],
+)
+def test_async_scheduling_matches_one_step_at_a_time(model_dir, options):
+    """Every sampler path (greedy, seeded, penalties, logprobs, stop ids, n) gives the same
+    outputs with the next step launched before the last one's tokens are read (the CUDA
+    default) as one step at a time; float32, so only the last bits of logprobs may move."""
+    from tests.engine.test_async_scheduling import PROMPTS as ASYNC_PROMPTS
+    from tests.engine.test_async_scheduling import same, sampling_kinds, summary
+
+    options = {"num_gpu_blocks_override": 512, **options}
+    sync = LLM(str(model_dir), device="cuda", dtype="float32", async_scheduling=False, **options)
+    pipelined = LLM(str(model_dir), device="cuda", dtype="float32", **options)
+    assert pipelined.llm_engine.engine_core.async_scheduling  # the CUDA backend's default
+    prompts = [{"prompt_token_ids": p} for p in ASYNC_PROMPTS]
+    eos_like = sync.generate(prompts[:1], _greedy(8), use_tqdm=False)[0].outputs[0].token_ids[4]
+    for name, params in sampling_kinds(eos_like).items():
+        want = summary(sync.generate(prompts, params, use_tqdm=False))
+        got = summary(pipelined.generate(prompts, params, use_tqdm=False))
+        assert same(got, want), name
+        assert _free_all(pipelined)
+    if options["num_gpu_blocks_override"] == 24:
+        assert pipelined.llm_engine.stats().num_preemptions > 0
 
 
 def test_cuda_graphs_are_captured_and_used(model_dir):

@@ -52,7 +52,7 @@ def test_json_has_every_capability_of_every_backend(with_restricted, capsys):
         "available": True, "reason": restricted_backend.REASON, "default": False,
         "capabilities": {
             "dtypes": ["float32"], "head_dims": [16, 64], "block_sizes": [16],
-            "cuda_graphs": False, "max_num_seqs": 8, "max_model_len": 128,
+            "cuda_graphs": False, "async_scheduling": False, "max_num_seqs": 8, "max_model_len": 128,
             "prompt_logprobs": False, "max_logprobs": 2,
         },
     }
@@ -70,6 +70,7 @@ def test_json_shows_why_cuda_is_not_available_here(capsys):
     assert (cuda["available"], cuda["reason"]) == (answer.available, answer.reason)
     assert cuda["package"] == "octavo-backend-cuda" and cuda["priority"] == 100
     assert cuda["capabilities"]["cuda_graphs"] is True
+    assert cuda["capabilities"]["async_scheduling"] is True
     assert cuda["capabilities"]["head_dims"] == [64, 80, 96, 128, 256]
 
 
@@ -85,7 +86,8 @@ def test_text_lists_each_backend_with_its_capabilities(with_restricted, capsys):
     ]
     assert details[2:] == [
         "dtypes             float32", "head dims          16, 64", "block sizes        16",
-        "CUDA graphs        no", "max num seqs       8", "max model len      128",
+        "CUDA graphs        no", "async scheduling   no",
+        "max num seqs       8", "max model len      128",
         "prompt logprobs    no", "max top logprobs   2",
     ]
     cpu = out.split("\ncpu ", 1)[1].split("\n\n", 1)[0]

@@ -268,24 +268,30 @@ def test_interrupt_inside_the_model_step_does_not_poison_the_prefix_cache(tiny_l
     assert token_ids(llm.generate([prompt, prompt], greedy(12), use_tqdm=False)) == expected * 2
 
 
-def test_failed_step_midway_then_the_engine_recovers(tiny_llama: Path, monkeypatch) -> None:
-    """A forward that raises after some steps: requests are recomputed, output unchanged."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-step", "async"])
+def test_failed_step_midway_then_the_engine_recovers(tiny_llama: Path, monkeypatch,
+                                                    async_scheduling: bool) -> None:
+    """A forward that raises after some steps (with async scheduling, while the step before
+    is in flight): requests are recomputed, output unchanged."""
     prompts = ["Hello world! hello", "Once upon a time there was a small model"]
     expected = token_ids(make_llm(tiny_llama).generate(prompts, greedy(10), use_tqdm=False))
-    llm = make_llm(tiny_llama)
+    llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(10))
     executor = engine.engine_core.executor
-    real = executor.execute_model
+    method = "execute_model_async" if async_scheduling else "execute_model"
+    real = getattr(executor, method)
     engine.step()
     engine.step()
+    if async_scheduling:
+        assert engine.engine_core._in_flight is not None
 
     def execute_model(scheduler_output):
         real(scheduler_output)  # the worker ran (and sampled), but the step is lost
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(executor, "execute_model", execute_model)
+    monkeypatch.setattr(executor, method, execute_model)
     with pytest.raises(RuntimeError, match="fell over"):
         engine.step()
     monkeypatch.undo()

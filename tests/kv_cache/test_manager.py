@@ -165,7 +165,7 @@ def test_discard_step_forgets_prefixes_the_step_would_have_filled() -> None:
     assert num_hit == 4
     manager.allocate_slots(lost, lost.num_tokens - num_hit, hits, num_hit)
     assert manager.block_pool.get_cached_block(lost.block_hashes[1]) is not None
-    manager.discard_step()  # its step raised: blocks 1 and 2 of "lost" were never written
+    manager.discard_steps()  # its step raised: blocks 1 and 2 of "lost" were never written
     pool = manager.block_pool
     assert pool.get_cached_block(lost.block_hashes[1]) is None
     assert pool.get_cached_block(lost.block_hashes[2]) is None

@@ -342,7 +342,7 @@ def test_discarded_step_is_recomputed_from_scratch() -> None:
     generated_before = {r.request_id: list(r.output_token_ids) for r in (a, b)}
     so = scheduler.schedule()  # ... and the model raises: no update_from_output
     assert not so.is_empty
-    scheduler.discard_step(so)
+    scheduler.discard_steps([so])
     assert not scheduler.running and [r.request_id for r in scheduler.waiting] == ["a", "b"]
     assert all(r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0 for r in (a, b))
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks

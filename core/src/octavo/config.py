@@ -139,6 +139,8 @@ class SchedulerConfig:
     # Split long prompts into chunks that fit the token budget; when off, a prompt must be
     # scheduled whole (and max_num_batched_tokens is raised to max_model_len).
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while step N runs on the device (see octavo.engine.core).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:

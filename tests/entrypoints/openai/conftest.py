@@ -162,8 +162,11 @@ def tiny_model(tiny_llama: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tiny_model: Path):
-    """The shared server: API key, body limit, two served names."""
-    srv = ServerProcess(tiny_model, "--max-request-body-bytes", str(MAX_BODY_BYTES))
+    """The shared server: API key, body limit, two served names, and async scheduling (the
+    GPU backends' default; off by default on the CPU), so every server test also checks the
+    pipelined engine core against the offline engine, which runs one step at a time."""
+    srv = ServerProcess(tiny_model, "--max-request-body-bytes", str(MAX_BODY_BYTES),
+                        "--async-scheduling")
     try:
         yield srv
     finally:

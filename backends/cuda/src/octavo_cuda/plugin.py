@@ -47,6 +47,7 @@ def octavo_register_backends(register: Callable[[Backend], None]) -> None:
                 head_dims=TRITON_HEAD_DIMS,  # the Triton attention kernels' sizes
                 block_sizes=(8, 16, 32, 64),  # the sizes the kernels are tested and tuned for
                 cuda_graphs=True,  # decode steps, unless --enforce-eager
+                async_scheduling=True,
                 # No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
                 # logprobs come from the core's sampler, so every count and prompt logprobs.
             ),

@@ -77,6 +77,8 @@ def octavo_register_backends(register: Callable[[Backend], None]) -> None:
                 # the capture/replay runner lives in octavo_cuda, which this package does not
                 # depend on; see docs/rocm.md ("HIP graphs").
                 cuda_graphs=False,
+                # HIP kernels run asynchronously to the host, as CUDA ones do.
+                async_scheduling=True,
                 # No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
                 # logprobs come from the core's sampler, so every count and prompt logprobs.
             ),

@@ -44,6 +44,9 @@ class BackendCapabilities:
     # Whether decode steps can be captured as CUDA graphs (informational; --enforce-eager
     # turns them off).
     cuda_graphs: bool = False
+    # Whether the device runs work asynchronously to the host, so scheduling the next step
+    # while the current one runs pays off: the default of --async-scheduling.
+    async_scheduling: bool = False
     # Most sequences one step may hold (caps --max-num-seqs; None: no limit).
     max_num_seqs: int | None = None
     # Longest sequence, prompt + completion, in tokens (caps --max-model-len; None: no limit).

@@ -18,7 +18,11 @@ from octavo.backends.backend import Backend, BackendCapabilities
 # How the text view shows a capability that is None (anything else: "no limit").
 _NONE_TEXT = {"head_dims": "any", "block_sizes": "any"}
 # Text-view labels (a field without one shows its name with spaces).
-_LABELS = {"cuda_graphs": "CUDA graphs", "max_logprobs": "max top logprobs"}
+_LABELS = {
+    "cuda_graphs": "CUDA graphs",
+    "async_scheduling": "async scheduling",
+    "max_logprobs": "max top logprobs",
+}
 
 
 def add_parser(sub) -> None:

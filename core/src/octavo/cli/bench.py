@@ -189,6 +189,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "bench": "throughput",
         "backend": config.backend,
         "engine": "async" if args.async_engine else "offline",
+        "async_scheduling": config.scheduler_config.async_scheduling,
         "model": config.model_config.model,
         "dtype": config.model_config.dtype_name,
         "num_requests": len(workload.prompts),
@@ -254,6 +255,7 @@ def run_latency(args: argparse.Namespace) -> int:
     result = {
         "bench": "latency",
         "backend": engine.config.backend,
+        "async_scheduling": engine.config.scheduler_config.async_scheduling,
         "model": engine.config.model_config.model,
         "input_len": args.input_len,
         "output_len": args.output_len,

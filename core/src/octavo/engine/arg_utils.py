@@ -57,6 +57,9 @@ class EngineArgs:
     seed: int = 0
     # Run every step eagerly (no CUDA graphs on backends that capture them).
     enforce_eager: bool = False
+    # Schedule and launch the next step while the device runs the current one; None = the
+    # backend's default (BackendCapabilities.async_scheduling).
+    async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and backend, and check every option.
@@ -102,6 +105,11 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=(
+                    backend.capabilities.async_scheduling
+                    if self.async_scheduling is None
+                    else self.async_scheduling
+                ),
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             backend=backend.name,
@@ -149,6 +157,13 @@ class EngineArgs:
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
         group.add_argument("--enforce-eager", action="store_true",
                            help="never use CUDA graphs (GPU backends); run every step eagerly")
+        group.add_argument(
+            "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+            help="schedule and launch the next step while the device still runs the current "
+            "one, hiding host work behind device work (same outputs; a request that stops "
+            "computes one token that is thrown away). Default: on for backends whose device "
+            "runs asynchronously to the host (CUDA, ROCm), off otherwise",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -2,19 +2,38 @@
 
 Runs in the caller's process for the offline ``LLM``; the online server runs it in a
 background process and talks to it with ``EngineCoreRequest``/``EngineCoreOutput`` messages.
+
+With async scheduling (``SchedulerConfig.async_scheduling``) ``step()`` is pipelined: it
+schedules and launches step N+1, then waits for step N's tokens and records them, so the
+scheduler, input preparation and output handling of one step run while the device computes
+the other. The outputs are the same as one step at a time: a decode whose input token is still
+being sampled reads it on the device, a request whose last allowed token is in flight is not
+scheduled again, and one that stops on a sampled token (EOS, stop id) had one more token
+computed that is thrown away. Each ``step()`` returns the outputs of the step before.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from octavo.config import EngineConfig
 from octavo.engine.messages import EngineCoreOutput, EngineCoreRequest
 from octavo.engine.request import Request, RequestStatus
 from octavo.executor.uniproc import UniprocExecutor
+from octavo.scheduler.output import SchedulerOutput
 from octavo.scheduler.scheduler import Scheduler, SchedulerStats
+from octavo.worker.async_output import PendingStepOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _InFlightStep:
+    """A launched step whose results have not been recorded."""
+
+    scheduler_output: SchedulerOutput
+    pending: PendingStepOutput
 
 
 class EngineCore:
@@ -31,6 +50,10 @@ class EngineCore:
             num_blocks=num_blocks,
             max_model_len=config.model_config.max_model_len,
         )
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._in_flight: _InFlightStep | None = None
+        if self.async_scheduling:
+            logger.info("async scheduling: the next step is scheduled while one runs")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request (raises ``ValueError`` subclasses for ones that cannot run)."""
@@ -54,10 +77,14 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether ``step()`` has work: requests to run, or a launched step to record."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule one batch, run it, and return what each request produced."""
+        """Run one batch and return what each request produced (with async scheduling, launch
+        the next batch and return what the previous one produced)."""
+        if self.async_scheduling:
+            return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids:
@@ -67,12 +94,39 @@ class EngineCore:
             runner_output = self.executor.execute_model(scheduler_output)
         except BaseException:
             # KeyboardInterrupt or a failed forward: the step's KV writes cannot be trusted.
-            self.scheduler.discard_step(scheduler_output)
+            self.scheduler.discard_steps([scheduler_output])
             raise
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        previous = self._in_flight
+        self._in_flight = None
+        scheduler_output = self.scheduler.schedule()
+        unrecorded = [scheduler_output] if previous is None else [
+            previous.scheduler_output, scheduler_output
+        ]
+        try:
+            if not scheduler_output.is_empty:
+                launched = self.executor.execute_model_async(scheduler_output)
+                self._in_flight = _InFlightStep(scheduler_output, launched)
+            elif scheduler_output.finished_req_ids:
+                self.executor.execute_model(scheduler_output)  # lets the worker drop state
+            if previous is None:
+                return []
+            runner_output = previous.pending.result()
+        except BaseException:
+            # The steps not recorded cannot be trusted (KV writes, tokens in flight).
+            self._in_flight = None
+            self.scheduler.discard_steps(unrecorded)
+            self.executor.discard_in_flight()
+            raise
+        return self.scheduler.update_from_output(previous.scheduler_output, runner_output)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.pending.result()  # let the device finish before tearing down
+            self._in_flight = None
         self.executor.shutdown()

@@ -61,8 +61,13 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
-        # Tokens whose K/V are in the cache.
+        # Tokens whose K/V are in the cache once every scheduled step has run (the scheduler
+        # advances it when it schedules a step, not when the step's results come back).
         self.num_computed_tokens = 0
+        # Tokens sampled by scheduled steps whose results have not come back yet (0 or 1:
+        # at most one step is in flight beyond the one being scheduled). Always 0 without
+        # async scheduling once a step's results are recorded.
+        self.num_output_placeholders = 0
         # Prompt tokens found in the prefix cache at first scheduling.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -85,6 +90,19 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus the ones sampled in flight: where the sequence will be."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """Whether the tokens in flight already take it to max_tokens or max_model_len, so
+        no further step may be scheduled for it (its last token is being sampled)."""
+        return (
+            self.num_output_tokens + self.num_output_placeholders >= self.max_tokens
+            or self.num_tokens_with_placeholders >= max_model_len
+        )
 
     @property
     def skip_prefix_cache(self) -> bool:

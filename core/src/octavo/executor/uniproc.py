@@ -7,6 +7,7 @@ import logging
 from octavo.config import EngineConfig
 from octavo.plugins import get_plugin_manager
 from octavo.scheduler.output import SchedulerOutput
+from octavo.worker.async_output import PendingStepOutput
 from octavo.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,20 @@ class UniprocExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStepOutput:
+        """Launch a step without waiting for its tokens (a worker without
+        ``execute_model_async`` runs it to completion here)."""
+        launch = getattr(self.worker, "execute_model_async", None)
+        if launch is None:
+            return PendingStepOutput.ready(self.worker.execute_model(scheduler_output))
+        return launch(scheduler_output)
+
+    def discard_in_flight(self) -> None:
+        """Tell the worker that launched steps' results will never be taken."""
+        discard = getattr(self.worker, "discard_in_flight", None)
+        if discard is not None:
+            discard()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -8,6 +8,7 @@ sees the free queue.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,10 +42,15 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Per request: how many of its leading blocks have been offered to the prefix index.
+        # A block is offered once it is full and its tokens are known (with async scheduling
+        # a block's last token may still be in flight when the block is allocated).
+        self._num_indexed: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
-        # Blocks indexed by allocations of the step being scheduled: their KV is written when
-        # the step runs. ``commit_step`` accepts them, ``discard_step`` un-indexes them.
-        self._uncommitted: list[KVCacheBlock] = []
+        # Blocks indexed by allocations of each step not yet known to have run, oldest step
+        # first: their KV is written when the step runs. ``commit_step`` accepts the oldest
+        # step's, ``discard_steps`` un-indexes them all.
+        self._uncommitted: deque[list[KVCacheBlock]] = deque()
 
     @property
     def num_blocks(self) -> int:
@@ -113,39 +119,59 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_required, 0))
         blocks.extend(new_blocks)
-        # Index blocks that are full once this step has run (their tokens are known now).
+        # Index blocks that are full once this step has run and whose tokens are all known.
         num_full = min(total_tokens // self.block_size, len(request.block_hashes))
-        num_cached_before = num_computed // self.block_size
-        self._uncommitted += self.block_pool.cache_full_blocks(
-            blocks, request.block_hashes, num_cached_before, num_full
-        )
+        num_indexed = self._num_indexed.get(request.request_id, 0)
+        if num_full > num_indexed:
+            indexed = self.block_pool.cache_full_blocks(
+                blocks, request.block_hashes, num_indexed, num_full
+            )
+            if indexed:
+                if not self._uncommitted:
+                    self._uncommitted.append([])
+                self._uncommitted[-1] += indexed
+            self._num_indexed[request.request_id] = num_full
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
 
     def _fits_without_change(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether the request's blocks already hold ``num_new_tokens`` more tokens and none
-        of its blocks fills up with them (so there is nothing to allocate or to index)."""
+        """Whether the request's blocks already hold ``num_new_tokens`` more tokens and no
+        block is left to index (so there is nothing to allocate or to index)."""
         blocks = self._req_blocks.get(request.request_id)
         if not blocks:
             return False
-        num_computed = request.num_computed_tokens
-        total_tokens = num_computed + num_new_tokens
-        return (total_tokens <= len(blocks) * self.block_size
-                and total_tokens // self.block_size == num_computed // self.block_size)
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        if total_tokens > len(blocks) * self.block_size:
+            return False
+        num_full = min(total_tokens // self.block_size, len(request.block_hashes))
+        return num_full <= self._num_indexed.get(request.request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request; the tail goes back first so it is evicted first."""
         blocks = self._req_blocks.pop(request.request_id, None)
+        self._num_indexed.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
-    def commit_step(self) -> None:
-        """The last scheduled step ran: the blocks it filled hold valid KV."""
-        self._uncommitted.clear()
+    def begin_step(self) -> None:
+        """Allocations from now on belong to a new step (scheduled, not yet run)."""
+        self._uncommitted.append([])
 
-    def discard_step(self) -> None:
-        """The last scheduled step did not run (it raised): forget the prefixes it would have
-        filled, so no later request reads their uncomputed slots as a cache hit."""
-        self.block_pool.uncache(self._uncommitted)
+    def cancel_empty_step(self) -> None:
+        """The step begun last scheduled nothing (so allocated nothing): drop its record."""
+        if self._uncommitted:
+            assert not self._uncommitted[-1], "a step that allocated blocks is not empty"
+            self._uncommitted.pop()
+
+    def commit_step(self) -> None:
+        """The oldest step not yet committed ran: the blocks it filled hold valid KV."""
+        if self._uncommitted:
+            self._uncommitted.popleft()
+
+    def discard_steps(self) -> None:
+        """No step scheduled since the last commit ran (one raised): forget the prefixes they
+        would have filled, so no later request reads uncomputed slots as a cache hit."""
+        for blocks in self._uncommitted:
+            self.block_pool.uncache(blocks)
         self._uncommitted.clear()
 
     def get_block_ids(self, request_id: str) -> list[int]:

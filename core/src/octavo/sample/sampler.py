@@ -130,7 +130,7 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         return
     assert metadata.min_tokens_token_ids is not None
     index = (metadata.min_tokens_row_ids, metadata.min_tokens_token_ids)
-    logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+    logits.index_put_(index, logits.new_full((), float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

@@ -63,3 +63,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def num_computed_before(self, req_id: str) -> int:
+        """Tokens a scheduled request had in the cache before this step (a linear search:
+        for the rare per-request lookups, e.g. prompt logprobs)."""
+        for data in (*self.scheduled_new_reqs, *self.scheduled_cached_reqs):
+            if data.req_id == req_id:
+                return data.num_computed_tokens
+        raise KeyError(f"request {req_id!r} is not in this step")

@@ -9,6 +9,13 @@ Order of service: running requests first (oldest first), then waiting ones (FCFS
 pool runs dry, the newest running request is preempted: its blocks are freed and it goes back
 to the head of the waiting queue, to be recomputed from its prompt and the tokens it had
 generated (greedy output is identical; seeded sampling too, see ``octavo.sample``).
+
+``schedule`` advances each scheduled request's ``num_computed_tokens`` at once, and counts
+the token a step will sample as a placeholder until ``update_from_output`` records it. So the
+next step can be scheduled before the previous one's results are back (async scheduling, see
+``octavo.engine.core``): a decode then runs on the token still being sampled, and a request
+whose last allowed token is in flight is left out. With one step at a time the placeholders
+are resolved before every ``schedule`` and nothing changes.
 """
 
 from __future__ import annotations
@@ -122,7 +129,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV slots."""
-        self.kv_cache_manager.commit_step()  # the previous step, if any, ran
+        self.kv_cache_manager.begin_step()
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         budget = self.max_num_batched_tokens
@@ -130,14 +137,29 @@ class Scheduler:
         budget -= out.total_num_scheduled_tokens
         if not preempted_any:
             self._schedule_waiting(out, budget)
+        if out.is_empty:
+            self.kv_cache_manager.cancel_empty_step()
         return out
+
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> None:
+        """Count a scheduled step's tokens as computed; one that completes the known tokens
+        samples the next token, which is a placeholder until its result comes back."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            request.num_output_placeholders += 1
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
         preempted_any = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and request.reached_length_limit(
+                self.max_model_len
+            ):
+                index += 1  # its last token is being sampled: nothing more to run
+                continue
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
@@ -154,6 +176,7 @@ class Scheduler:
             )
             out.num_scheduled_tokens[request.request_id] = num_new
             out.total_num_scheduled_tokens += num_new
+            self._advance(request, num_new)
             budget -= num_new
             index += 1
         return preempted_any
@@ -162,6 +185,8 @@ class Scheduler:
         manager = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resume once it is recorded
             hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -190,23 +215,30 @@ class Scheduler:
             )
             out.num_scheduled_tokens[request.request_id] = num_new
             out.total_num_scheduled_tokens += num_new
+            self._advance(request, num_new)
             budget -= num_new
 
-    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
-        """Undo a scheduled step that raised before its results were recorded.
+    def discard_steps(self, scheduler_outputs: list[SchedulerOutput]) -> None:
+        """Undo every scheduled step whose results were not recorded (one of them raised).
 
-        Its KV writes may not have happened: the prefixes it would have filled are forgotten
-        and every request it scheduled is reset to be recomputed from scratch (its worker
-        state dropped), exactly like a preemption. Nothing else changes.
+        Their KV writes may not have happened: the prefixes they would have filled are
+        forgotten, tokens they were sampling are dropped, and every request they scheduled is
+        reset to be recomputed from scratch (its worker state dropped), exactly like a
+        preemption. Nothing else changes.
         """
-        self.kv_cache_manager.discard_step()
-        self._finished_req_ids |= scheduler_output.finished_req_ids
-        step_ids = set(scheduler_output.num_scheduled_tokens)
+        self.kv_cache_manager.discard_steps()
+        step_ids: set[str] = set()
+        for scheduler_output in scheduler_outputs:
+            self._finished_req_ids |= scheduler_output.finished_req_ids
+            step_ids.update(scheduler_output.num_scheduled_tokens)
+        for request in self.waiting:
+            request.num_output_placeholders = 0  # preempted while a discarded step sampled
         for request in reversed([r for r in self.running if r.request_id in step_ids]):
             self.running.remove(request)
             self.kv_cache_manager.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
             request.num_preemptions += 1
             self.waiting.appendleft(request)
             self._finished_req_ids.add(request.request_id)
@@ -224,18 +256,29 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Record a step's results; return what each request produced."""
+        """Record the results of the oldest step not yet recorded; return what each request
+        produced.
+
+        Tokens of requests that finished meanwhile (aborted, or stopped by an earlier step
+        while this one was in flight) are dropped. A request preempted meanwhile keeps its
+        token: it is recomputed with it.
+        """
+        self.kv_cache_manager.commit_step()
         outputs: list[EngineCoreOutput] = []
         for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or preempted while the step ran
-            prompt_logprobs = self._new_prompt_logprobs(
-                request, runner_output.prompt_logprobs.get(req_id)
-            )
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
+            if request is None or request.status.is_finished:
+                continue
+            computed = runner_output.prompt_logprobs.get(req_id)
+            prompt_logprobs = None
+            if computed is not None:
+                prompt_logprobs = self._new_prompt_logprobs(
+                    request, computed, scheduler_output.num_computed_before(req_id)
+                )
+            was_running = request.status == RequestStatus.RUNNING
             finished = False
             for token_id in sampled:
+                request.num_output_placeholders -= 1
                 request.append_output_token(token_id)
                 if request.check_stop(self.max_model_len):
                     finished = True
@@ -254,25 +297,27 @@ class Scheduler:
                 )
             )
             if finished:
-                self.running.remove(request)
+                request.num_output_placeholders = 0
+                if was_running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)  # preempted while its last token was sampled
                 self._free(request)
         return outputs
 
     @staticmethod
     def _new_prompt_logprobs(
-        request: Request, computed: LogprobsLists | None
+        request: Request, computed: LogprobsLists, start: int
     ) -> LogprobsLists | None:
-        """The part of this step's prompt logprobs not already sent.
+        """The part of a step's prompt logprobs not already sent (row i is position
+        ``start + i``, ``start`` being the tokens computed before that step).
 
         A request recomputed after preemption recomputes its prompt logprobs from position 0;
-        the positions sent before the preemption must not be sent again. Call before
-        ``num_computed_tokens`` is advanced (row i is position ``num_computed_tokens + i``).
+        the positions sent before the preemption must not be sent again.
         """
-        if computed is None:
-            return None
-        skip = max(request.num_prompt_logprobs_sent - request.num_computed_tokens, 0)
+        skip = max(request.num_prompt_logprobs_sent - start, 0)
         request.num_prompt_logprobs_sent = max(
-            request.num_prompt_logprobs_sent, request.num_computed_tokens + len(computed.ranks)
+            request.num_prompt_logprobs_sent, start + len(computed.ranks)
         )
         if skip == 0:
             return computed

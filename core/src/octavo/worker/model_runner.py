@@ -5,6 +5,11 @@ It keeps a small state per request (tokens, blocks, progress) updated from the s
 tables), runs the model, computes logits only where they are needed (the last token of each
 sequence that samples, and prompt positions that asked for prompt logprobs) and samples the
 whole batch in one call.
+
+``execute_model_async`` launches a step and returns before its tokens are read back; a later
+step may then take a request's next input straight from the device tensor of tokens the
+previous step sampled (see ``octavo.worker.async_output``). ``execute_model`` is the same,
+waited for.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from octavo.engine.messages import LogprobsLists
 from octavo.model_executor.model_loader import load_model
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import SamplingRow
-from octavo.sample.sampler import Sampler
+from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.sampling_params import SamplingParams
 from octavo.scheduler.output import SchedulerOutput
+from octavo.worker.async_output import DeviceToHostCopy, PendingStepOutput
 from octavo.worker.block_table import BlockTable
 from octavo.worker.runner_output import ModelRunnerOutput
 
@@ -58,6 +64,11 @@ class CachedRequestState:
     block_table_row: int = -1
     # Greedy with nothing that changes the logits and no logprobs: argmax is the whole sampler.
     plain_greedy: bool = False
+    # Penalties need every generated token id on the host before sampling.
+    needs_token_history: bool = False
+    # Row of this request in the sampled-token tensor of the last step that sampled for it:
+    # its next input while that token is not in token_ids yet.
+    sampled_row: int = -1
 
 
 @dataclass(slots=True)
@@ -67,8 +78,11 @@ class _StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    # Flat index of the last token of every request that samples this step.
-    sample_indices: list[int]
+    # Flat index of the last token of every request that samples this step, on the device
+    # (indexing with a host list would copy it synchronously, waiting for the whole stream).
+    sample_indices: torch.Tensor
+    # Per sampling request: its token count once this step's input is in (prompt + output).
+    num_tokens_before_sample: list[int]
     # Request ids in step order.
     req_ids: list[str]
     # Which requests sample (parallel to req_ids).
@@ -102,6 +116,8 @@ class ModelRunner:
             num_cols=-(-config.model_config.max_model_len // self.block_size),
         )
         self.sampler = Sampler()
+        # The last launched step; its sampled tokens may not be on the host yet.
+        self._last_step: PendingStepOutput | None = None
         # Set by a backend that replays captured decode steps (e.g. CUDA graphs): an object
         # with can_run(metadata) -> bool and run(input_ids, positions, metadata) -> hidden.
         self.graph_runner: Any = None
@@ -156,21 +172,35 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its results."""
+        return self.execute_model_async(scheduler_output).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStepOutput:
+        """Launch one step; its results are read back when ``result()`` is called.
+
+        Contract: steps are launched in schedule order, and step N's result is taken before
+        step N+2 is launched (at most one step in flight behind the one being launched).
+        """
+        if self._last_step is not None:
+            self._last_step.wait_previous()  # keeps at most one step in flight behind this one
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput()
+            return PendingStepOutput.ready(ModelRunnerOutput())
         inputs = self._prepare_inputs(scheduler_output)
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        output = ModelRunnerOutput(req_ids=inputs.req_ids)
-        sampled_per_req = self._sample(hidden, inputs, output)
-        output.sampled_token_ids = sampled_per_req
-        self._compute_prompt_logprobs(hidden, inputs, output)
-        return output
+        pending = self._sample(hidden, inputs)
+        self._last_step = pending
+        return pending
+
+    def discard_in_flight(self) -> None:
+        """Forget launched steps whose results will never be taken (the engine discarded
+        them after an error); their requests' states are dropped by the next step."""
+        self._last_step = None
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -189,6 +219,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 block_table_row=self.block_table.add_row(new.block_ids),
                 plain_greedy=_is_plain_greedy(new.sampling_params),
+                needs_token_history=_uses_penalties(new.sampling_params),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -216,8 +247,12 @@ class ModelRunner:
         block_table_rows: list[int] = []
         max_num_blocks = 0
         sample_indices: list[int] = []
+        num_tokens_before_sample: list[int] = []
         samples: list[bool] = []
         prompt_positions: dict[str, tuple[list[int], list[int]]] = {}
+        # Inputs still on the device: (flat index, row in the last step's sampled tokens).
+        pending_flat: list[int] = []
+        pending_rows: list[int] = []
         bs = self.block_size
         for req_id in req_ids:
             state = self.requests[req_id]
@@ -225,8 +260,15 @@ class ModelRunner:
             num_new = so.num_scheduled_tokens[req_id]
             end = start + num_new
             block_ids = state.block_ids
+            num_known = len(state.token_ids)
             if num_new == 1:
-                input_ids.append(state.token_ids[start])
+                if start < num_known:
+                    input_ids.append(state.token_ids[start])
+                else:  # sampled by the step in flight: read it on the device
+                    pending_flat.append(len(input_ids))
+                    pending_rows.append(state.sampled_row)
+                    input_ids.append(0)
+                    num_known += 1
                 positions.append(start)
                 slots.append(block_ids[start // bs] * bs + start % bs)
             else:
@@ -239,10 +281,11 @@ class ModelRunner:
             block_table_rows.append(state.block_table_row)
             if len(block_ids) > max_num_blocks:
                 max_num_blocks = len(block_ids)
-            does_sample = end == len(state.token_ids)
+            does_sample = end == num_known
             samples.append(does_sample)
             if does_sample:
                 sample_indices.append(flat_start + num_new - 1)
+                num_tokens_before_sample.append(end)
             if state.sampling_params.prompt_logprobs is not None:
                 # Position p predicts prompt token p + 1.
                 last = min(end, state.num_prompt_tokens - 1)
@@ -250,15 +293,30 @@ class ModelRunner:
                     flat = [flat_start + p - start for p in range(start, last)]
                     targets = state.token_ids[start + 1 : last + 1]
                     prompt_positions[req_id] = (flat, targets)
-        # One host-to-device copy for the three per-token vectors.
-        per_token = self._to_device(torch.tensor([input_ids, positions, slots], dtype=torch.long))
+        # One host-to-device copy for every per-token vector and index.
+        num_tokens = len(input_ids)
+        num_pending = len(pending_flat)
+        flat_host = torch.tensor(
+            input_ids + positions + slots + pending_flat + pending_rows + sample_indices,
+            dtype=torch.long,
+        )
+        flat = self._to_device(flat_host)
+        token_ids = flat[:num_tokens]
+        if pending_flat:
+            assert self._last_step is not None and self._last_step.sampled_token_ids is not None
+            where = flat[3 * num_tokens : 3 * num_tokens + num_pending]
+            rows = flat[3 * num_tokens + num_pending : 3 * num_tokens + 2 * num_pending]
+            token_ids[where] = self._last_step.sampled_token_ids[rows]
         block_tables = self.block_table.gather(block_table_rows, max_num_blocks)
-        metadata = self._build_metadata(per_token[2], query_start_loc, seq_lens, block_tables)
+        metadata = self._build_metadata(
+            flat[2 * num_tokens : 3 * num_tokens], query_start_loc, seq_lens, block_tables
+        )
         return _StepInputs(
-            input_ids=per_token[0],
-            positions=per_token[1],
+            input_ids=token_ids,
+            positions=flat[num_tokens : 2 * num_tokens],
             metadata=metadata,
-            sample_indices=sample_indices,
+            sample_indices=flat[3 * num_tokens + 2 * num_pending :],
+            num_tokens_before_sample=num_tokens_before_sample,
             req_ids=req_ids,
             samples=samples,
             prompt_logprob_positions=prompt_positions,
@@ -298,62 +356,102 @@ class ModelRunner:
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _sample(
-        self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput
-    ) -> list[list[int]]:
-        sampled_per_req: list[list[int]] = [[] for _ in inputs.req_ids]
-        if not inputs.sample_indices:
-            return sampled_per_req
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        sampling_states = [
-            self.requests[req_id]
-            for req_id, does_sample in zip(inputs.req_ids, inputs.samples)
-            if does_sample
-        ]
-        if all(s.plain_greedy for s in sampling_states):
+    def _sample(self, hidden: torch.Tensor, inputs: _StepInputs) -> PendingStepOutput:
+        """Launch sampling (and prompt logprobs) and the copies of their results to the host."""
+        previous = self._last_step
+        if previous is not None and previous.is_resolved:
+            previous = None
+        output = ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]
+        )
+        step_rows = [i for i, does_sample in enumerate(inputs.samples) if does_sample]
+        states = [self.requests[inputs.req_ids[i]] for i in step_rows]
+        sampler_output: SamplerOutput | None = None
+        if not states:
+            sampled = None
+        elif all(s.plain_greedy for s in states):
             # The common benchmark/greedy batch: skip building sampling metadata.
-            token_ids = logits.argmax(dim=-1).tolist()
-            for i, state, token_id in zip(
-                [i for i, d in enumerate(inputs.samples) if d], sampling_states, token_ids
-            ):
-                state.token_ids.append(token_id)
-                state.output_token_ids.append(token_id)
-                sampled_per_req[i] = [token_id]
-            return sampled_per_req
-        rows = [
+            sampled = self.model.compute_logits(hidden[inputs.sample_indices]).argmax(dim=-1)
+        else:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            rows = self._sampling_rows(states, inputs.num_tokens_before_sample, previous)
+            sampler_output = self.sampler(logits, rows)
+            sampled = sampler_output.sampled_token_ids
+        for row, state in enumerate(states):
+            state.sampled_row = row
+        device_tensors: list[torch.Tensor] = [] if sampled is None else [sampled]
+        if sampler_output is not None and sampler_output.logprobs is not None:
+            lp = sampler_output.logprobs
+            device_tensors += [lp.token_ids, lp.logprobs, lp.ranks]
+        # (request id, top logprobs asked): finalize may run after the request is forgotten.
+        prompt_logprob_reqs = [
+            (req_id, self.requests[req_id].sampling_params.prompt_logprobs)
+            for req_id in inputs.prompt_logprob_positions
+        ]
+        for req_id, _ in prompt_logprob_reqs:
+            tensors = self._prompt_logprobs(hidden, req_id, inputs)
+            device_tensors += [tensors.token_ids, tensors.logprobs, tensors.ranks]
+
+        def finalize(host: list[torch.Tensor]) -> ModelRunnerOutput:
+            if sampled is not None:
+                token_ids = host[0].tolist()
+                for i, state, token_id in zip(step_rows, states, token_ids):
+                    state.token_ids.append(token_id)
+                    state.output_token_ids.append(token_id)
+                    output.sampled_token_ids[i] = [token_id]
+                host = host[1:]
+            if sampler_output is not None and sampler_output.logprobs is not None:
+                lp_host = LogprobsTensors(*host[:3])
+                host = host[3:]
+                for row, state in enumerate(states):
+                    num = state.sampling_params.logprobs
+                    if num is not None:
+                        output.logprobs[state.req_id] = _to_lists(lp_host, row, row + 1, num)
+            for k, (req_id, num) in enumerate(prompt_logprob_reqs):
+                tensors = LogprobsTensors(*host[3 * k : 3 * k + 3])
+                output.prompt_logprobs[req_id] = _to_lists(tensors, 0, len(tensors.ranks), num)
+            return output
+
+        return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, previous, sampled)
+
+    def _sampling_rows(
+        self,
+        states: list[CachedRequestState],
+        num_tokens_before_sample: list[int],
+        previous: PendingStepOutput | None,
+    ) -> list[SamplingRow]:
+        """One ``SamplingRow`` per sampling request, counting tokens still in flight.
+
+        Penalties need the ids of every generated token: if a row would lack one, the step in
+        flight is waited for first. Otherwise only the count matters (seeds, min_tokens) and
+        the missing token is stood in for.
+        """
+        missing = [
+            len(s.token_ids) < n for s, n in zip(states, num_tokens_before_sample)
+        ]
+        if any(missing) and any(s.needs_token_history for s in states):
+            assert previous is not None
+            previous.result()
+            missing = [False] * len(states)
+        return [
             SamplingRow(
                 params=s.sampling_params,
                 prompt_token_ids=s.prompt_token_ids,
-                output_token_ids=s.output_token_ids,
+                output_token_ids=s.output_token_ids + [0] if m else s.output_token_ids,
                 seed=s.seed,
             )
-            for s in sampling_states
+            for s, m in zip(states, missing)
         ]
-        result = self.sampler(logits, rows)
-        token_ids = result.sampled_token_ids.tolist()
-        row = 0
-        for i, does_sample in enumerate(inputs.samples):
-            if not does_sample:
-                continue
-            state = sampling_states[row]
-            state.token_ids.append(token_ids[row])
-            state.output_token_ids.append(token_ids[row])
-            sampled_per_req[i] = [token_ids[row]]
-            num_logprobs = state.sampling_params.logprobs
-            if num_logprobs is not None and result.logprobs is not None:
-                output.logprobs[state.req_id] = _to_lists(result.logprobs, row, row + 1, num_logprobs)
-            row += 1
-        return sampled_per_req
 
-    def _compute_prompt_logprobs(
-        self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput
-    ) -> None:
-        for req_id, (flat, targets) in inputs.prompt_logprob_positions.items():
-            num = self.requests[req_id].sampling_params.prompt_logprobs
-            logits = self.model.compute_logits(hidden[flat])
-            chosen = torch.tensor(targets, dtype=torch.long, device=logits.device)
-            tensors = compute_logprobs(logits, chosen, num)
-            output.prompt_logprobs[req_id] = _to_lists(tensors, 0, len(flat), num)
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, req_id: str, inputs: _StepInputs
+    ) -> LogprobsTensors:
+        flat, targets = inputs.prompt_logprob_positions[req_id]
+        num = self.requests[req_id].sampling_params.prompt_logprobs
+        # Indices and targets in one non-blocking copy (a host list would wait for the stream).
+        both = self._to_device(torch.tensor(flat + targets, dtype=torch.long))
+        logits = self.model.compute_logits(hidden[both[: len(flat)]])
+        return compute_logprobs(logits, both[len(flat) :], num)
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
@@ -365,6 +463,14 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
         and not params.logit_bias
         and params.min_tokens == 0
         and params.logprobs is None
+    )
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
     )
 
 

@@ -15,6 +15,7 @@ import torch
 from octavo.backends.capabilities import check_head_dim
 from octavo.config import EngineConfig
 from octavo.scheduler.output import SchedulerOutput
+from octavo.worker.async_output import PendingStepOutput
 from octavo.worker.model_runner import ModelRunner
 from octavo.worker.runner_output import ModelRunnerOutput
 
@@ -111,6 +112,16 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStepOutput:
+        """Launch a step; see ``ModelRunner.execute_model_async`` for the contract."""
+        assert self.model_runner is not None
+        return self.model_runner.execute_model_async(scheduler_output)
+
+    def discard_in_flight(self) -> None:
+        """Forget launched steps whose results will never be taken."""
+        if self.model_runner is not None:
+            self.model_runner.discard_in_flight()
 
     def shutdown(self) -> None:
         self.model_runner = None

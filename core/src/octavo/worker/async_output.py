@@ -1,0 +1,99 @@
+"""A launched step whose sampled tokens are still on the device.
+
+With async scheduling the engine schedules and launches step N+1 before it reads step N's
+tokens back, so the host work of one step overlaps the device work of the other. The pieces
+here keep that safe:
+
+- ``DeviceToHostCopy`` starts the copies of a step's results into pinned host memory as soon
+  as they are enqueued and records an event; reading them waits for that event only, never
+  for later work queued on the stream (a plain ``.tolist()`` would wait for step N+1 too).
+- ``PendingStepOutput`` turns those host copies into a ``ModelRunnerOutput`` once, appending
+  each sampled token to the runner's per-request state. Steps resolve strictly in launch
+  order (each resolves the one before it first), so tokens are appended in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from octavo.worker.runner_output import ModelRunnerOutput
+
+
+class DeviceToHostCopy:
+    """Copies device tensors to the host without blocking the host (on CUDA and HIP).
+
+    Other devices copy synchronously here: correct, only without the overlap.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._event: torch.cuda.Event | None = None
+        if tensors and tensors[0].device.type == "cuda":
+            self._host = []
+            for tensor in tensors:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                self._host.append(host)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = [tensor.cpu() for tensor in tensors]
+
+    def wait(self) -> list[torch.Tensor]:
+        """The host tensors, in the order given, once the copies are done."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
+class PendingStepOutput:
+    """One launched step's output; ``result()`` waits for its copies and records its tokens.
+
+    ``finalize`` receives the host copies and returns the step's ``ModelRunnerOutput``; it
+    runs once, after the previous step's ``finalize``.
+    """
+
+    def __init__(
+        self,
+        copies: DeviceToHostCopy | None,
+        finalize: Callable[[list[torch.Tensor]], ModelRunnerOutput],
+        previous: PendingStepOutput | None,
+        sampled_token_ids: torch.Tensor | None,
+    ) -> None:
+        self._copies = copies
+        self._finalize: Callable[[list[torch.Tensor]], ModelRunnerOutput] | None = finalize
+        self._previous = previous
+        self._output: ModelRunnerOutput | None = None
+        # [num sampling requests] on the device: where the next step reads the inputs of
+        # requests whose token is not on the host yet.
+        self.sampled_token_ids = sampled_token_ids
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> PendingStepOutput:
+        """An output that needs no device work (an empty step)."""
+        pending = cls(None, lambda _: output, None, None)
+        pending.result()
+        return pending
+
+    @property
+    def is_resolved(self) -> bool:
+        return self._output is not None
+
+    def wait_previous(self) -> None:
+        """Resolve every step launched before this one."""
+        if self._previous is not None:
+            self._previous.result()
+            self._previous = None
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for this step (and resolve earlier ones first); idempotent."""
+        if self._output is None:
+            self.wait_previous()
+            assert self._finalize is not None
+            host = self._copies.wait() if self._copies is not None else []
+            self._output = self._finalize(host)
+            self._finalize = None
+            self._copies = None
+        return self._output
