@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from octavo import LLM, SamplingParams
+
 from tests.helpers.tiny import make_tiny_model
 
 pytestmark = [

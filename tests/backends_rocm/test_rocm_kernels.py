@@ -12,10 +12,10 @@ from dataclasses import asdict
 
 import pytest
 import torch
-
 from octavo.attention.reference import ReferenceAttentionImpl
 from octavo.kernels.triton import TritonLaunchConfig
 from octavo_rocm.attention import ROCM_LAUNCH_CONFIG, make_attention_backend
+
 from tests.kernels.conftest import assert_close, make_paged_batch, on_device_of
 
 CONFIG = ROCM_LAUNCH_CONFIG

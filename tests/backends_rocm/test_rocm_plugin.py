@@ -15,10 +15,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from types import SimpleNamespace
 
+import octavo_rocm.plugin as rocm_plugin
 import pytest
 import torch
-
-import octavo_rocm.plugin as rocm_plugin
 from octavo.backends import select_backend
 from octavo.config import CacheConfig
 from octavo.plugins import build_plugin_manager

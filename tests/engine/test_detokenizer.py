@@ -8,9 +8,9 @@ import os
 import random
 
 import pytest
-
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.sampling_params import SamplingParams
+
 from tests.helpers.tiny import train_tokenizer
 
 TEXTS = [

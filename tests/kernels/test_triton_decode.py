@@ -10,9 +10,9 @@ import importlib
 
 import pytest
 import torch
-
 from octavo.attention.reference import paged_attention_reference, write_kv_reference
 from octavo.kernels.triton import TritonLaunchConfig, decode_attention
+
 from tests.kernels.conftest import DTYPES, assert_close, make_paged_batch, on_device_of
 
 

@@ -6,7 +6,6 @@ import random
 
 import numpy as np
 import pytest
-
 from octavo.worker.block_table import BlockTable
 
 

@@ -6,7 +6,7 @@ Importing this module is cheap: torch and the kernels load only when the backend
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from octavo.backends.backend import Availability, Backend, BackendCapabilities
 from octavo.hookspecs import hookimpl

@@ -6,7 +6,7 @@ kernels only when the backend is chosen.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from octavo.backends.backend import Availability, Backend, BackendCapabilities
 from octavo.hookspecs import hookimpl

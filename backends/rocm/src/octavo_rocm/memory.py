@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
 from octavo.config import CacheConfig
 
 logger = logging.getLogger(__name__)

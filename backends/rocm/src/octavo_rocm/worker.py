@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from octavo.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

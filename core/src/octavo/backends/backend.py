@@ -5,8 +5,8 @@ Cheap to import (no torch): backend plugins import it at discovery time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass(frozen=True, slots=True)

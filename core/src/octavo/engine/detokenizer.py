@@ -24,7 +24,8 @@ same text for a fraction of the per-step cost.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from octavo.sampling_params import SamplingParams
 
@@ -52,9 +53,19 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = (
-        "_decode", "_backend", "_stream", "_skip_special_tokens", "_token_ids", "_read_offset",
-        "_text", "_num_sent", "_stops", "_max_stop_len", "_include_stop", "_stop_str",
+        "_backend",
+        "_decode",
         "_deferred",
+        "_include_stop",
+        "_max_stop_len",
+        "_num_sent",
+        "_read_offset",
+        "_skip_special_tokens",
+        "_stop_str",
+        "_stops",
+        "_stream",
+        "_text",
+        "_token_ids",
     )
 
     def __init__(

@@ -18,7 +18,13 @@ from typing import Any
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.messages import EngineCoreOutput, LogprobsLists
 from octavo.engine.processor import ProcessedPrompt
-from octavo.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from octavo.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 
 
 class RequestOutputKind(enum.Enum):

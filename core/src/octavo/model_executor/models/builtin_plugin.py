@@ -7,7 +7,8 @@ architecture (say, its own ``LlamaForCausalLM``) as well as add new ones.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from octavo.hookspecs import hookimpl
 
