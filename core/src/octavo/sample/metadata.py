@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from octavo.sampling_params import SamplingParams
+from octavo.transfer import host_to_device
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
@@ -121,7 +122,7 @@ class SamplingMetadata:
         all_random = not any(greedy)
 
         def floats(values: list[float]) -> torch.Tensor:
-            return _to_device(torch.tensor(values, dtype=torch.float32), device)
+            return host_to_device(torch.tensor(values, dtype=torch.float32), device)
 
         temperature = None
         if not all_greedy:
@@ -129,7 +130,7 @@ class SamplingMetadata:
         top_k = top_p = min_p = None
         if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
             ks = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
-            top_k = _to_device(torch.tensor(ks, dtype=torch.int64), device)
+            top_k = host_to_device(torch.tensor(ks, dtype=torch.int64), device)
         if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
             top_p = floats([p.top_p for p in params])
         if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
@@ -170,7 +171,7 @@ class SamplingMetadata:
                 seeded_rows.append((i, step_seed(row.seed, len(row.output_token_ids))))
 
         def longs(values: list[int]) -> torch.Tensor:
-            return _to_device(torch.tensor(values, dtype=torch.int64), device)
+            return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -178,7 +179,7 @@ class SamplingMetadata:
             vocab_size=vocab_size,
             all_greedy=all_greedy,
             all_random=all_random,
-            greedy_mask=_to_device(torch.tensor(greedy, dtype=torch.bool), device),
+            greedy_mask=host_to_device(torch.tensor(greedy, dtype=torch.bool), device),
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -228,17 +229,4 @@ def _pad(
     for i, ids in enumerate(token_ids):
         padded[i, : len(ids)] = ids
     out = torch.from_numpy(padded).clamp_(max=vocab_size)
-    return _to_device(out, device)
-
-
-def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Copy a host tensor to ``device``; to a GPU through pinned memory without blocking.
-
-    A plain copy from pageable memory makes the host wait for every kernel already queued on
-    the stream, which would stall an engine that launches the next step before the current
-    one has finished (async scheduling).
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host_to_device(out, device)

@@ -4,9 +4,9 @@ With async scheduling the engine schedules and launches step N+1 before it reads
 tokens back, so the host work of one step overlaps the device work of the other. The pieces
 here keep that safe:
 
-- ``DeviceToHostCopy`` starts the copies of a step's results into pinned host memory as soon
-  as they are enqueued and records an event; reading them waits for that event only, never
-  for later work queued on the stream (a plain ``.tolist()`` would wait for step N+1 too).
+- ``octavo.transfer.DeviceToHostCopy`` starts the copies of a step's results into pinned host
+  memory as soon as they are enqueued; reading them waits for those copies only, never for
+  later work queued on the stream (a plain ``.tolist()`` would wait for step N+1 too).
 - ``PendingStepOutput`` turns those host copies into a ``ModelRunnerOutput`` once, appending
   each sampled token to the runner's per-request state. Steps resolve strictly in launch
   order (each resolves the one before it first), so tokens are appended in order.
@@ -14,38 +14,12 @@ here keep that safe:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
+from octavo.transfer import DeviceToHostCopy
 from octavo.worker.runner_output import ModelRunnerOutput
-
-
-class DeviceToHostCopy:
-    """Copies device tensors to the host without blocking the host (on CUDA and HIP).
-
-    Other devices copy synchronously here: correct, only without the overlap.
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._event: torch.cuda.Event | None = None
-        if tensors and tensors[0].device.type == "cuda":
-            self._host = []
-            for tensor in tensors:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                host.copy_(tensor, non_blocking=True)
-                self._host.append(host)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = [tensor.cpu() for tensor in tensors]
-
-    def wait(self) -> list[torch.Tensor]:
-        """The host tensors, in the order given, once the copies are done."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        return self._host
 
 
 class PendingStepOutput:

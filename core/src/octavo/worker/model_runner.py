@@ -31,7 +31,8 @@ from octavo.sample.metadata import SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.sampling_params import SamplingParams
 from octavo.scheduler.output import SchedulerOutput
-from octavo.worker.async_output import DeviceToHostCopy, PendingStepOutput
+from octavo.transfer import DeviceToHostCopy, host_to_device
+from octavo.worker.async_output import PendingStepOutput
 from octavo.worker.block_table import BlockTable
 from octavo.worker.runner_output import ModelRunnerOutput
 
@@ -300,7 +301,7 @@ class ModelRunner:
             input_ids + positions + slots + pending_flat + pending_rows + sample_indices,
             dtype=torch.long,
         )
-        flat = self._to_device(flat_host)
+        flat = host_to_device(flat_host, self.device)
         token_ids = flat[:num_tokens]
         if pending_flat:
             assert self._last_step is not None and self._last_step.sampled_token_ids is not None
@@ -331,30 +332,21 @@ class ModelRunner:
     ) -> AttentionMetadata:
         num_seqs = len(seq_lens)
         # query_start_loc and seq_lens travel in one copy.
-        lengths = self._to_device(torch.tensor(query_start_loc + seq_lens, dtype=torch.int32))
+        lengths = host_to_device(
+            torch.tensor(query_start_loc + seq_lens, dtype=torch.int32), self.device
+        )
         return AttentionMetadata(
             num_seqs=num_seqs,
             num_tokens=query_start_loc[-1],
             slot_mapping=slot_mapping.to(self.device),
             query_start_loc=lengths[: num_seqs + 1],
             seq_lens=lengths[num_seqs + 1 :],
-            block_tables=self._to_device(torch.from_numpy(block_tables)),
+            block_tables=host_to_device(torch.from_numpy(block_tables), self.device),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=list(query_start_loc),
             seq_lens_cpu=list(seq_lens),
         )
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Copy a host tensor to the device without blocking the host on a GPU device.
-
-        The copy goes through pinned memory (torch's caching host allocator keeps the buffer
-        alive until the copy has run), so building the next step's inputs never waits for
-        the device. On the CPU this is the tensor itself; other devices get a plain copy.
-        """
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _sample(self, hidden: torch.Tensor, inputs: _StepInputs) -> PendingStepOutput:
         """Launch sampling (and prompt logprobs) and the copies of their results to the host."""
@@ -449,7 +441,7 @@ class ModelRunner:
         flat, targets = inputs.prompt_logprob_positions[req_id]
         num = self.requests[req_id].sampling_params.prompt_logprobs
         # Indices and targets in one non-blocking copy (a host list would wait for the stream).
-        both = self._to_device(torch.tensor(flat + targets, dtype=torch.long))
+        both = host_to_device(torch.tensor(flat + targets, dtype=torch.long), self.device)
         logits = self.model.compute_logits(hidden[both[: len(flat)]])
         return compute_logprobs(logits, both[len(flat) :], num)
 
