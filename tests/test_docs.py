@@ -181,7 +181,7 @@ def example_files(prefix: str) -> dict[str, str]:
 def test_example_pyproject_pins_the_core_and_registers_the_entry_point():
     block = re.search(r"```toml\n# pyproject.toml\n(.*?)```", BACKEND_DOC, flags=re.DOTALL)
     project = tomllib.loads(block.group(1))
-    assert project["project"]["entry-points"]["octavo"] == {"mydev": "octavo_mydev.plugin"}
+    assert project["project"]["entry-points"]["octavo"] == {"mydev": "octavo_mydev.plugin:plugin"}
     assert f"octavo-core=={__version__}" in project["project"]["dependencies"]
     real = tomllib.loads((REPO / "backends" / "cpu" / "pyproject.toml").read_text())
     assert f"octavo-core=={__version__}" in real["project"]["dependencies"]
@@ -202,7 +202,8 @@ def example_package(tmp_path, monkeypatch):
             (tmp_path / path).write_text(source)
             (tmp_path / prefix / "__init__.py").touch()
         monkeypatch.syspath_prepend(str(tmp_path))
-        plugin = importlib.import_module(f"{prefix}.plugin")
+        module = importlib.import_module(f"{prefix}.plugin")
+        plugin = getattr(module, "plugin", module)  # a BackendPlugin, or a module of hooks
         registered.append(pm.register(plugin, name=prefix))
         pm.check_pending()
         return plugin

@@ -76,7 +76,7 @@ def test_installed_cpu_backend_is_loaded_from_its_entry_point():
     pm = build_plugin_manager()
     import octavo_cpu.plugin
 
-    assert pm.get_plugin("cpu") is octavo_cpu.plugin
+    assert pm.get_plugin("cpu") is octavo_cpu.plugin.plugin
     assert pm.get_plugin("octavo.model_executor.models.builtin_plugin") is not None
     assert get_plugin_manager() is get_plugin_manager()  # one manager per process
 

@@ -28,7 +28,7 @@ for stage in "${stages[@]}"; do
         --pyargs octavo.testing.conformance 2>&1 | tee "$OUT/conformance.log" | tail -25
       ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/backends_cuda tests/kernels 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+      python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests tests/kernels tests/worker 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
       ;;
     bench)
       # W1 through AsyncLLM (engine core in its own process, as `octavo serve` runs it), then

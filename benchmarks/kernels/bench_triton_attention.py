@@ -57,17 +57,8 @@ def make_step(query_lens, seq_lens, args, device="cuda"):
     for q in query_lens:
         starts.append(starts[-1] + q)
     num_tokens = starts[-1]
-    metadata = AttentionMetadata(
-        num_seqs=len(seq_lens),
-        num_tokens=num_tokens,
-        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),  # unused here
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
+    metadata = AttentionMetadata.from_lists(
+        [0] * num_tokens, starts, list(seq_lens), block_tables, device=device  # slots unused here
     )
     # [num_tokens, num_heads, head_dim]
     query = torch.randn(num_tokens, args.num_heads, args.head_dim, dtype=dtype, device=device)
@@ -79,10 +70,9 @@ def make_step(query_lens, seq_lens, args, device="cuda"):
 
 
 def run_case(name, query_lens, seq_lens, args):
-    from triton.testing import do_bench, do_bench_cudagraph
-
     from octavo.attention.reference import paged_attention_reference
     from octavo.kernels.triton import TritonLaunchConfig, decode_attention, prefill_attention
+    from triton.testing import do_bench, do_bench_cudagraph
 
     config = TritonLaunchConfig(**args.overrides)
     query, kv_cache, meta = make_step(query_lens, seq_lens, args)

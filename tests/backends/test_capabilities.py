@@ -71,8 +71,8 @@ def test_real_backends_declare_what_their_kernels_support():
     from octavo.kernels.triton.attention import SUPPORTED_HEAD_DIMS
 
     registered: list[Backend] = []
-    octavo_cpu.plugin.octavo_register_backends(register=registered.append)
-    octavo_cuda.plugin.octavo_register_backends(register=registered.append)
+    octavo_cpu.plugin.plugin.octavo_register_backends(register=registered.append)
+    octavo_cuda.plugin.plugin.octavo_register_backends(register=registered.append)
     cpu, cuda = (b.capabilities for b in registered)
     assert cpu.head_dims is None and cpu.block_sizes is None and not cpu.cuda_graphs
     assert set(cpu.dtypes) == set(KNOWN_DTYPES)
@@ -209,7 +209,7 @@ def test_too_many_logprobs_are_refused_with_the_field_first():
     with pytest.raises(UnsupportedByBackendError) as info:
         check_request("npu", NO_PROMPT_LOGPROBS, SamplingParams(logprobs=3))
     assert str(info.value) == (
-        "logprobs must be at most 2 on backend 'npu' (its most top logprobs per token), got 3")
+        "logprobs must be at most 2 on backend 'npu' (the most it returns per token), got 3")
     caps = BackendCapabilities(max_logprobs=1)
     with pytest.raises(UnsupportedByBackendError, match="^prompt_logprobs must be at most 1 on "
                        "backend 'npu'.*got 4$"):

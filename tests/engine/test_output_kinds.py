@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from octavo.engine.messages import EngineCoreOutput
 from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
 from octavo.engine.processor import Processor
+from octavo.messages import EngineCoreOutput
 from octavo.sampling_params import SamplingParams
 
 TEXT = "Caf\u00e9 cr\u00e8me! Hello world! hello World? HELLO, world; 12345"
@@ -25,6 +25,7 @@ def run(tokenizer, kind: RequestOutputKind, params: SamplingParams):
     class _Config:  # what Processor reads of a ModelConfig
         vocab_size = 384
         max_model_len = 512
+        max_logprobs = 20
 
     processor = Processor(_Config(), tokenizer, {2})
     processed = processor.process("r", "Hello", params)

@@ -122,7 +122,7 @@ def assert_engine_still_works(llm, reference) -> None:
 
 @pytest.mark.parametrize("params, message", [
     (SamplingParams(max_tokens=4, logprobs=3),
-     ("logprobs must be at most 2 on backend 'restricted' (its most top logprobs per token), "
+     ("logprobs must be at most 2 on backend 'restricted' (the most it returns per token), "
       "got 3")),
     (SamplingParams(max_tokens=4, prompt_logprobs=0),
      "prompt_logprobs are not supported by backend 'restricted'"),
@@ -136,7 +136,8 @@ def test_a_request_beyond_the_backend_is_refused(llm, reference, params, message
 
 
 def test_a_prompt_beyond_the_backends_context_is_refused(llm, reference):
-    with pytest.raises(ValueError, match="the prompt has 200 tokens but max_model_len is 128"):
+    with pytest.raises(ValueError,
+                       match="maximum context length is 128 tokens, but the prompt has 200"):
         llm.generate([[20] * 200], greedy(4), use_tqdm=False)
     # A prompt that fits gets the rest of the backend's 128 tokens at most.
     (output,) = llm.generate([[20] * 120], greedy(50), use_tqdm=False)

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from octavo.errors import InvalidRequestError
 from octavo.sampling_params import SamplingParams
-from octavo.scheduler.scheduler import RequestTooLargeError
 
 from tests.helpers.engine import assert_no_leaks, greedy, make_llm, token_ids
 
@@ -35,9 +35,9 @@ def assert_engine_still_works(llm, reference) -> None:
 
 
 def test_prompt_longer_than_max_model_len(llm, reference) -> None:
-    with pytest.raises(ValueError, match=f"prompt has 70 tokens but max_model_len is {MAX_MODEL_LEN}"):
+    with pytest.raises(ValueError, match=f"context length is {MAX_MODEL_LEN} tokens, but the prompt has 70"):
         llm.generate([[20] * 70], greedy(4), use_tqdm=False)
-    with pytest.raises(ValueError, match="64 tokens but max_model_len is 64"):
+    with pytest.raises(ValueError, match="context length is 64 tokens, but the prompt has 64"):
         llm.generate([[20] * 64], greedy(4), use_tqdm=False)  # no room for one token
     assert_engine_still_works(llm, reference)
 
@@ -73,14 +73,18 @@ def test_bad_sampling_params(kwargs, error, message) -> None:
 
 
 def test_out_of_vocab_ids(llm, reference) -> None:
-    with pytest.raises(ValueError, match=r"prompt token id 384 is out of range \[0, 384\)"):
+    with pytest.raises(ValueError, match=r"prompt token id 384 is out of the vocabulary \[0, 384"):
         llm.generate([[5, 6, 384]], greedy(4), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"prompt token id -1 is out of range"):
+    with pytest.raises(ValueError, match=r"prompt token id -1 is out of the vocabulary"):
         llm.generate([[5, -1]], greedy(4), use_tqdm=False)
     with pytest.raises(TypeError, match="prompt token ids must be integers, got '7'"):
         llm.generate({"prompt_token_ids": [5, "7"]}, greedy(4), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"token id 999 in stop_token_ids/logit_bias"):
+    with pytest.raises(ValueError, match=r"token id 999 in stop_token_ids is out of the vocab") as info:
         llm.generate(PROMPT, greedy(4, stop_token_ids=[999]), use_tqdm=False)
+    assert info.value.param == "stop_token_ids"
+    with pytest.raises(ValueError, match=r"token id 500 in logit_bias is out of the vocab") as info:
+        llm.generate(PROMPT, greedy(4, logit_bias={500: 1.0}), use_tqdm=False)
+    assert info.value.param == "logit_bias"
     assert_engine_still_works(llm, reference)
 
 
@@ -96,13 +100,14 @@ def test_wrong_types(llm, reference) -> None:
 
 def test_request_that_can_never_fit_the_kv_pool(tiny_llama: Path) -> None:
     small = make_llm(tiny_llama, max_model_len=128, num_gpu_blocks_override=2)  # 32 tokens
-    with pytest.raises(RequestTooLargeError) as info:
+    with pytest.raises(InvalidRequestError) as info:
         small.generate(PROMPT, greedy(40), use_tqdm=False)
     message = str(info.value)
     assert "32 tokens (2 blocks of 16)" in message and "max_tokens 40" in message
+    assert (info.value.param, info.value.code) == ("max_tokens", "kv_cache_too_small")
     assert_no_leaks(small)
     # In a batch: the request queued before the bad one is withdrawn too.
-    with pytest.raises(RequestTooLargeError, match="prompt 40 \\+ max_tokens 8"):
+    with pytest.raises(InvalidRequestError, match="prompt 40 \\+ max_tokens 8"):
         small.generate([PROMPT, [20] * 40], greedy(8), use_tqdm=False)
     assert_no_leaks(small)
     ok = small.generate(PROMPT, greedy(8), use_tqdm=False)
@@ -110,7 +115,7 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_llama: Path) -> None:
 
 
 def test_a_bad_prompt_in_a_batch_leaves_no_trace(llm, reference) -> None:
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="out of the vocabulary"):
         llm.generate([PROMPT, PROMPT, [1, 2, 10_000]], greedy(8), use_tqdm=False)
     assert_engine_still_works(llm, reference)
 

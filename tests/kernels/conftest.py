@@ -112,18 +112,8 @@ def make_paged_batch(
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    metadata = AttentionMetadata(
-        num_seqs=num_seqs,
-        num_tokens=num_tokens,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=list(seq_lens),
-    )
+    metadata = AttentionMetadata.from_lists(slots, query_start_loc, list(seq_lens),
+                                            block_tables, device=device)
     return PagedBatch(
         query=randn(num_tokens, num_heads, head_dim).to(device),
         key=randn(num_tokens, num_kv_heads, head_dim).to(device),

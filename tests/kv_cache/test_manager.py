@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from octavo.engine.request import Request
-from octavo.kv_cache.hashing import hash_block_tokens
+from octavo.kv_cache.hashing import block_hasher, hash_block_tokens
 from octavo.kv_cache.manager import KVCacheManager
+from octavo.messages import Request
 from octavo.sampling_params import SamplingParams
 
 BS = 4
 
 
 def make_request(req_id: str, prompt: list[int], **params) -> Request:
-    return Request(req_id, prompt, SamplingParams(**params), max_tokens=8, block_size=BS)
+    params.setdefault("max_tokens", 8)
+    return Request(req_id, prompt, SamplingParams(**params), block_hasher=block_hasher(BS))
 
 
 def run_prompt(manager: KVCacheManager, request: Request) -> list[int]:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
 from octavo.attention.base import AttentionMetadata
 from octavo.attention.reference import ReferenceAttentionBackend
 from octavo.model_executor.models import builtin_registry
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
 from tests.helpers.tiny import make_tiny_model
 
 ARCHS = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3")
@@ -88,20 +88,7 @@ def make_step(
             slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
         starts.append(starts[-1] + num_new)
         seq_lens.append(len(tokens))
-    width = max(len(table) for table, _, _ in seqs)
-    tables = [table + [0] * (width - len(table)) for table, _, _ in seqs]
-    metadata = AttentionMetadata(
-        num_seqs=len(seqs),
-        num_tokens=len(input_ids),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        max_query_len=max(num_new for _, _, num_new in seqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
+    metadata = AttentionMetadata.from_lists(slots, starts, seq_lens, [t for t, _, _ in seqs])
     return torch.tensor(input_ids), torch.tensor(positions), metadata
 
 

@@ -179,19 +179,7 @@ def _build_step(seqs, num_kv_heads, dtype, block_size=4, seed=0):
                 slots.append(block * block_size + offset)
         query_start.append(query_start[-1] + new)
         seq_lens.append(cached + new)
-    width = max(num_pages)
-    metadata = AttentionMetadata(
-        num_seqs=len(seqs),
-        num_tokens=query_start[-1],
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=max(new for _, new in seqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=query_start,
-        seq_lens_cpu=seq_lens,
-    )
+    metadata = AttentionMetadata.from_lists(slots, query_start, seq_lens, tables)
     return kv_cache, metadata, gen
 
 

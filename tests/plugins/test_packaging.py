@@ -28,7 +28,7 @@ OURS = {
          "torch.nn.attention.flex_attention"],
     ),
     "template-accelerator": (
-        "octavo-plugin-template-accelerator", "template", "octavo_template_accel.plugin",
+        "octavo-plugin-template-accelerator", "template", "octavo_template_accel.plugin:plugin",
         ["octavo_template_accel.attention", "octavo_template_accel.memory",
          "octavo_template_accel.worker"],
     ),

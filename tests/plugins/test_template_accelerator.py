@@ -26,7 +26,7 @@ SUITE_MODULES = {m.name for m in pkgutil.iter_modules(octavo.testing.conformance
 
 @pytest.fixture(scope="module")
 def template_plugin():
-    """The plugin module, loaded through its installed entry point."""
+    """The plugin (a ``BackendPlugin`` declaration), loaded through its installed entry point."""
     return installed_entry_point("template", DISTRIBUTION).load()
 
 
@@ -48,7 +48,7 @@ def test_the_installed_plugin_registers_the_template_backend(template_plugin):
 def test_installing_it_never_changes_the_default_backend(template_plugin):
     import octavo_cpu.plugin
 
-    both = _manager(("cpu", octavo_cpu.plugin), ("template", template_plugin))
+    both = _manager(("cpu", octavo_cpu.plugin.plugin), ("template", template_plugin))
     assert select_backend(both).name == "cpu"
     assert select_backend(both, "template").name == "template"
     alone = _manager(("template", template_plugin))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from octavo.sample import SamplingRow
 from octavo.sampling_params import SamplingParams
 
@@ -14,13 +13,12 @@ def make_row(
     seed: int | None = None,
     **params: object,
 ) -> SamplingRow:
-    """A row with ``SamplingParams(**params)``; ``seed`` is both the params' and the row's."""
+    """A row with ``SamplingParams(seed=seed, **params)`` (the params carry the row's seed)."""
     sampling_params = SamplingParams(seed=seed, **params)  # type: ignore[arg-type]
     return SamplingRow(
         params=sampling_params,
         prompt_token_ids=list(prompt or []),
         output_token_ids=list(output or []),
-        seed=seed,
     )
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from octavo.sample import SamplingMetadata, step_seed
+
 from tests.sample.helpers import make_row
 
 VOCAB = 10
@@ -16,7 +16,7 @@ def test_all_greedy_skips_every_sampling_tensor() -> None:
     metadata = SamplingMetadata.from_rows(rows, VOCAB, "cpu")
     assert metadata.all_greedy and not metadata.all_random
     assert metadata.temperature is None
-    assert metadata.no_top_k and metadata.no_top_p and metadata.no_min_p
+    assert metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
     assert metadata.no_penalties
     assert metadata.seeded_rows == []  # greedy rows draw nothing
     assert metadata.max_num_logprobs is None
@@ -31,7 +31,7 @@ def test_mixed_rows_fill_neutral_values() -> None:
     assert metadata.top_k is not None and metadata.top_k.tolist() == [VOCAB, VOCAB, VOCAB]
     assert metadata.top_p is not None
     assert torch.allclose(metadata.top_p, torch.tensor([1.0, 0.9, 1.0]))
-    assert metadata.no_min_p
+    assert metadata.min_p is None
 
 
 def test_penalty_tensors_are_padded_with_vocab_size() -> None:

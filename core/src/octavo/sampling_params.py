@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from octavo.errors import InvalidRequestError, InvalidRequestTypeError
+
 _GREEDY_EPS = 1e-5
 
 
@@ -12,8 +14,9 @@ _GREEDY_EPS = 1e-5
 class SamplingParams:
     """Sampling settings of one request; every field is checked in ``__post_init__``.
 
-    Invalid values raise ``ValueError`` (or ``TypeError`` for a wrong type) naming the field,
-    the value given and the valid range.
+    Invalid values raise ``octavo.errors.InvalidRequestError`` (a ``ValueError``; an
+    ``InvalidRequestTypeError``, also a ``TypeError``, for a wrong type) whose ``param`` is the
+    field and whose message gives the value and the valid range.
     """
 
     # Number of completions returned for the prompt; they share the prompt's KV blocks.
@@ -74,19 +77,21 @@ class SamplingParams:
         _check_int("top_k", self.top_k, low=-1)
         _check_float("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0.0:
-            raise ValueError("top_p must be in (0, 1], got 0.0")
+            raise InvalidRequestError("top_p must be in (0, 1], got 0.0", param="top_p")
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0)
         if self.repetition_penalty == 0.0:
-            raise ValueError("repetition_penalty must be > 0, got 0.0")
+            raise InvalidRequestError("repetition_penalty must be > 0, got 0.0",
+                                      param="repetition_penalty")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                param="min_tokens",
             )
         if self.seed is not None:
             _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)
@@ -96,18 +101,27 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+                raise InvalidRequestError(
+                    f"stop must be a list of non-empty strings, got {s!r}", param="stop")
         for tid in self.stop_token_ids:
-            _check_int("stop_token_ids[]", tid, low=0)
+            _check_int("stop_token_ids", tid, low=0)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+                raise InvalidRequestTypeError(
+                    f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}",
+                    param="logit_bias")
             bias: dict[int, float] = {}
             for key, value in self.logit_bias.items():
-                token_id = int(key)
+                try:
+                    token_id = int(key)
+                except (TypeError, ValueError):
+                    raise InvalidRequestError(
+                        f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                    ) from None
                 if token_id < 0:
-                    raise ValueError(f"logit_bias token ids must be >= 0, got {key!r}")
-                _check_float(f"logit_bias[{key}]", value, low=-100.0, high=100.0)
+                    raise InvalidRequestError(
+                        f"logit_bias token ids must be >= 0, got {key!r}", param="logit_bias")
+                _check_float("logit_bias", value, low=-100.0, high=100.0)
                 bias[token_id] = float(value)
             self.logit_bias = bias
 
@@ -115,6 +129,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the most likely token is always taken."""
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a repetition, frequency or presence penalty is set (the sampler then
+        needs every generated token id)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits before the choice and no logprobs:
+        the argmax of the raw logits is the whole sampler."""
+        return (
+            self.greedy
+            and not self.uses_penalties
+            and not self.logit_bias
+            and self.min_tokens == 0
+            and self.logprobs is None
+        )
 
     @property
     def max_token_id(self) -> int:
@@ -125,22 +161,22 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestTypeError(f"{name} must be an integer, got {value!r}", param=name)
     _check_range(name, value, low, high)
 
 
 def _check_float(name: str, value: object, low: float | None = None, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+        raise InvalidRequestTypeError(f"{name} must be a number, got {value!r}", param=name)
     if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
     _check_range(name, value, low, high)
 
 
 def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
     if low is not None and high is not None and not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value!r}", param=name)
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be >= {low}, got {value!r}", param=name)
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be <= {high}, got {value!r}", param=name)

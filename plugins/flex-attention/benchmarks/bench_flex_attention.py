@@ -44,14 +44,7 @@ def make_step(query_lens, seq_lens, args):
         starts.append(starts[-1] + q)
         slots += [int(tables[i, p // bs]) * bs + p % bs for p in range(s - q, s)]
     n = starts[-1]
-    metadata = AttentionMetadata(
-        num_seqs=len(seq_lens), num_tokens=n,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens),
-    )
+    metadata = AttentionMetadata.from_lists(slots, starts, list(seq_lens), tables)
     h, kvh, d = args.num_heads, args.num_kv_heads, args.head_dim
     qkv = [torch.randn(n, heads, d) for heads in (h, kvh, kvh)]  # [num_tokens, heads, head_dim]
     kv_cache = torch.randn(2, sum(pages), bs, kvh, d)  # [2, num_blocks, block_size, kvh, dim]

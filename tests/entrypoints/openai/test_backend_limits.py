@@ -76,16 +76,17 @@ def test_the_backends_context_is_the_servers(http) -> None:
 def test_more_logprobs_than_the_backend_gives(http, stream) -> None:
     resp = http.post("/v1/completions", json=_completion(logprobs=3, stream=stream))
     message = _error(resp, "logprobs")
-    assert resp.json()["error"]["code"] == "invalid_value"
-    assert message == ("logprobs must be at most 2 on backend 'restricted' (its most top "
-                       "logprobs per token), got 3")
+    assert resp.json()["error"]["code"] == "unsupported_by_backend"
+    assert message == ("logprobs must be at most 2 on backend 'restricted' (the most it "
+                       "returns per token), got 3")
 
 
 def test_chat_top_logprobs_beyond_the_backend(http) -> None:
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 4, "logprobs": True, "top_logprobs": 5}
-    message = _error(http.post("/v1/chat/completions", json=body), "logprobs")
-    assert "at most 2 on backend 'restricted'" in message and message.endswith("got 5")
+    message = _error(http.post("/v1/chat/completions", json=body), "top_logprobs")
+    assert message.startswith("top_logprobs must be at most 2 on backend 'restricted'")
+    assert message.endswith("got 5")
 
 
 def test_prompt_logprobs_on_a_backend_without_them(http) -> None:

@@ -90,7 +90,7 @@ def test_validation_errors_are_400_not_422(http) -> None:
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": [1] * (MAX_MODEL_LEN - 3), "max_tokens": 4}, "max_tokens"),
-    ({"prompt": [1] * MAX_MODEL_LEN}, "max_tokens"),
+    ({"prompt": [1] * MAX_MODEL_LEN}, "prompt"),
 ])
 def test_bad_input_never_reaches_the_engine(http, fields, param) -> None:
     assert_error(http.post("/v1/completions", json=completion(**fields)), 400, param=param)

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from octavo.attention.reference import gather_context, write_kv_reference
+from octavo.config import CacheConfig, ModelConfig
+
+
+def make_attention_backend(
+    model_config: ModelConfig, cache_config: CacheConfig
+) -> AttentionBackend:
+    """The CPU kernels; one implementation serves every model and block size."""
+    return CPUAttentionBackend()
 
 
 class CPUAttentionBackend(AttentionBackend):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import psutil
-
 from octavo.config import CacheConfig
 
 logger = logging.getLogger(__name__)
@@ -22,10 +21,7 @@ def available_kv_cache_memory(worker, cache_config: CacheConfig) -> int:
         return cache_config.kv_cache_memory_bytes
     available = psutil.virtual_memory().available
     budget = int(available * cache_config.cpu_kv_cache_fraction)
-    config = worker.config
-    max_tokens = config.scheduler_config.max_num_seqs * config.model_config.max_model_len
-    max_blocks = -(-max_tokens // cache_config.block_size)
-    useful = max_blocks * worker.kv_cache_bytes_per_block()
+    useful = worker.max_useful_kv_cache_bytes()
     logger.debug(
         "host memory available %.2f GiB; KV budget %.2f GiB (fraction %.2f), useful at most %.2f GiB",
         available / 2**30, budget / 2**30, cache_config.cpu_kv_cache_fraction, useful / 2**30,

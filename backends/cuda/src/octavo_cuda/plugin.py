@@ -1,16 +1,15 @@
-"""Hook implementations of the CUDA backend (entry point ``octavo = cuda``).
+"""The CUDA backend's declaration (entry point ``cuda = "octavo_cuda.plugin:plugin"``).
 
-Importing this module is cheap: torch is imported only by the availability probe, and the
-kernels only when the backend is chosen.
+The backend is the core's GPU worker, GPU memory sizing and decode CUDA graphs with the
+portable Triton kernels (``octavo.kernels.triton_support.triton_gpu_backend_plugin``), at
+NVIDIA launch settings (``octavo_cuda.attention``). Importing this module is cheap: torch is
+imported only by the availability probe, and the kernels only when the backend is chosen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from octavo.backends.backend import Availability, Backend, BackendCapabilities
-from octavo.hookspecs import hookimpl
-from octavo.kernels.triton_support import TRITON_DTYPES, TRITON_HEAD_DIMS
+from octavo.backends.backend import Availability
+from octavo.kernels.triton_support import triton_gpu_backend_plugin
 
 BACKEND_NAME = "cuda"
 
@@ -32,52 +31,10 @@ def probe_cuda() -> Availability:
     return Availability(True, f"{count} x {name}, CUDA {torch.version.cuda}")
 
 
-@hookimpl
-def octavo_register_backends(register: Callable[[Backend], None]) -> None:
-    register(
-        Backend(
-            name=BACKEND_NAME,
-            device_type="cuda",
-            priority=100,
-            is_available=probe_cuda,
-            package="octavo-backend-cuda",
-            dist_backend="nccl",
-            capabilities=BackendCapabilities(
-                dtypes=TRITON_DTYPES,
-                head_dims=TRITON_HEAD_DIMS,  # the Triton attention kernels' sizes
-                block_sizes=(8, 16, 32, 64),  # the sizes the kernels are tested and tuned for
-                cuda_graphs=True,  # decode steps, unless --enforce-eager
-                async_scheduling=True,
-                # No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
-                # logprobs come from the core's sampler, so every count and prompt logprobs.
-            ),
-            description="Triton paged attention on NVIDIA GPUs",
-        )
-    )
-
-
-@hookimpl
-def octavo_attention_backend(backend, model_config, cache_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_cuda.attention import make_attention_backend
-
-    return make_attention_backend(model_config)
-
-
-@hookimpl
-def octavo_available_kv_cache_memory(backend, worker, cache_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_cuda.memory import available_kv_cache_memory
-
-    return available_kv_cache_memory(worker, cache_config)
-
-
-@hookimpl
-def octavo_worker_class(backend, parallel_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_cuda.worker import CUDAWorker
-
-    return CUDAWorker
+plugin = triton_gpu_backend_plugin(
+    BACKEND_NAME,
+    is_available=probe_cuda,
+    package="octavo-backend-cuda",
+    attention="octavo_cuda.attention:make_attention_backend",
+    description="Triton paged attention on NVIDIA GPUs",
+)

@@ -18,7 +18,7 @@ just not tuned for them.
 
 from __future__ import annotations
 
-from octavo.config import ModelConfig
+from octavo.config import CacheConfig, ModelConfig
 from octavo.kernels.triton import TritonAttentionBackend, TritonLaunchConfig
 
 ROCM_LAUNCH_CONFIG = TritonLaunchConfig(
@@ -71,6 +71,8 @@ ROCM_LAUNCH_CONFIG = TritonLaunchConfig(
 )
 
 
-def make_attention_backend(model_config: ModelConfig) -> TritonAttentionBackend:
+def make_attention_backend(
+    model_config: ModelConfig, cache_config: CacheConfig
+) -> TritonAttentionBackend:
     """The Triton attention backend with ``ROCM_LAUNCH_CONFIG`` (one config for every model)."""
     return TritonAttentionBackend(ROCM_LAUNCH_CONFIG)

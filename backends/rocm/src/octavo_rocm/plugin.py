@@ -1,7 +1,9 @@
-"""Hook implementations of the ROCm backend (entry point ``octavo = rocm``).
+"""The ROCm backend's declaration (entry point ``rocm = "octavo_rocm.plugin:plugin"``).
 
-Importing this module is cheap: torch is imported only by the availability probe, and the
-kernels only when the backend is chosen.
+The backend is the core's GPU worker, GPU memory sizing and graph capture (ROCm builds of
+torch keep the ``torch.cuda`` API) with the portable Triton kernels at AMD launch settings
+(``octavo_rocm.attention``). Importing this module is cheap: torch is imported only by the
+availability probe, and the kernels only when the backend is chosen.
 
 On ROCm, PyTorch keeps the CUDA names: tensors live on device type ``"cuda"``,
 ``torch.cuda.*`` calls go to HIP, and ``torch.version.cuda`` is ``None`` while
@@ -12,11 +14,9 @@ On ROCm, PyTorch keeps the CUDA names: tensors live on device type ``"cuda"``,
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 
-from octavo.backends.backend import Availability, Backend, BackendCapabilities
-from octavo.hookspecs import hookimpl
-from octavo.kernels.triton_support import TRITON_DTYPES, TRITON_HEAD_DIMS
+from octavo.backends.backend import Availability
+from octavo.kernels.triton_support import triton_gpu_backend_plugin
 
 BACKEND_NAME = "rocm"
 
@@ -55,60 +55,14 @@ def probe_rocm() -> Availability:
     return Availability(True, f"{count} x {name}{arch}, HIP {hip}")
 
 
-@hookimpl
-def octavo_register_backends(register: Callable[[Backend], None]) -> None:
-    register(
-        Backend(
-            name=BACKEND_NAME,
-            device_type="cuda",  # PyTorch's device type for HIP devices too
-            # Same as cuda: the two probes exclude each other (torch is a HIP build or a CUDA
-            # build, never both), so they are never both available.
-            priority=100,
-            is_available=probe_rocm,
-            package="octavo-backend-rocm",
-            # torch.distributed has no "rccl" name: on ROCm builds the "nccl" process-group
-            # backend is RCCL (ROCm's NCCL-compatible library) under the same API.
-            dist_backend="nccl",
-            capabilities=BackendCapabilities(
-                dtypes=TRITON_DTYPES,
-                head_dims=TRITON_HEAD_DIMS,  # the Triton attention kernels' sizes
-                block_sizes=(8, 16, 32, 64),  # as cuda; each is tested with the ROCm config
-                # Decode steps run eagerly. HIP graphs work through torch.cuda.CUDAGraph, but
-                # the capture/replay runner lives in octavo_cuda, which this package does not
-                # depend on; see docs/rocm.md ("HIP graphs").
-                cuda_graphs=False,
-                # HIP kernels run asynchronously to the host, as CUDA ones do.
-                async_scheduling=True,
-                # No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
-                # logprobs come from the core's sampler, so every count and prompt logprobs.
-            ),
-            description="Triton paged attention on AMD GPUs (ROCm/HIP), tuned for CDNA3",
-        )
-    )
-
-
-@hookimpl
-def octavo_attention_backend(backend, model_config, cache_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_rocm.attention import make_attention_backend
-
-    return make_attention_backend(model_config)
-
-
-@hookimpl
-def octavo_available_kv_cache_memory(backend, worker, cache_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_rocm.memory import available_kv_cache_memory
-
-    return available_kv_cache_memory(worker, cache_config)
-
-
-@hookimpl
-def octavo_worker_class(backend, parallel_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_rocm.worker import ROCmWorker
-
-    return ROCmWorker
+# As cuda: the same kernels (each block size tested with the ROCm launch settings), decode
+# steps captured as HIP graphs by the core's graph runner (torch.cuda.CUDAGraph is hipGraph on
+# ROCm builds; never run on AMD hardware yet, see docs/rocm.md), async scheduling (HIP kernels
+# run asynchronously to the host, as CUDA ones do), RCCL as the "nccl" process-group backend.
+plugin = triton_gpu_backend_plugin(
+    BACKEND_NAME,
+    is_available=probe_rocm,
+    package="octavo-backend-rocm",
+    attention="octavo_rocm.attention:make_attention_backend",
+    description="Triton paged attention on AMD GPUs (ROCm/HIP), tuned for CDNA3",
+)

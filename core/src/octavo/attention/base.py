@@ -51,6 +51,51 @@ class AttentionMetadata:
         """True when every sequence adds exactly one token this step."""
         return self.max_query_len == 1
 
+    @classmethod
+    def from_lists(
+        cls,
+        slot_mapping: list[int],
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]] | torch.Tensor,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """A step described by host lists (tests, benchmarks, reference runs; the model runner
+        builds its own with non-blocking copies). Block tables given as lists are padded with
+        block 0 to the widest one."""
+        if not isinstance(block_tables, torch.Tensor):
+            width = max((len(t) for t in block_tables), default=0)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
+                                        dtype=torch.int32)
+        query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        return cls(
+            num_seqs=len(seq_lens),
+            num_tokens=len(slot_mapping),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device=device, dtype=torch.int32),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=list(query_start_loc),
+            seq_lens_cpu=list(seq_lens),
+        )
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """The same step with its tensors on ``device``."""
+        return AttentionMetadata(
+            num_seqs=self.num_seqs,
+            num_tokens=self.num_tokens,
+            slot_mapping=self.slot_mapping.to(device),
+            query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device),
+            block_tables=self.block_tables.to(device),
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            query_start_loc_cpu=list(self.query_start_loc_cpu),
+            seq_lens_cpu=list(self.seq_lens_cpu),
+        )
+
 
 class AttentionImpl(ABC):
     """One attention layer's kernel: writes new K/V into the paged cache, then attends.

@@ -19,7 +19,8 @@ class Availability:
     reason: str
 
 
-# Model/KV-cache dtype names a backend may list (the values of --dtype other than "auto").
+# Model/KV-cache dtype names a backend may list (the values of --dtype other than "auto"),
+# most precise first.
 KNOWN_DTYPES = ("float32", "bfloat16", "float16")
 
 

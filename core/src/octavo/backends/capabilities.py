@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from octavo.backends.backend import Backend, BackendCapabilities
 from octavo.backends.selection import probe
+from octavo.errors import CODE_UNSUPPORTED_BY_BACKEND, InvalidRequestError
 
 if TYPE_CHECKING:
     from octavo.config import EngineConfig
@@ -34,8 +35,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class UnsupportedByBackendError(ValueError):
-    """A configuration or a request asks for something the selected backend does not support."""
+class UnsupportedByBackendError(InvalidRequestError):
+    """A configuration or a request asks for something the selected backend does not support
+    (``param``: the request's field, for request checks)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, param=param, code=CODE_UNSUPPORTED_BY_BACKEND)
 
 
 def fit_max_model_len(backend: Backend, max_model_len: int, requested: int | None) -> int:
@@ -122,15 +127,15 @@ def check_request(backend: str, capabilities: BackendCapabilities, params: Sampl
 
     Called at admission, before anything is queued. Checks ``prompt_logprobs`` against
     ``capabilities.prompt_logprobs`` and the ``logprobs``/``prompt_logprobs`` counts against
-    ``capabilities.max_logprobs``. Messages start with the field's name (the OpenAI server
-    reports it as the error's ``param``). The prompt and completion lengths need no check of
+    ``capabilities.max_logprobs``. The error's ``param`` is the field (the OpenAI server reports
+    it). The prompt and completion lengths need no check of
     their own: ``max_model_len`` is already within the backend's limit.
     """
     if params.prompt_logprobs is not None and not capabilities.prompt_logprobs:
         raise UnsupportedByBackendError(
             f"prompt_logprobs are not supported by backend {backend!r}, which does not compute "
             f"logprobs of prompt tokens (got prompt_logprobs={params.prompt_logprobs}); leave "
-            "prompt_logprobs unset"
+            "prompt_logprobs unset", param="prompt_logprobs",
         )
     limit = capabilities.max_logprobs
     if limit is None:
@@ -139,8 +144,8 @@ def check_request(backend: str, capabilities: BackendCapabilities, params: Sampl
         value = getattr(params, name)
         if value is not None and value > limit:
             raise UnsupportedByBackendError(
-                f"{name} must be at most {limit} on backend {backend!r} (its most top "
-                f"logprobs per token), got {value}"
+                f"{name} must be at most {limit} on backend {backend!r} (the most it returns "
+                f"per token), got {value}", param=name,
             )
 
 

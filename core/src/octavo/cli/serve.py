@@ -34,8 +34,6 @@ def add_parser(sub) -> None:
                        help="largest request body accepted (413 above; default 16 MiB)")
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 to new requests while this many wait to run (default: no limit)")
-    group.add_argument("--max-logprobs", type=int, default=20,
-                       help="most top logprobs a request may ask for (default 20)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds requests in flight may take to finish on SIGTERM/SIGINT")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -50,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-    for name in ("port", "max_request_body_bytes", "max_logprobs"):
+    for name in ("port", "max_request_body_bytes"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.shutdown_timeout < 0:
@@ -73,7 +71,6 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins or [],
         max_request_body_bytes=args.max_request_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
-        max_logprobs=args.max_logprobs,
         shutdown_timeout=args.shutdown_timeout,
         access_log=args.access_log,
     )

@@ -1,5 +1,8 @@
-"""The engine layer, above ``EngineCore``: turning requests into outputs for users.
+"""The front end, above the engine core (``octavo.engine_core``): requests in, outputs out.
 
-Holds what runs in the front-end process: incremental detokenization and stop strings
-(``detokenizer``), output processing and the ``LLMEngine`` facade.
+Holds what runs in the front-end process: the one request validator (``processor``), output
+processing with incremental detokenization and stop strings (``output_processor``,
+``detokenizer``), ``EngineArgs``, and the two engines users drive: ``LLMEngine`` (the engine
+core in the same process, behind ``octavo.LLM``) and ``AsyncLLM`` (the engine core in its own
+process, behind the OpenAI server).
 """

@@ -19,23 +19,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.core_client import EngineCoreClient, EngineDeadError
-from octavo.engine.messages import (
+from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
+from octavo.engine.processor import KVCacheCapacity, Processor, PromptType
+from octavo.engine.stats import IterationStats, StatLogger
+from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
+from octavo.messages import SchedulerStats
+from octavo.messages.engine_core import (
     EngineCoreFailed,
     EngineCoreOutputs,
     EngineCoreReady,
-    EngineCoreStats,
     EngineCoreUtilityResult,
 )
-from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
-from octavo.engine.processor import ProcessedPrompt, Processor, PromptType
-from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 
@@ -44,72 +43,49 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncLLM", "EngineDeadError", "IterationStats", "RequestOutputKind", "StatLogger"]
 
 
-@dataclass(slots=True)
-class IterationStats:
-    """What happened in the front end since the previous engine-core message."""
-
-    # Prompt tokens of requests admitted since then.
-    num_prompt_tokens: int = 0
-    # Tokens generated in this step.
-    num_generation_tokens: int = 0
-    # Seconds from arrival to the first token, per completion that got its first token.
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    # Seconds between a completion's previous token and this one.
-    inter_token_latencies: list[float] = field(default_factory=list)
-    # Seconds from arrival to the end, per finished request.
-    e2e_latencies: list[float] = field(default_factory=list)
-    # finish_reason of each completion that finished ("stop", "length", "abort").
-    finish_reasons: list[str] = field(default_factory=list)
-
-
-class StatLogger(Protocol):
-    """Receives a snapshot after every engine-core step (e.g. Prometheus metrics)."""
-
-    def record(self, scheduler_stats: EngineCoreStats, iteration_stats: IterationStats) -> None: ...
-
-
 class AsyncLLM:
-    """Online engine: ``generate`` is an async iterator of ``RequestOutput``s."""
+    """Online engine: ``generate`` is an async iterator of ``RequestOutput``s.
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    A ``max_tokens`` beyond the room the prompt leaves in ``max_model_len`` is refused
+    (``context_length_exceeded``, as OpenAI does) unless ``clip_max_tokens``, where it is
+    lowered to that room as ``octavo.LLM`` does.
+    """
+
+    def __init__(self, engine_args: EngineArgs, clip_max_tokens: bool = False) -> None:
         self.engine_args = engine_args
-        # Resolves the model folder and the backend; loads no weights (the core does).
+        # Resolves the model and the backend; loads no weights (the core does). The core
+        # process gets this config as it is: the model's config is read once.
         self.config = engine_args.create_engine_config()
         self.model_config = self.config.model_config
         self.tokenizer = load_tokenizer(self.model_config)
         self.processor = Processor(
             self.model_config, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer),
             backend=self.config.backend, capabilities=self.config.backend_capabilities,
+            clip_max_tokens=clip_max_tokens,
         )
+        # The front end's one record of live requests and their completions.
         self.output_processor = OutputProcessor(self.tokenizer)
         self.core = EngineCoreClient()
         # Set by start(): what the core reported once the model was loaded.
         self.core_info: EngineCoreReady | None = None
         # Latest scheduler snapshot from the core.
-        self.scheduler_stats = EngineCoreStats(
-            num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
-            num_preemptions=0,
-        )
+        self.scheduler_stats = SchedulerStats.idle()
         self.stat_loggers: list[StatLogger] = []
         # Why the engine is dead, once it is (None while healthy).
         self.dead_reason: str | None = None
         self._dead_callbacks: list[Callable[[str], None]] = []
+        # Where each unfinished request's outputs go.
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        # request id -> ids of its completions in the core (n of them).
-        self._child_ids: dict[str, list[str]] = {}
-        # child request id -> (parent id, arrival time, time of its latest token or None).
-        self._children: dict[str, tuple[str, float, float | None]] = {}
-        self._pending_prompt_tokens = 0
-        # Completions aborted since the last step (reported with the next stats).
-        self._pending_aborts = 0
         self._utility_calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._call_ids = itertools.count()
         self._output_task: asyncio.Task[None] | None = None
         self._shutting_down = False
 
     @classmethod
-    async def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
-        engine = cls(engine_args)
+    async def from_engine_args(
+        cls, engine_args: EngineArgs, clip_max_tokens: bool = False
+    ) -> AsyncLLM:
+        engine = cls(engine_args, clip_max_tokens=clip_max_tokens)
         try:
             await engine.start()
         except BaseException:
@@ -119,7 +95,9 @@ class AsyncLLM:
 
     async def start(self) -> None:
         """Spawn the engine core, wait for the model to load, start reading its outputs."""
-        self.core_info = await self.core.start(self.engine_args, self._on_core_exit)
+        self.core_info = await self.core.start(self.config, self._on_core_exit)
+        info = self.core_info
+        self.processor.kv_cache = KVCacheCapacity(info.num_blocks, info.block_size)
         self._output_task = asyncio.create_task(self._output_loop(), name="octavo-output-loop")
 
     # ---- properties -----------------------------------------------------------------------
@@ -135,7 +113,9 @@ class AsyncLLM:
     @property
     def num_waiting_requests(self) -> int:
         """Completions queued but not running (the core's view plus what is on its way)."""
-        return max(len(self._children) - self.scheduler_stats.num_running, 0)
+        return max(
+            self.output_processor.num_unfinished_completions - self.scheduler_stats.num_running, 0
+        )
 
     def on_dead(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` once, if the engine core dies unexpectedly."""
@@ -151,21 +131,28 @@ class AsyncLLM:
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         arrival_time: float | None = None,
     ) -> asyncio.Queue[RequestOutput | BaseException]:
-        """Validate and queue a request; raises ``ValueError``/``TypeError`` for bad input."""
+        """Validate and queue a request, all or nothing.
+
+        :raises octavo.errors.InvalidRequestError: bad input (``ValueError``/``TypeError``);
+            nothing was recorded.
+        :raises EngineDeadError: the engine core is gone.
+        """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.processor.process(request_id, prompt, params, arrival_time)
-        self._check_fits_kv_cache(processed)
-        self.output_processor.add_request(request_id, processed, output_kind)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.output_processor.add_request(request_id, processed, output_kind)
         self._queues[request_id] = queue
-        self._child_ids[request_id] = [r.request_id for r in processed.core_requests]
-        for core_request in processed.core_requests:
-            self._children[core_request.request_id] = (request_id, core_request.arrival_time, None)
-        self._pending_prompt_tokens += len(processed.prompt_token_ids)
-        self.core.add_requests(processed.core_requests)
+        try:
+            self.core.add_requests(processed.core_requests)
+        except BaseException:
+            # Nothing may stay behind: the front end's records are undone (the core got
+            # nothing: the message was not sent).
+            self.output_processor.abort_request(request_id)
+            self._queues.pop(request_id, None)
+            raise
         return queue
 
     async def generate(
@@ -202,34 +189,11 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (its blocks are freed in the core); unknown ids are ignored."""
+        child_ids = self.output_processor.child_ids(request_id)
         self.output_processor.abort_request(request_id)
-        child_ids = self._forget(request_id)
-        self._pending_aborts += len(child_ids)
+        self._queues.pop(request_id, None)
         if child_ids and self.dead_reason is None:
             self.core.abort_requests(child_ids)
-
-    def _forget(self, request_id: str) -> list[str]:
-        """Drop the front end's records of a request; return its child ids."""
-        self._queues.pop(request_id, None)
-        child_ids = self._child_ids.pop(request_id, [])
-        for child_id in child_ids:
-            self._children.pop(child_id, None)
-        return child_ids
-
-    def _check_fits_kv_cache(self, processed: ProcessedPrompt) -> None:
-        """Refuse a request that could never fit the whole KV cache (it would wait forever)."""
-        info = self.core_info
-        if info is None:
-            return
-        request = processed.core_requests[0]
-        worst_case = min(len(request.prompt_token_ids) + request.max_tokens, info.max_model_len)
-        needed = -(-worst_case // info.block_size)
-        if needed > info.num_blocks:
-            raise ValueError(
-                f"the request needs up to {worst_case} tokens of KV cache (prompt "
-                f"{len(request.prompt_token_ids)} + max_tokens {request.max_tokens}) but the whole "
-                f"cache holds {info.num_blocks * info.block_size} tokens; lower max_tokens"
-            )
 
     # ---- utility calls --------------------------------------------------------------------
 
@@ -273,24 +237,6 @@ class AsyncLLM:
             self._set_dead(f"the output loop failed: {type(exc).__name__}: {exc}")
 
     def _process_outputs(self, event: EngineCoreOutputs) -> None:
-        now = time.time()
-        stats = IterationStats(
-            num_prompt_tokens=self._pending_prompt_tokens,
-            finish_reasons=["abort"] * self._pending_aborts,
-        )
-        self._pending_prompt_tokens = 0
-        self._pending_aborts = 0
-        for out in event.outputs:
-            child = self._children.get(out.request_id)
-            if child is None or not out.new_token_ids:
-                continue
-            parent_id, arrival, last_token_time = child
-            stats.num_generation_tokens += len(out.new_token_ids)
-            if last_token_time is None:
-                stats.time_to_first_tokens.append(now - arrival)
-            else:
-                stats.inter_token_latencies.append(now - last_token_time)
-            self._children[out.request_id] = (parent_id, arrival, now)
         processed = self.output_processor.process_outputs(event.outputs)
         if processed.stopped_req_ids:
             self.core.abort_requests(processed.stopped_req_ids, stopped=True)
@@ -300,11 +246,9 @@ class AsyncLLM:
                 continue
             queue.put_nowait(output)
             if output.finished:
-                self._forget(output.request_id)
-                stats.e2e_latencies.append(now - output.metrics.arrival_time)
-                stats.finish_reasons.extend(c.finish_reason or "abort" for c in output.outputs)
+                del self._queues[output.request_id]
         for child_id, message in event.rejected.items():
-            parent_id = self._children.get(child_id, (None,))[0]
+            parent_id = self.output_processor.parent_id(child_id)
             if parent_id is None:
                 continue
             queue = self._queues.get(parent_id)
@@ -313,7 +257,7 @@ class AsyncLLM:
                 queue.put_nowait(ValueError(message))
         self.scheduler_stats = event.stats
         for stat_logger in self.stat_loggers:
-            stat_logger.record(event.stats, stats)
+            stat_logger.record(event.stats, processed.iteration_stats)
 
     def _resolve_utility(self, event: EngineCoreUtilityResult) -> None:
         future = self._utility_calls.get(event.call_id)
@@ -338,11 +282,10 @@ class AsyncLLM:
         logger.error("engine dead: %s", reason)
         self.core.kill()  # whatever state it is in, it will not be used again
         error = EngineDeadError(reason)
-        for queue in self._queues.values():
+        for request_id, queue in self._queues.items():
+            self.output_processor.abort_request(request_id)
             queue.put_nowait(error)
         self._queues.clear()
-        self._child_ids.clear()
-        self._children.clear()
         for future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(error)

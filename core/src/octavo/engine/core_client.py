@@ -2,7 +2,8 @@
 
 Starts ``core_proc.run_engine_core`` in a *spawn* process, binds the two ipc:// sockets in a
 private temporary folder, and sends/receives the typed messages of ``engine.messages``
-(msgpack via msgspec; nothing is pickled on a socket — only spawn's own process arguments).
+(msgpack via msgspec; nothing is pickled on a socket — only spawn's own process arguments,
+the ``EngineConfig``).
 Every method runs on the asyncio event loop of the front end.
 """
 
@@ -16,13 +17,13 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from octavo.engine.messages import (
+from octavo.config import EngineConfig
+from octavo.messages.engine_core import (
     EngineCoreAbort,
     EngineCoreAdd,
     EngineCoreEvent,
@@ -62,19 +63,21 @@ class EngineCoreClient:
         self.process: multiprocessing.process.BaseProcess | None = None
         self._closed = False
 
-    async def start(self, engine_args: Any, on_process_exit: Callable[[], None]) -> EngineCoreReady:
-        """Spawn the core and wait until it has loaded the model.
+    async def start(
+        self, config: EngineConfig, on_process_exit: Callable[[], None]
+    ) -> EngineCoreReady:
+        """Spawn the core on ``config`` and wait until it has loaded the model.
 
         :param on_process_exit: called (on the event loop) when the process ends, whatever
             the reason; the caller decides whether that was expected.
         :raises RuntimeError: the core failed to start (its error message is included).
         """
         ctx = multiprocessing.get_context("spawn")
-        from octavo.engine.core_proc import run_engine_core
+        from octavo.engine_core.core_proc import run_engine_core
 
         self.process = ctx.Process(
             target=run_engine_core,
-            args=(engine_args, self.input_address, self.output_address, os.getpid(), self._tmpdir),
+            args=(config, self.input_address, self.output_address, os.getpid(), self._tmpdir),
             name="octavo-engine-core",
         )
         self.process.start()

@@ -9,13 +9,13 @@ import torch
 
 from octavo.config import EngineConfig
 from octavo.engine.arg_utils import EngineArgs
-from octavo.engine.core import EngineCore
 from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
-from octavo.engine.processor import Processor, PromptType
+from octavo.engine.processor import KVCacheCapacity, Processor, PromptType
 from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
+from octavo.engine_core.core import EngineCore
+from octavo.messages import SchedulerStats
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
-from octavo.scheduler.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
+        self.processor.kv_cache = KVCacheCapacity(
+            self.engine_core.num_blocks, config.cache_config.block_size
+        )
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -52,7 +55,10 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
-        """Validate and queue a request; raises ``ValueError`` for bad input (nothing queued).
+        """Validate and queue a request, all or nothing.
+
+        Raises ``octavo.errors.InvalidRequestError`` (a ``ValueError``) for bad input, with
+        nothing queued.
 
         ``output_kind`` says what ``step()`` returns for it: a snapshot every step it changed
         (CUMULATIVE), only what is new (DELTA), or one snapshot when it finishes (FINAL_ONLY).
@@ -60,14 +66,8 @@ class LLMEngine:
         if self.output_processor.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.processor.process(request_id, prompt, params, arrival_time)
-        added: list[str] = []
-        try:
-            for core_request in processed.core_requests:
-                self.engine_core.add_request(core_request)
-                added.append(core_request.request_id)
-        except Exception:
-            self.engine_core.abort_requests(added)
-            raise
+        for core_request in processed.core_requests:
+            self.engine_core.add_request(core_request)
         self.output_processor.add_request(request_id, processed, output_kind)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:

@@ -1,8 +1,10 @@
 """Turns ``EngineCoreOutput``s into ``RequestOutput``s: detokenization, stop strings, n > 1.
 
-Lives in the front-end process. Per request it keeps one ``IncrementalDetokenizer`` per
-completion; a stop string ends a completion here, and its id is returned so the caller can
-finish it in the engine core (which frees its KV blocks).
+Lives in the front-end process and is the front end's one record of live requests: each user
+request (a parent) and its ``n`` completions (children, the engine core's requests), with one
+``IncrementalDetokenizer`` per completion. A stop string ends a completion here, and its id is
+returned so the caller can finish it in the engine core (which frees its KV blocks). It also
+counts what the front end's metrics need (``IterationStats``).
 
 Each request chooses how its outputs come (``RequestOutputKind``): whole snapshots every step
 (the offline ``LLM``), only what is new every step (streaming), or only the finished request.
@@ -16,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.engine.detokenizer import IncrementalDetokenizer
-from octavo.engine.messages import EngineCoreOutput, LogprobsLists
 from octavo.engine.processor import ProcessedPrompt
+from octavo.engine.stats import IterationStats
+from octavo.messages import EngineCoreOutput, LogprobsLists
 from octavo.outputs import (
     CompletionOutput,
     Logprob,
@@ -45,6 +48,8 @@ class _CompletionState:
 
     index: int
     detokenizer: IncrementalDetokenizer
+    # time.time() of its latest token (None before the first): for latency metrics.
+    last_token_time: float | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
@@ -82,6 +87,8 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # Child request ids ended by a stop string: finish them in the engine core.
     stopped_req_ids: list[str]
+    # Metrics of this batch (prompt tokens admitted and aborts since the previous batch too).
+    iteration_stats: IterationStats
 
 
 class OutputProcessor:
@@ -91,6 +98,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
+        # Counted since the last process_outputs, reported with its stats.
+        self._pending_prompt_tokens = 0
+        self._pending_aborts = 0
 
     def add_request(
         self,
@@ -111,6 +121,7 @@ class OutputProcessor:
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             self._child_to_parent[core_request.request_id] = request_id
+        self._pending_prompt_tokens += len(processed.prompt_token_ids)
         arrival = processed.core_requests[0].arrival_time
         self._requests[request_id] = _RequestState(
             request_id=request_id,
@@ -125,9 +136,19 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_unfinished_completions(self) -> int:
+        """Completions (engine-core requests) of the unfinished user requests."""
+        return len(self._child_to_parent)
+
     def child_ids(self, request_id: str) -> list[str]:
+        """The engine-core ids of an unfinished request's completions ([] if unknown)."""
         state = self._requests.get(request_id)
         return list(state.completions) if state else []
+
+    def parent_id(self, child_id: str) -> str | None:
+        """The user request a completion belongs to (None if unknown or finished)."""
+        return self._child_to_parent.get(child_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; return its final snapshot with finish_reason "abort"."""
@@ -138,6 +159,7 @@ class OutputProcessor:
             self._child_to_parent.pop(child_id, None)
             if completion.finish_reason is None:
                 completion.finish_reason = "abort"
+                self._pending_aborts += 1
         state.metrics.finished_time = time.time()
         return self._snapshot(state)
 
@@ -145,6 +167,12 @@ class OutputProcessor:
         changed: dict[str, _RequestState] = {}
         stopped: list[str] = []
         now = time.time()
+        stats = IterationStats(
+            num_prompt_tokens=self._pending_prompt_tokens,
+            finish_reasons=["abort"] * self._pending_aborts,
+        )
+        self._pending_prompt_tokens = 0
+        self._pending_aborts = 0
         for out in outputs:
             parent_id = self._child_to_parent.get(out.request_id)
             if parent_id is None:
@@ -155,8 +183,15 @@ class OutputProcessor:
                 continue
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._position_logprobs(out.new_prompt_logprobs))
-            if out.new_token_ids and state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
+            if out.new_token_ids:
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                stats.num_generation_tokens += len(out.new_token_ids)
+                if completion.last_token_time is None:
+                    stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
+                else:
+                    stats.inter_token_latencies.append(now - completion.last_token_time)
+                completion.last_token_time = now
             state.metrics.num_cached_tokens = out.num_cached_tokens
             self._add_tokens(completion, out)
             if out.finish_reason is None and completion.finish_reason == "stop":
@@ -170,6 +205,9 @@ class OutputProcessor:
                 del self._requests[parent_id]
                 for child_id in state.completions:
                     self._child_to_parent.pop(child_id, None)
+                stats.e2e_latencies.append(now - state.metrics.arrival_time)
+                stats.finish_reasons.extend(
+                    c.finish_reason or "abort" for c in state.completions.values())
             if state.output_kind is RequestOutputKind.CUMULATIVE:
                 request_outputs.append(self._snapshot(state))
             elif state.output_kind is RequestOutputKind.FINAL_ONLY:
@@ -179,7 +217,7 @@ class OutputProcessor:
                 delta = self._delta(state)
                 if delta is not None:
                     request_outputs.append(delta)
-        return ProcessedOutputs(request_outputs, stopped)
+        return ProcessedOutputs(request_outputs, stopped, stats)
 
     def _add_tokens(self, completion: _CompletionState, out: EngineCoreOutput) -> None:
         completion.token_ids.extend(out.new_token_ids)

@@ -1,4 +1,15 @@
-"""Turns a user's prompt and ``SamplingParams`` into validated ``EngineCoreRequest``s."""
+"""``Processor``: the one validator of requests, turning a prompt and ``SamplingParams`` into
+``EngineCoreRequest``s.
+
+Every check of a request that is not about HTTP or the OpenAI schema happens here, before
+anything is queued anywhere: the prompt (type, valid Unicode, token ids in the vocabulary, not
+empty, within ``max_model_len``), the sampling settings against the model (token ids named in
+``stop_token_ids``/``logit_bias``, logprob counts), against the backend's capabilities, and
+whether the request could ever fit the KV cache. ``SamplingParams`` checks its own ranges when
+it is built. Every problem is an ``octavo.errors.InvalidRequestError`` carrying the engine-side
+field (``param``) and a ``code``; the OpenAI server maps it to a 400, ``LLM.generate`` raises
+it as the ``ValueError`` it is. The scheduler only asserts what was checked here.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +21,15 @@ from typing import Any, Union
 from octavo.backends.backend import BackendCapabilities
 from octavo.backends.capabilities import check_request
 from octavo.config import ModelConfig
-from octavo.engine.messages import EngineCoreRequest
+from octavo.errors import (
+    CODE_CONTEXT_LENGTH_EXCEEDED,
+    CODE_EMPTY_PROMPT,
+    CODE_INVALID_TEXT,
+    CODE_KV_CACHE_TOO_SMALL,
+    InvalidRequestError,
+    InvalidRequestTypeError,
+)
+from octavo.messages import EngineCoreRequest
 from octavo.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
@@ -25,18 +44,33 @@ class ProcessedPrompt:
     prompt: str | None
     # Tokenized prompt.
     prompt_token_ids: list[int]
-    # The params with all_stop_token_ids filled in (a copy of the user's).
+    # The user's params with all_stop_token_ids filled in (a copy of the user's).
     params: SamplingParams
-    # One per completion (n of them).
+    # One per completion (n of them), each with its own resolved params.
     core_requests: list[EngineCoreRequest]
 
 
-class Processor:
-    """Tokenizes and validates requests; every problem is a ``ValueError`` naming it.
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVCacheCapacity:
+    """The engine's KV cache, known once the engine core has allocated it."""
 
-    With ``capabilities`` (those of the selected backend, named ``backend``), a request that
-    asks more than the backend supports is refused too
-    (``octavo.backends.capabilities.check_request``).
+    # Number of blocks.
+    num_blocks: int
+    # Tokens per block.
+    block_size: int
+
+    def fits(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.block_size) <= self.num_blocks
+
+
+class Processor:
+    """Tokenizes and validates requests (see the module docstring for every check).
+
+    :param backend: the selected backend's name, with its ``capabilities``; requests asking
+        more than those are refused (``octavo.backends.capabilities.check_request``).
+    :param clip_max_tokens: True (offline ``LLM``): a ``max_tokens`` beyond the room left in
+        ``max_model_len`` is lowered to that room. False (the OpenAI server): it is refused
+        with ``context_length_exceeded``, as OpenAI does.
     """
 
     def __init__(
@@ -46,6 +80,7 @@ class Processor:
         eos_token_ids: set[int],
         backend: str | None = None,
         capabilities: BackendCapabilities | None = None,
+        clip_max_tokens: bool = True,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -54,32 +89,45 @@ class Processor:
             raise TypeError("Processor: capabilities need the name of their backend (backend=...)")
         self.backend = backend
         self.capabilities = capabilities
+        self.clip_max_tokens = clip_max_tokens
+        # Set once the engine core has allocated the KV cache (None: not checked yet).
+        self.kv_cache: KVCacheCapacity | None = None
+
+    # ---- prompts ----------------------------------------------------------------------------
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt, every token id checked."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+                raise InvalidRequestError(
+                    "a prompt dict needs a 'prompt' or 'prompt_token_ids' key", param="prompt")
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            return prompt, list(self.tokenizer(check_text(prompt, "prompt")).input_ids)
         if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(prompt)
-        raise TypeError(
-            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            return None, self.check_token_ids(prompt)
+        raise InvalidRequestTypeError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
+            param="prompt",
         )
 
-    def _check_token_ids(self, token_ids: Any) -> list[int]:
+    def check_token_ids(self, token_ids: Any, param: str = "prompt") -> list[int]:
+        """``token_ids`` as a list, each one an int in the vocabulary."""
         vocab = self.model_config.vocab_size
         ids = list(token_ids)
         for tid in ids:
             if isinstance(tid, bool) or not isinstance(tid, int):
-                raise TypeError(f"prompt token ids must be integers, got {tid!r}")
+                raise InvalidRequestTypeError(
+                    f"prompt token ids must be integers, got {tid!r}", param=param)
             if not 0 <= tid < vocab:
-                raise ValueError(f"prompt token id {tid} is out of range [0, {vocab})")
+                raise InvalidRequestError(
+                    f"prompt token id {tid} is out of the vocabulary [0, {vocab})", param=param)
         return ids
+
+    # ---- whole requests ---------------------------------------------------------------------
 
     def process(
         self,
@@ -88,51 +136,123 @@ class Processor:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> ProcessedPrompt:
+        """Validate one request and make its ``n`` engine-core requests."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if self.capabilities is not None:
-            assert self.backend is not None, "checked in __init__"
-            check_request(self.backend, self.capabilities, params)
+            raise InvalidRequestTypeError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self._check_params(params)
         text, token_ids = self.tokenize(prompt)
-        max_len = self.model_config.max_model_len
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {max_len}: the "
-                "prompt and at least one generated token must fit. Shorten the prompt or raise "
-                "max_model_len."
-            )
-        vocab = self.model_config.vocab_size
-        if params.max_token_id >= vocab:
-            raise ValueError(
-                f"token id {params.max_token_id} in stop_token_ids/logit_bias is out of range "
-                f"[0, {vocab})"
-            )
+        max_tokens = self._check_length(len(token_ids), params.max_tokens)
+        if self.kv_cache is not None:
+            self._check_fits_kv_cache(len(token_ids), max_tokens)
         params = dataclasses.replace(params, all_stop_token_ids=set(self.eos_token_ids))
-        room = max_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = arrival_time if arrival_time is not None else time.time()
-        # Prompt logprobs are the same for every completion: only the first computes them
-        # (the others may then reuse its prompt blocks through the prefix cache).
-        child_params = params
-        if params.n > 1 and params.prompt_logprobs is not None:
-            child_params = dataclasses.replace(params, prompt_logprobs=None)
         core_requests = [
             EngineCoreRequest(
                 request_id=child_request_id(request_id, i, params.n),
                 prompt_token_ids=token_ids,
-                sampling_params=params if i == 0 else child_params,
-                max_tokens=max_tokens,
-                seed=child_seed(params.seed, i, params.n),
+                sampling_params=_completion_params(params, i, max_tokens),
                 arrival_time=arrival,
             )
             for i in range(params.n)
         ]
         return ProcessedPrompt(text, token_ids, params, core_requests)
 
+    def _check_params(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if params.max_token_id >= vocab:
+            named_in_stop_ids = params.max_token_id in params.stop_token_ids
+            param = "stop_token_ids" if named_in_stop_ids else "logit_bias"
+            raise InvalidRequestError(
+                f"token id {params.max_token_id} in {param} is out of the vocabulary [0, {vocab})",
+                param=param,
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            limit = self.model_config.max_logprobs
+            if value is not None and value > limit:
+                raise InvalidRequestError(
+                    f"{name} must be at most {limit} (max_logprobs), got {value}", param=name)
+        for stop in params.stop:
+            check_text(stop, "stop")
+        if self.capabilities is not None:
+            assert self.backend is not None, "checked in __init__"
+            check_request(self.backend, self.capabilities, params)
+
+    def _check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The effective max_tokens of a prompt of ``num_prompt_tokens`` tokens."""
+        max_len = self.model_config.max_model_len
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty: give at least one token",
+                                      param="prompt", code=CODE_EMPTY_PROMPT)
+        room = max_len - num_prompt_tokens
+        if room < 1:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {max_len} tokens, but the prompt has "
+                f"{num_prompt_tokens}: the prompt and at least one generated token must fit. "
+                "Shorten the prompt or raise max_model_len.",
+                param="prompt", code=CODE_CONTEXT_LENGTH_EXCEEDED,
+            )
+        if max_tokens is None:
+            return room
+        if max_tokens > room and not self.clip_max_tokens:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {max_len} tokens, but "
+                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
+                f"prompt + {max_tokens} for the completion); shorten the prompt or lower "
+                "max_tokens",
+                param="max_tokens", code=CODE_CONTEXT_LENGTH_EXCEEDED,
+            )
+        return min(max_tokens, room)
+
+    def _check_fits_kv_cache(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request that could never fit the whole KV cache (it would wait forever)."""
+        capacity = self.kv_cache
+        assert capacity is not None
+        worst_case = num_prompt_tokens + max_tokens
+        if not capacity.fits(worst_case):
+            raise InvalidRequestError(
+                f"the request needs up to {worst_case} tokens of KV cache (prompt "
+                f"{num_prompt_tokens} + max_tokens {max_tokens}) but the whole cache holds "
+                f"{capacity.num_blocks * capacity.block_size} tokens ({capacity.num_blocks} "
+                f"blocks of {capacity.block_size}). Lower max_tokens or give the KV cache more "
+                "memory.",
+                param="max_tokens", code=CODE_KV_CACHE_TOO_SMALL,
+            )
+
+
+def check_text(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode; lone surrogates (``"\\ud800"``, which JSON can carry)
+    cannot be tokenized or encoded and are refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: {exc.reason} at position {exc.start} "
+            f"({text[exc.start:exc.end]!a})", param=param, code=CODE_INVALID_TEXT,
+        ) from None
+    return text
+
+
+def _completion_params(params: SamplingParams, index: int, max_tokens: int) -> SamplingParams:
+    """Completion ``index``'s own settings: its seed, the effective max_tokens, ``n`` of 1.
+
+    Prompt logprobs are the same for every completion: only the first computes them (the
+    others may then reuse its prompt blocks through the prefix cache).
+    """
+    return dataclasses.replace(
+        params,
+        n=1,
+        seed=child_seed(params.seed, index, params.n),
+        max_tokens=max_tokens,
+        min_tokens=min(params.min_tokens, max_tokens),
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+        all_stop_token_ids=params.all_stop_token_ids,
+    )
+
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine-core id of completion ``index`` of ``n`` of a request."""
     return request_id if n == 1 else f"{index}_{request_id}"
 
 

@@ -1,7 +1,7 @@
 """Paged KV-cache bookkeeping: blocks, the free queue, prefix hashes, per-request tables."""
 
 from octavo.kv_cache.block_pool import BlockPool, KVCacheBlock
-from octavo.kv_cache.hashing import BlockHash, hash_block_tokens
+from octavo.kv_cache.hashing import BlockHash, block_hasher, hash_block_tokens
 from octavo.kv_cache.manager import KVCacheManager, PrefixCacheStats
 
 __all__ = [
@@ -10,5 +10,6 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheManager",
     "PrefixCacheStats",
+    "block_hasher",
     "hash_block_tokens",
 ]

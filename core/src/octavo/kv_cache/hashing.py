@@ -8,11 +8,12 @@ and including it are identical. SHA-256 over a fixed binary encoding: no pickle,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from typing import NewType, Sequence
+from collections.abc import Sequence
 
-BlockHash = NewType("BlockHash", bytes)
+from octavo.messages.request import BlockHash, BlockHasher
 
 _NO_PARENT = b"\x00" * 32
 
@@ -36,3 +37,8 @@ def extend_block_hashes(
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i > 0 else None
         block_hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))
+
+
+def block_hasher(block_size: int) -> BlockHasher:
+    """The ``Request.block_hasher`` for blocks of ``block_size`` tokens."""
+    return functools.partial(extend_block_hashes, block_size=block_size)

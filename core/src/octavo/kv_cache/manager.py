@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from octavo.kv_cache.block_pool import BlockPool, KVCacheBlock
 
 if TYPE_CHECKING:
-    from octavo.engine.request import Request
+    from octavo.messages.request import Request
 
 logger = logging.getLogger(__name__)
 

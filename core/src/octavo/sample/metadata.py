@@ -35,8 +35,12 @@ class SamplingRow:
     prompt_token_ids: list[int]
     # Tokens generated so far, NOT including the one sampled now.
     output_token_ids: list[int]
-    # Effective seed of this completion (distinct per completion when n > 1); None = unseeded.
-    seed: int | None
+
+    @property
+    def seed(self) -> int | None:
+        """This completion's effective seed (distinct per completion when n > 1; None:
+        unseeded): its sampling params carry it."""
+        return self.params.seed
 
 
 @dataclass(slots=True)
@@ -90,21 +94,6 @@ class SamplingMetadata:
     def no_penalties(self) -> bool:
         """True when no row has a repetition, frequency or presence penalty."""
         return self.output_token_ids is None
-
-    @property
-    def no_top_k(self) -> bool:
-        """True when no row restricts sampling to its top k tokens."""
-        return self.top_k is None
-
-    @property
-    def no_top_p(self) -> bool:
-        """True when no row uses nucleus (top-p) filtering."""
-        return self.top_p is None
-
-    @property
-    def no_min_p(self) -> bool:
-        """True when no row uses min-p filtering."""
-        return self.min_p is None
 
     @classmethod
     def from_rows(
@@ -167,8 +156,8 @@ class SamplingMetadata:
                     if token_id < vocab_size:
                         mask_rows.append(i)
                         mask_tokens.append(token_id)
-            if row.seed is not None and not greedy[i]:
-                seeded_rows.append((i, step_seed(row.seed, len(row.output_token_ids))))
+            if p.seed is not None and not greedy[i]:
+                seeded_rows.append((i, step_seed(p.seed, len(row.output_token_ids))))
 
         def longs(values: list[int]) -> torch.Tensor:
             return host_to_device(torch.tensor(values, dtype=torch.int64), device)

@@ -13,7 +13,7 @@ generated (greedy output is identical; seeded sampling too, see ``octavo.sample`
 ``schedule`` advances each scheduled request's ``num_computed_tokens`` at once, and counts
 the token a step will sample as a placeholder until ``update_from_output`` records it. So the
 next step can be scheduled before the previous one's results are back (async scheduling, see
-``octavo.engine.core``): a decode then runs on the token still being sampled, and a request
+``octavo.engine_core.core``): a decode then runs on the token still being sampled, and a request
 whose last allowed token is in flight is left out. With one step at a time the placeholders
 are resolved before every ``schedule`` and nothing changes.
 """
@@ -22,36 +22,22 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.engine.messages import EngineCoreOutput, LogprobsLists
-from octavo.engine.request import Request, RequestStatus
 from octavo.kv_cache.manager import KVCacheManager
-from octavo.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
-from octavo.worker.runner_output import ModelRunnerOutput
+from octavo.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+    SchedulerStats,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class RequestTooLargeError(ValueError):
-    """A request could never fit the KV cache, even running alone."""
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Snapshot for logs and metrics."""
-
-    # Requests running in the last step.
-    num_running: int
-    # Requests waiting (new or preempted).
-    num_waiting: int
-    # Fraction of KV blocks held by requests.
-    kv_cache_usage: float
-    # Prefix cache hits / queried prompt tokens since start.
-    prefix_cache_hit_rate: float
-    # Preemptions since start.
-    num_preemptions: int
 
 
 class Scheduler:
@@ -84,19 +70,15 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; raise ``RequestTooLargeError`` if it could never fit the KV pool."""
+        """Queue a request the front end has validated (``octavo.engine.processor``)."""
         worst_case = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        needed = self.kv_cache_manager.blocks_needed(worst_case)
-        if needed > self.kv_cache_manager.num_blocks:
-            capacity = self.kv_cache_manager.num_blocks * self.block_size
-            raise RequestTooLargeError(
-                f"request {request.request_id} needs up to {worst_case} tokens of KV cache "
-                f"(prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}) but the "
-                f"whole cache holds {capacity} tokens ({self.kv_cache_manager.num_blocks} blocks "
-                f"of {self.block_size}). Lower max_tokens or give the KV cache more memory."
-            )
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        manager = self.kv_cache_manager
+        assert manager.blocks_needed(worst_case) <= manager.num_blocks, (
+            f"request {request.request_id} can never fit the KV cache: the Processor must refuse it"
+        )
+        assert request.request_id not in self.requests, (
+            f"request id {request.request_id!r} is already in use"
+        )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -117,11 +99,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_stats
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage(),
-            prefix_cache_hit_rate=self.kv_cache_manager.prefix_stats.hit_rate,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
         )
 
@@ -208,7 +192,6 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=list(request.output_token_ids),
                     sampling_params=request.sampling_params,
-                    seed=request.seed,
                     block_ids=manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
                 )

@@ -49,19 +49,7 @@ class PagedStep:
 
     def metadata_on(self, device: torch.device) -> AttentionMetadata:
         """The same metadata with its tensors on ``device``."""
-        m = self.metadata
-        return AttentionMetadata(
-            num_seqs=m.num_seqs,
-            num_tokens=m.num_tokens,
-            slot_mapping=m.slot_mapping.to(device),
-            query_start_loc=m.query_start_loc.to(device),
-            seq_lens=m.seq_lens.to(device),
-            block_tables=m.block_tables.to(device),
-            max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
-            query_start_loc_cpu=list(m.query_start_loc_cpu),
-            seq_lens_cpu=list(m.seq_lens_cpu),
-        )
+        return self.metadata.to(device)
 
 
 @dataclass(slots=True)
@@ -161,18 +149,7 @@ def build_workload(
             seq_lens.append(done[i])
             step_tables.append(tables[i])
         num_tokens = len(slots)
-        metadata = AttentionMetadata(
-            num_seqs=len(rows),
-            num_tokens=num_tokens,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=_padded(step_tables),
-            max_query_len=max(n for _, n in rows),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-        )
+        metadata = AttentionMetadata.from_lists(slots, query_start, seq_lens, _padded(step_tables))
         steps.append(PagedStep(
             query=rounded(num_tokens, num_heads, head_dim),
             key=rounded(num_tokens, num_kv_heads, head_dim),

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from octavo.backends.backend import Backend
-
 # Dtypes the kit knows how to compare, most precise first.
-KNOWN_DTYPES = ("float32", "bfloat16", "float16")
+from octavo.backends.backend import KNOWN_DTYPES, Backend
+
 # Head sizes and block sizes tried first when a backend supports them.
 PREFERRED_HEAD_DIMS = (64, 128)
 PREFERRED_BLOCK_SIZE = 16

@@ -143,6 +143,12 @@ def octavo_tiny_model(
 
 
 @pytest.fixture(scope="session")
+def octavo_tiny_llama(octavo_tiny_model: Callable[[str], Path]) -> Path:
+    """Folder of the tiny Llama checkpoint the engine-level checks run on."""
+    return octavo_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
 def octavo_device(octavo_plan: ConformancePlan, octavo_pm, octavo_tiny_model) -> torch.device:
     """The device the backend's worker picks in ``init_device`` (kernel tests run there)."""
     from octavo.testing.engines import engine_config, make_worker

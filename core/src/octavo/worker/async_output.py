@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from octavo.messages import ModelRunnerOutput
 from octavo.transfer import DeviceToHostCopy
-from octavo.worker.runner_output import ModelRunnerOutput
 
 
 class PendingStepOutput:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pluggy
@@ -24,17 +23,16 @@ import torch
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import EngineConfig
-from octavo.engine.messages import LogprobsLists
+from octavo.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from octavo.model_executor.model_loader import load_model
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.sampling_params import SamplingParams
-from octavo.scheduler.output import SchedulerOutput
 from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import PendingStepOutput
 from octavo.worker.block_table import BlockTable
-from octavo.worker.runner_output import ModelRunnerOutput
+from octavo.worker.graph_runner import GraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +51,8 @@ class CachedRequestState:
     # gets them without copying long lists every step).
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Sampling settings.
+    # Sampling settings (this completion's own: its seed is the effective one).
     sampling_params: SamplingParams
-    # Effective seed (None: unseeded).
-    seed: int | None
     # KV blocks, in order.
     block_ids: list[int]
     # Tokens already in the KV cache.
@@ -119,9 +115,9 @@ class ModelRunner:
         self.sampler = Sampler()
         # The last launched step; its sampled tokens may not be on the host yet.
         self._last_step: PendingStepOutput | None = None
-        # Set by a backend that replays captured decode steps (e.g. CUDA graphs): an object
-        # with can_run(metadata) -> bool and run(input_ids, positions, metadata) -> hidden.
-        self.graph_runner: Any = None
+        # Replays captured steps where it can (set by the worker once the KV cache exists;
+        # see Worker.make_graph_runner); None: every step runs eagerly.
+        self.graph_runner: GraphRunner | None = None
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -215,12 +211,11 @@ class ModelRunner:
                 prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids),
                 sampling_params=new.sampling_params,
-                seed=new.seed,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 block_table_row=self.block_table.add_row(new.block_ids),
-                plain_greedy=_is_plain_greedy(new.sampling_params),
-                needs_token_history=_uses_penalties(new.sampling_params),
+                plain_greedy=new.sampling_params.is_plain_greedy,
+                needs_token_history=new.sampling_params.uses_penalties,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -430,7 +425,6 @@ class ModelRunner:
                 params=s.sampling_params,
                 prompt_token_ids=s.prompt_token_ids,
                 output_token_ids=s.output_token_ids + [0] if m else s.output_token_ids,
-                seed=s.seed,
             )
             for s, m in zip(states, missing)
         ]
@@ -444,26 +438,6 @@ class ModelRunner:
         both = host_to_device(torch.tensor(flat + targets, dtype=torch.long), self.device)
         logits = self.model.compute_logits(hidden[both[: len(flat)]])
         return compute_logprobs(logits, both[len(flat) :], num)
-
-
-def _is_plain_greedy(params: SamplingParams) -> bool:
-    return (
-        params.greedy
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-        and not params.logit_bias
-        and params.min_tokens == 0
-        and params.logprobs is None
-    )
-
-
-def _uses_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
 
 
 def _to_lists(tensors: LogprobsTensors, start: int, end: int, num_top: int) -> LogprobsLists:

@@ -1,8 +1,9 @@
 """``Worker``: runs the model on one device. Backends subclass it for their device.
 
 The base class owns the device-independent logic and the error messages (loading, KV-cache
-sizing, stepping); a backend's subclass fills in ``init_device`` and, where needed, memory
-details. Returned to the executor by the ``octavo_worker_class`` hook.
+sizing, stepping); a backend's subclass fills in ``init_device`` and, where it can replay
+captured steps, ``make_graph_runner``. Returned to the executor by the ``octavo_worker_class``
+hook (``create_worker``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,30 @@ import torch
 
 from octavo.backends.capabilities import check_head_dim
 from octavo.config import EngineConfig
-from octavo.scheduler.output import SchedulerOutput
+from octavo.messages import ModelRunnerOutput, SchedulerOutput
 from octavo.worker.async_output import PendingStepOutput
+from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.model_runner import ModelRunner
-from octavo.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def create_worker(config: EngineConfig, pm: pluggy.PluginManager) -> Worker:
+    """The selected backend's worker (``octavo_worker_class``), constructed, not started."""
+    worker_cls = pm.hook.octavo_worker_class(
+        backend=config.backend, parallel_config=config.parallel_config
+    )
+    if worker_cls is None:
+        raise RuntimeError(
+            f"backend {config.backend!r} provides no worker class (octavo_worker_class "
+            "returned None); the backend package is incomplete"
+        )
+    if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+        raise TypeError(
+            f"octavo_worker_class for backend {config.backend!r} returned {worker_cls!r}, "
+            "which is not a subclass of octavo.worker.worker.Worker"
+        )
+    return worker_cls(config, pm)
 
 
 class Worker:
@@ -35,6 +54,11 @@ class Worker:
 
     def init_device(self) -> None:
         """Pick and prepare the device (threads, streams, ...). Sets ``self.device``."""
+
+    def make_graph_runner(self) -> GraphRunner | None:
+        """Capture what this device can replay, once the KV cache exists; ``None``: run every
+        step eagerly (the default). Called by ``initialize_cache``."""
+        return None
 
     # ---- common logic ------------------------------------------------------------------
 
@@ -72,6 +96,14 @@ class Worker:
         assert self.model_runner is not None
         return self.model_runner.kv_cache_bytes_per_block()
 
+    def max_useful_kv_cache_bytes(self) -> int:
+        """The most KV cache the scheduler could ever fill: ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens (memory sizing caps its budget at this)."""
+        config = self.config
+        max_tokens = config.scheduler_config.max_num_seqs * config.model_config.max_model_len
+        num_blocks = -(-max_tokens // config.cache_config.block_size)
+        return num_blocks * self.kv_cache_bytes_per_block()
+
     def determine_num_blocks(self) -> int:
         """Number of KV blocks: the override if set, else the backend's memory budget."""
         cache = self.config.cache_config
@@ -106,8 +138,10 @@ class Worker:
         return num_blocks
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then let the backend capture what it can replay."""
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.graph_runner = self.make_graph_runner()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None

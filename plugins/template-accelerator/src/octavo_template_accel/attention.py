@@ -20,6 +20,14 @@ from __future__ import annotations
 
 import torch
 from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from octavo.config import CacheConfig, ModelConfig
+
+
+def make_attention_backend(
+    model_config: ModelConfig, cache_config: CacheConfig
+) -> AttentionBackend:
+    """The attention implementation for this model (VENDOR: pick kernels by model here)."""
+    return TemplateAttentionBackend()
 
 
 class TemplateAttentionBackend(AttentionBackend):

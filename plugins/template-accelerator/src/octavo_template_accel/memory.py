@@ -41,9 +41,7 @@ def available_kv_cache_memory(worker, cache_config: CacheConfig) -> int:
     peak = peak_bytes_during(worker)
     free, total = device_memory(worker.device)
     budget = int(free * cache_config.cpu_kv_cache_fraction) - peak
-    config = worker.config
-    max_tokens = config.scheduler_config.max_num_seqs * config.model_config.max_model_len
-    useful = -(-max_tokens // cache_config.block_size) * worker.kv_cache_bytes_per_block()
+    useful = worker.max_useful_kv_cache_bytes()
     logger.debug("template device: %.2f of %.2f GiB free, peak %.2f GiB, KV budget %.2f GiB",
                  free / 2**30, total / 2**30, peak / 2**30, budget / 2**30)
     if budget <= 0:

@@ -1,8 +1,9 @@
-"""Hook implementations of the template backend (entry point ``octavo = template``).
+"""The template backend's declaration (entry point
+``template = "octavo_template_accel.plugin:plugin"``).
 
 Discovery imports this module in every process that lists or selects backends, so it imports
-no device runtime and no kernels: those load inside the hooks, once the backend is chosen.
-Every selection hook answers ``None`` for a backend name that is not its own.
+no device runtime and no kernels: ``BackendPlugin`` imports those once the backend is chosen,
+and answers ``None`` to every selection hook asked about another backend.
 
 The template runs on the host (device type ``cpu``) with priority -10, below the ``cpu``
 backend's 0: installing it never changes the backend users get by default; it runs when
@@ -12,10 +13,8 @@ backend uses 100).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from octavo.backends.backend import Availability, Backend, BackendCapabilities
-from octavo.hookspecs import hookimpl
+from octavo.backends.plugin import BackendPlugin
 
 BACKEND_NAME = "template"
 
@@ -26,47 +25,26 @@ def _probe() -> Availability:
     return Availability(True, "template accelerator emulated on the host")
 
 
-@hookimpl
-def octavo_register_backends(register: Callable[[Backend], None]) -> None:
-    register(
-        Backend(
-            name=BACKEND_NAME,
-            device_type="cpu",  # VENDOR: your torch device type, e.g. "cuda", "xpu", "privateuseone"
-            priority=-10,  # below cpu (0): never the default while the cpu backend is installed
-            is_available=_probe,
-            package="octavo-plugin-template-accelerator",
-            dist_backend="gloo",  # VENDOR: your collective library for tensor parallelism
-            # VENDOR: declare what your kernels support (see BackendCapabilities: head sizes,
-            # block sizes, limits); the core refuses other configurations at start-up and the
-            # conformance suite tests exactly what is declared here.
-            capabilities=BackendCapabilities(dtypes=("float32", "bfloat16"), block_sizes=None),
-            description="template accelerator (plain torch on the host); copy and rename",
-        )
-    )
-
-
-@hookimpl
-def octavo_attention_backend(backend, model_config, cache_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_template_accel.attention import TemplateAttentionBackend
-
-    return TemplateAttentionBackend()
-
-
-@hookimpl
-def octavo_available_kv_cache_memory(backend, worker, cache_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_template_accel.memory import available_kv_cache_memory
-
-    return available_kv_cache_memory(worker, cache_config)
-
-
-@hookimpl
-def octavo_worker_class(backend, parallel_config):
-    if backend != BACKEND_NAME:
-        return None
-    from octavo_template_accel.worker import TemplateWorker
-
-    return TemplateWorker
+# VENDOR: the whole hook surface of a backend is this declaration: the core's BackendPlugin
+# registers the Backend and, for this backend's name only, imports and returns the three
+# pieces below when the backend is chosen. The entry point names this object:
+#   [project.entry-points.octavo]
+#   template = "octavo_template_accel.plugin:plugin"
+plugin = BackendPlugin(
+    Backend(
+        name=BACKEND_NAME,
+        device_type="cpu",  # VENDOR: your torch device type, e.g. "cuda", "xpu", "privateuseone"
+        priority=-10,  # below cpu (0): never the default while the cpu backend is installed
+        is_available=_probe,
+        package="octavo-plugin-template-accelerator",
+        dist_backend="gloo",  # VENDOR: your collective library for tensor parallelism
+        # VENDOR: declare what your kernels support (see BackendCapabilities: head sizes,
+        # block sizes, limits); the core refuses other configurations at start-up and the
+        # conformance suite tests exactly what is declared here.
+        capabilities=BackendCapabilities(dtypes=("float32", "bfloat16"), block_sizes=None),
+        description="template accelerator (plain torch on the host); copy and rename",
+    ),
+    attention="octavo_template_accel.attention:make_attention_backend",
+    worker="octavo_template_accel.worker:TemplateWorker",
+    kv_cache_memory="octavo_template_accel.memory:available_kv_cache_memory",
+)

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.async_llm import AsyncLLM
+from octavo.engine.processor import check_text
 from octavo.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from octavo.entrypoints.openai.metrics import PrometheusStatLogger
 from octavo.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -46,6 +47,8 @@ from octavo.entrypoints.openai.protocol import (
 )
 from octavo.entrypoints.openai.serving_chat import OpenAIServingChat
 from octavo.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from octavo.entrypoints.openai.serving_engine import invalid_request
+from octavo.errors import InvalidRequestError
 from octavo.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -79,8 +82,6 @@ class ServerArgs:
     max_request_body_bytes: int = 16 * 2**20
     # Most requests waiting to run before new ones get 503 (None: no limit).
     max_waiting_requests: int | None = None
-    # Most top logprobs a request may ask for.
-    max_logprobs: int = 20
     # Seconds requests in flight may take to finish after SIGTERM/SIGINT.
     shutdown_timeout: float = 30.0
     # Log one line per HTTP request (uvicorn's access log).
@@ -121,8 +122,7 @@ def build_app(args: ServerArgs) -> FastAPI:
 def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs) -> None:
     model_config = engine.model_config
     names = args.served_model_names or [model_config.model]
-    common: dict[str, Any] = dict(max_waiting_requests=args.max_waiting_requests,
-                                  max_logprobs=args.max_logprobs)
+    common: dict[str, Any] = dict(max_waiting_requests=args.max_waiting_requests)
     state = app.state
     state.engine = engine
     state.served_model_names = names
@@ -191,7 +191,12 @@ def _add_routes(app: FastAPI) -> None:
         if body.messages is not None:
             _, token_ids = chat.render(body.messages, body.add_generation_prompt)
         else:
-            token_ids = list(chat.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+            try:
+                text = check_text(body.prompt, "prompt")
+            except InvalidRequestError as exc:
+                raise invalid_request(exc) from None
+            encoded = chat.tokenizer(text, add_special_tokens=body.add_special_tokens)
+            token_ids = list(encoded.input_ids)
         return TokenizeResponse(count=len(token_ids), max_model_len=chat.max_model_len, tokens=token_ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, tags=["tokenizer"])
@@ -199,11 +204,11 @@ def _add_routes(app: FastAPI) -> None:
         chat: OpenAIServingChat = request.app.state.chat
         chat.check_fields(body)
         chat.check_model(body.model)
-        for token_id in body.tokens:
-            if not 0 <= token_id < chat.vocab_size:
-                raise OpenAIError(f"token id {token_id} is out of the vocabulary [0, {chat.vocab_size})",
-                                  400, param="tokens", code="invalid_value")
-        return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens))
+        try:
+            token_ids = chat.engine.processor.check_token_ids(body.tokens, param="tokens")
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(token_ids))
 
 
 # ---- running -----------------------------------------------------------------------------------

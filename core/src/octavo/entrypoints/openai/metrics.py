@@ -10,8 +10,8 @@ from __future__ import annotations
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from octavo.engine.async_llm import IterationStats
-from octavo.engine.messages import EngineCoreStats
+from octavo.engine.stats import IterationStats
+from octavo.messages import SchedulerStats
 
 # Counters expose only ``*_total`` (no ``*_created`` series).
 prometheus_client.disable_created_metrics()
@@ -74,7 +74,7 @@ class PrometheusStatLogger:
         self.e2e_latency = histogram("octavo:e2e_request_latency_seconds", _E2E_BUCKETS)
         self._last_num_preemptions = 0
 
-    def record(self, scheduler_stats: EngineCoreStats, iteration_stats: IterationStats) -> None:
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.num_running.set(scheduler_stats.num_running)
         self.num_waiting.set(scheduler_stats.num_waiting)
         self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)

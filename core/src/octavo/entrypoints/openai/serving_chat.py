@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from octavo.engine.async_llm import AsyncLLM, RequestOutputKind
 from octavo.engine.core_client import EngineDeadError
+from octavo.engine.processor import check_text
 from octavo.entrypoints.openai.chat_template import (
     ChatTemplate,
     ChatTemplateError,
@@ -36,9 +37,11 @@ from octavo.entrypoints.openai.serving_engine import (
     OpenAIServing,
     SSEResponse,
     clamp_logprob,
+    invalid_request,
     merge_streams,
     top_entries,
 )
+from octavo.errors import InvalidRequestError
 from octavo.outputs import PositionLogprobs, RequestOutput
 
 
@@ -76,8 +79,11 @@ class OpenAIServingChat(OpenAIServing):
             conversation.append(entry)
         try:
             text = self.chat_template.render(conversation, add_generation_prompt)
+            check_text(text, "messages")
         except ChatTemplateError as exc:
             raise OpenAIError(str(exc), 400, param="messages", code="chat_template_error") from None
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
         return text, list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     # ---- endpoint -------------------------------------------------------------------------
@@ -88,23 +94,24 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs",
                               code="invalid_value")
-        self.check_num_logprobs(request.top_logprobs, "top_logprobs")
-        max_tokens, param = request.max_tokens, "max_tokens"
+        max_tokens, renamed = request.max_tokens, {"logprobs": "top_logprobs", "prompt": "messages"}
         if request.max_completion_tokens is not None:
-            max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
+            max_tokens = request.max_completion_tokens
+            renamed["max_tokens"] = "max_completion_tokens"
         text, token_ids = self.render(request.messages, request.add_generation_prompt)
-        self.check_length(len(token_ids), max_tokens, param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs)
+        params = self.sampling_params(request, max_tokens, logprobs, params_renamed=renamed)
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         request_id = self.new_request_id()
         if request.stream:
-            ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.DELTA)
+            ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.DELTA,
+                                             params_renamed=renamed)
             return SSEResponse(
                 self._stream(request_id, model, request, len(token_ids), streams),
                 on_close=lambda: self.abort_all(ids),
             )
-        ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.FINAL_ONLY)
+        ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.FINAL_ONLY,
+                                         params_renamed=renamed)
         try:
             output = await self.wait_or_disconnect(raw_request, _final(streams[0]))
         except ClientDisconnected:

@@ -25,9 +25,11 @@ from octavo.entrypoints.openai.serving_engine import (
     OpenAIServing,
     SSEResponse,
     clamp_logprob,
+    invalid_request,
     merge_streams,
     top_entries,
 )
+from octavo.errors import InvalidRequestError
 from octavo.outputs import PositionLogprobs, RequestOutput
 
 
@@ -52,11 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError(f"best_of must equal n ({request.n}) if given; best_of > n is not "
                               "supported", 400, param="best_of", code="unsupported_value")
-        self.check_num_logprobs(request.logprobs, "logprobs")
-        self.check_num_logprobs(request.prompt_logprobs, "prompt_logprobs")
         prompts = self._prompts(request.prompt)
-        for prompt in prompts:
-            self.check_length(len(prompt.token_ids), request.max_tokens, "max_tokens")
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
@@ -83,7 +81,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(self._response(request_id, model, request, prompts, outputs).model_dump())
 
     def _prompts(self, prompt: Any) -> list[_Prompt]:
-        """Normalise the four prompt forms to (text, token ids) and check each."""
+        """Normalise the four prompt forms to (text, token ids), checked by the engine's
+        validator (the text needs the ids' validity first, for echo)."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         else:
@@ -95,14 +94,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for i, item in enumerate(items):
             param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-            if isinstance(item, str):
-                if not item:
-                    raise OpenAIError("the prompt is empty", 400, param=param, code="empty_prompt")
-                prompts.append(_Prompt(item, list(self.tokenizer(item).input_ids)))
-            else:
-                token_ids = list(item)
-                self.check_token_ids(token_ids, param)
-                prompts.append(_Prompt(self.tokenizer.decode(token_ids), token_ids))
+            try:
+                text, token_ids = self.engine.processor.tokenize(item)
+            except InvalidRequestError as exc:
+                raise invalid_request(exc, {"prompt": param}) from None
+            prompts.append(_Prompt(text if text is not None else self.tokenizer.decode(token_ids),
+                                   token_ids))
         return prompts
 
     def _response(self, request_id: str, model: str, request: CompletionRequest,

@@ -1,9 +1,12 @@
-"""What the completion and chat endpoints share: checks, sampling params, running requests.
+"""What the completion and chat endpoints share: HTTP-level checks, sampling params, running
+requests.
 
-Every check that protects the engine happens here, before anything is queued: unsupported
-fields, the model name, token ids in the vocabulary, prompt + max_tokens within
-max_model_len, logprob counts, the waiting-queue cap. ``SamplingParams`` and the engine's own
-``Processor`` then check values (a ``ValueError`` naming the field becomes a 400).
+Only what is about HTTP and the OpenAI schema is checked here: unsupported fields, the model
+name, the waiting-queue cap, field combinations the schema forbids. Everything about the
+request's content (token ids, lengths, logprob counts, sampling ranges, the KV cache, the
+backend) is checked by the engine's one validator (``octavo.engine.processor.Processor``, and
+``SamplingParams`` itself), whose ``InvalidRequestError`` carries the field and a code: it
+becomes a 400 here, its ``param`` translated to the field name the client used.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -22,6 +26,7 @@ from octavo.engine.async_llm import AsyncLLM, RequestOutputKind
 from octavo.engine.core_client import EngineDeadError
 from octavo.entrypoints.openai.errors import OpenAIError, engine_dead_error
 from octavo.entrypoints.openai.protocol import SamplingFields, unsupported_fields
+from octavo.errors import InvalidRequestError
 from octavo.outputs import PositionLogprobs, RequestOutput
 from octavo.sampling_params import SamplingParams
 
@@ -48,15 +53,12 @@ class OpenAIServing:
         engine: AsyncLLM,
         served_model_names: list[str],
         max_waiting_requests: int | None = None,
-        max_logprobs: int = 20,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_waiting_requests = max_waiting_requests
-        self.max_logprobs = max_logprobs
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -91,38 +93,6 @@ class OpenAIServing:
                 f"waiting (limit {cap}); retry later", 503, code="overloaded",
             )
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        if not token_ids:
-            raise OpenAIError("the prompt is empty: give at least one token", 400, param=param,
-                              code="empty_prompt")
-        for token_id in token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise OpenAIError(
-                    f"token id {token_id} in {param} is out of the vocabulary [0, {self.vocab_size})",
-                    400, param=param, code="invalid_value",
-                )
-
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
-        """400 when the prompt plus max_tokens would not fit max_model_len."""
-        if num_prompt_tokens == 0:
-            raise OpenAIError("the prompt is empty: give at least one token", 400, param="prompt",
-                              code="empty_prompt")
-        wanted = num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
-        if wanted > self.max_model_len:
-            detail = (f"{num_prompt_tokens} in the prompt + {max_tokens} for the completion"
-                      if max_tokens is not None else f"{num_prompt_tokens} in the prompt + 1")
-            raise OpenAIError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{wanted} were requested ({detail}); shorten the prompt or lower {param}",
-                400, param=param if max_tokens is not None else "prompt",
-                code="context_length_exceeded",
-            )
-
-    def check_num_logprobs(self, value: int | None, param: str) -> None:
-        if value is not None and not 0 <= value <= self.max_logprobs:
-            raise OpenAIError(f"{param} must be in [0, {self.max_logprobs}], got {value}", 400,
-                              param=param, code="invalid_value")
-
     # ---- sampling params ------------------------------------------------------------------
 
     def sampling_params(
@@ -131,8 +101,12 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        params_renamed: dict[str, str] | None = None,
     ) -> SamplingParams:
-        """``SamplingParams`` from the request's fields (OpenAI defaults where unset)."""
+        """``SamplingParams`` from the request's fields (OpenAI defaults where unset).
+
+        :param params_renamed: engine field -> the request's field, for error messages.
+        """
         kwargs: dict[str, Any] = {
             "n": request.n,
             "max_tokens": max_tokens,
@@ -152,29 +126,14 @@ class OpenAIServing:
             if value is not None:
                 kwargs[name] = value
         if request.logit_bias is not None:
-            bias = {}
-            for key, value in request.logit_bias.items():
-                try:
-                    bias[int(key)] = value
-                except ValueError:
-                    raise OpenAIError(f"logit_bias keys must be token ids, got {key!r}", 400,
-                                      param="logit_bias", code="invalid_value") from None
-            kwargs["logit_bias"] = bias
+            kwargs["logit_bias"] = dict(request.logit_bias)  # "token id" strings: checked there
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options is only allowed with stream=true", 400,
                               param="stream_options", code="invalid_value")
         try:
-            params = SamplingParams(**kwargs)
-        except (ValueError, TypeError) as exc:
-            raise OpenAIError(str(exc), 400, param=_field_named(str(exc)), code="invalid_value") from None
-        if params.max_token_id >= self.vocab_size:
-            raise OpenAIError(
-                f"token id {params.max_token_id} in stop_token_ids/logit_bias is out of the "
-                f"vocabulary [0, {self.vocab_size})", 400,
-                param="stop_token_ids" if params.max_token_id in params.stop_token_ids else "logit_bias",
-                code="invalid_value",
-            )
-        return params
+            return SamplingParams(**kwargs)
+        except InvalidRequestError as exc:
+            raise invalid_request(exc, params_renamed) from None
 
     # ---- running requests -----------------------------------------------------------------
 
@@ -187,25 +146,34 @@ class OpenAIServing:
         prompts: list[dict[str, Any]],
         params: SamplingParams,
         output_kind: RequestOutputKind,
+        params_renamed: dict[str, str] | None = None,
     ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
         """Queue one engine request per prompt, all or none; return their ids and output streams.
 
         The caller must ``abort_all(ids)`` when done (a no-op for finished requests): a stream
         that is never iterated cannot abort its request by itself.
+
+        :param params_renamed: engine field -> the request's field, for error messages (for
+            several prompts, ``"prompt"`` becomes ``"prompt[i]"`` by itself).
         """
         self.check_admission()
         added: list[tuple[str, asyncio.Queue[Any]]] = []
         try:
             for i, prompt in enumerate(prompts):
                 sub_id = f"{request_id}-{i}"
-                added.append((sub_id, self.engine.add_request(sub_id, prompt, params, output_kind)))
+                try:
+                    queue = self.engine.add_request(sub_id, prompt, params, output_kind)
+                    added.append((sub_id, queue))
+                except InvalidRequestError as exc:
+                    renamed = dict(params_renamed or {})
+                    if len(prompts) > 1:
+                        renamed.setdefault("prompt", f"prompt[{i}]")
+                    raise invalid_request(exc, renamed) from None
         except BaseException as exc:
             for sub_id, _ in added:
                 self.engine.abort(sub_id)
             if isinstance(exc, EngineDeadError):
                 raise engine_dead_error(exc) from None
-            if isinstance(exc, (ValueError, TypeError)):
-                raise OpenAIError(str(exc), 400, param=_field_named(str(exc)), code="invalid_value") from None
             raise
         ids = [sub_id for sub_id, _ in added]
         return ids, [self.engine.iterate_outputs(sub_id, queue) for sub_id, queue in added]
@@ -292,10 +260,20 @@ def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
     return ranked[:num]
 
 
-def _field_named(message: str) -> str | None:
-    """The field an engine error message starts with (``"top_p must be ..."`` -> ``top_p``)."""
-    first = message.split(" ", 1)[0].split("[", 1)[0]
-    return first if first.isidentifier() and first not in {"the", "a", "token", "prompt"} else None
+def invalid_request(exc: InvalidRequestError, renamed: dict[str, str] | None = None) -> OpenAIError:
+    """The 400 for an engine-side ``InvalidRequestError``, its field named as the client did.
+
+    :param renamed: engine field -> the request's field (e.g. ``max_tokens`` ->
+        ``max_completion_tokens`` in chat); the message names the engine's field, so it is
+        renamed there too.
+    """
+    param = exc.param
+    message = exc.message
+    if param is not None and renamed and param in renamed:
+        # Whole field names only ("logprobs", not the word inside "prompt_logprobs").
+        message = re.sub(rf"(?<![\w.\[]){re.escape(param)}(?![\w\[])", renamed[param], message)
+        param = renamed[param]
+    return OpenAIError(message, 400, param=param, code=exc.code)
 
 
 class SSEResponse(StreamingResponse):

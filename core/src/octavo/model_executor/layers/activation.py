@@ -6,26 +6,11 @@ On CUDA tensors ``SiluAndMul`` runs the Triton kernel of ``octavo.kernels.triton
 
 from __future__ import annotations
 
-import functools
-import logging
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _triton_kernels() -> ModuleType | None:
-    """``octavo.kernels.triton.activation``, or ``None`` when Triton cannot be imported."""
-    try:
-        from octavo.kernels.triton import activation
-    except ImportError as exc:
-        logger.debug("Triton SiluAndMul unavailable, using torch ops: %s", exc)
-        return None
-    return activation
+from octavo.kernels.triton_support import optional_triton_kernels
 
 
 class SiluAndMul(nn.Module):
@@ -35,7 +20,7 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
-        kernels = _triton_kernels() if x.is_cuda else None
+        kernels = optional_triton_kernels("activation") if x.is_cuda else None
         if kernels is None:
             return self.forward_native(x)
         return kernels.silu_and_mul(x)

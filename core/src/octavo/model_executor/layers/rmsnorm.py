@@ -6,25 +6,10 @@ launch instead of ~8 eager ops); elsewhere, or without Triton, ``forward_native`
 
 from __future__ import annotations
 
-import functools
-import logging
-from types import ModuleType
-
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _triton_kernels() -> ModuleType | None:
-    """``octavo.kernels.triton.rmsnorm``, or ``None`` when Triton cannot be imported."""
-    try:
-        from octavo.kernels.triton import rmsnorm
-    except ImportError as exc:
-        logger.debug("Triton RMSNorm unavailable, using torch ops: %s", exc)
-        return None
-    return rmsnorm
+from octavo.kernels.triton_support import optional_triton_kernels
 
 
 class RMSNorm(nn.Module):
@@ -54,7 +39,7 @@ class RMSNorm(nn.Module):
         CUDA tensors go through the fused Triton kernel (same math, see
         ``octavo.kernels.triton.rmsnorm``), others through ``forward_native``.
         """
-        kernels = _triton_kernels() if x.is_cuda else None
+        kernels = optional_triton_kernels("rmsnorm") if x.is_cuda else None
         if kernels is None:
             return self.forward_native(x, residual)
         if residual is None:

@@ -14,17 +14,14 @@ On CUDA tensors ``RotaryEmbedding`` runs the Triton kernel of ``octavo.kernels.t
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from octavo.kernels.triton_support import optional_triton_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
@@ -140,7 +137,7 @@ class RotaryEmbedding(nn.Module):
         CUDA tensors go through the Triton kernel (same math, see
         ``octavo.kernels.triton.rotary``), others through ``forward_native``.
         """
-        kernels = _triton_kernels() if query.is_cuda else None
+        kernels = optional_triton_kernels("rotary") if query.is_cuda else None
         if kernels is None:
             return self.forward_native(positions, query, key)
         return kernels.apply_rotary(positions, query, key, self.cos_sin_cache)
@@ -157,15 +154,6 @@ class RotaryEmbedding(nn.Module):
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
-@functools.cache
-def _triton_kernels() -> ModuleType | None:
-    """``octavo.kernels.triton.rotary``, or ``None`` when Triton cannot be imported."""
-    try:
-        from octavo.kernels.triton import rotary
-    except ImportError as exc:
-        logger.debug("Triton rotary embedding unavailable, using torch ops: %s", exc)
-        return None
-    return rotary
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

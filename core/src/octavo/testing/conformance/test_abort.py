@@ -22,13 +22,8 @@ MAX_STEPS = 200
 
 
 @pytest.fixture(scope="module")
-def folder(octavo_tiny_model):
-    return octavo_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def expected(octavo_plan, folder) -> list[list[int]]:
-    with open_llm(octavo_plan, folder, enable_prefix_caching=False) as llm:
+def expected(octavo_plan, octavo_tiny_llama) -> list[list[int]]:
+    with open_llm(octavo_plan, octavo_tiny_llama, enable_prefix_caching=False) as llm:
         ids = token_ids(llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False))
         assert_no_leaks(llm)
     return ids
@@ -44,8 +39,8 @@ def step_until(engine, done, finished: dict) -> None:
     raise AssertionError(f"condition not reached in {MAX_STEPS} steps")
 
 
-def test_abort_waiting_prefilling_and_decoding_requests(octavo_plan, folder, expected):
-    with open_llm(octavo_plan, folder, max_num_batched_tokens=TOKEN_BUDGET) as llm:
+def test_abort_waiting_prefilling_and_decoding_requests(octavo_plan, octavo_tiny_llama, expected):
+    with open_llm(octavo_plan, octavo_tiny_llama, max_num_batched_tokens=TOKEN_BUDGET) as llm:
         engine = llm.llm_engine
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(f"r{i}", prompt, greedy(NUM_TOKENS))
@@ -59,7 +54,7 @@ def test_abort_waiting_prefilling_and_decoding_requests(octavo_plan, folder, exp
         step_until(engine, lambda outs: not engine.has_unfinished_requests(), finished)
         assert sorted(finished) == ["r2", "r4", "r5"], sorted(finished)
         assert_no_leaks(llm)
-        equivalence = GreedyEquivalence(folder, octavo_plan.model_dtype)
+        equivalence = GreedyEquivalence(octavo_tiny_llama, octavo_plan.model_dtype)
         kept = [2, 4, 5]
         equivalence.check([PROMPTS[i] for i in kept], [finished[f"r{i}"] for i in kept],
                           [expected[i] for i in kept], "requests next to aborted ones")
@@ -68,8 +63,8 @@ def test_abort_waiting_prefilling_and_decoding_requests(octavo_plan, folder, exp
         equivalence.check(PROMPTS, again, expected, "the same prompts after the aborts")
 
 
-def test_abort_everything_mid_flight(octavo_plan, folder):
-    with open_llm(octavo_plan, folder, max_num_batched_tokens=TOKEN_BUDGET) as llm:
+def test_abort_everything_mid_flight(octavo_plan, octavo_tiny_llama):
+    with open_llm(octavo_plan, octavo_tiny_llama, max_num_batched_tokens=TOKEN_BUDGET) as llm:
         engine = llm.llm_engine
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(f"r{i}", prompt, greedy(NUM_TOKENS))

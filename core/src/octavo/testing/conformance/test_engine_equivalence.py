@@ -30,23 +30,18 @@ LONGEST = max(len(p) for p in PROMPTS) + NUM_TOKENS
 
 
 @pytest.fixture(scope="module")
-def folder(octavo_tiny_model):
-    return octavo_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def reference(octavo_plan, folder) -> list[list[int]]:
-    with open_llm(octavo_plan, folder, enable_prefix_caching=False) as llm:
+def reference(octavo_plan, octavo_tiny_llama) -> list[list[int]]:
+    with open_llm(octavo_plan, octavo_tiny_llama, enable_prefix_caching=False) as llm:
         ids = run(llm, PROMPTS)
     assert len({tuple(t) for t in ids[:6]}) == 6, "the prompts should give different outputs"
     return ids
 
 
 @pytest.fixture(scope="module")
-def check(octavo_plan, folder, reference):
+def check(octavo_plan, octavo_tiny_llama, reference):
     """``check(ids, what)``: ``ids``, generated for the first ``len(ids)`` prompts of PROMPTS,
     are equivalent to the reference run."""
-    equivalence = GreedyEquivalence(folder, octavo_plan.model_dtype)
+    equivalence = GreedyEquivalence(octavo_tiny_llama, octavo_plan.model_dtype)
 
     def check_ids(ids: list[list[int]], what: str) -> None:
         equivalence.check(PROMPTS[: len(ids)], ids, reference[: len(ids)], what)
@@ -61,8 +56,8 @@ def run(llm, prompts) -> list[list[int]]:
     return ids
 
 
-def test_prefix_caching_cold_and_warm(octavo_plan, folder, check):
-    with open_llm(octavo_plan, folder, enable_prefix_caching=True) as llm:
+def test_prefix_caching_cold_and_warm(octavo_plan, octavo_tiny_llama, check):
+    with open_llm(octavo_plan, octavo_tiny_llama, enable_prefix_caching=True) as llm:
         check(run(llm, PROMPTS), "prefix caching, cold cache")
         outputs = llm.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False)
         assert_no_leaks(llm)
@@ -71,22 +66,25 @@ def test_prefix_caching_cold_and_warm(octavo_plan, folder, check):
         assert any(o.metrics.num_cached_tokens > 0 for o in outputs), "no prefix was reused"
 
 
-def test_chunked_prefill_with_a_tiny_token_budget(octavo_plan, folder, check):
-    with open_llm(octavo_plan, folder, max_num_batched_tokens=8) as llm:
+def test_chunked_prefill_with_a_tiny_token_budget(octavo_plan, octavo_tiny_llama, check):
+    with open_llm(octavo_plan, octavo_tiny_llama, max_num_batched_tokens=8) as llm:
         check(run(llm, PROMPTS), "token budget 8")
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
-def test_preemption_with_a_kv_pool_of_a_few_blocks(octavo_plan, folder, check, prefix_caching):
+def test_preemption_with_a_kv_pool_of_a_few_blocks(
+    octavo_plan, octavo_tiny_llama, check, prefix_caching
+):
     block_size = octavo_plan.small_block_size
     # Room for the longest request and half of another: the batch must preempt.
     num_blocks = -(-LONGEST // block_size) * 3 // 2
-    with open_llm(octavo_plan, folder, block_size=block_size, num_gpu_blocks_override=num_blocks,
+    with open_llm(octavo_plan, octavo_tiny_llama, block_size=block_size,
+                  num_gpu_blocks_override=num_blocks,
                   enable_prefix_caching=prefix_caching, max_num_batched_tokens=16) as llm:
         check(run(llm, PROMPTS), f"{num_blocks} blocks of {block_size} tokens")
         assert llm.llm_engine.stats().num_preemptions > 0, "the tight pool did not preempt"
 
 
-def test_one_request_at_a_time(octavo_plan, folder, check):
-    with open_llm(octavo_plan, folder, enable_prefix_caching=False) as llm:
+def test_one_request_at_a_time(octavo_plan, octavo_tiny_llama, check):
+    with open_llm(octavo_plan, octavo_tiny_llama, enable_prefix_caching=False) as llm:
         check([run(llm, [prompt])[0] for prompt in PROMPTS[:4]], "one request at a time")

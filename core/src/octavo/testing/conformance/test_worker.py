@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from octavo.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from octavo.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from octavo.testing.compare import assert_greedy_choices
 from octavo.testing.engine_checks import greedy, prompts_of_lengths
 from octavo.testing.engines import engine_config, make_worker
@@ -22,7 +22,7 @@ KV_CACHE_BYTES = 4 * 2**20
 
 def new_request(req_id: str, prompt: list[int], block_ids: list[int]) -> NewRequestData:
     return NewRequestData(req_id=req_id, prompt_token_ids=prompt, output_token_ids=[],
-                          sampling_params=greedy(8), seed=None, block_ids=block_ids,
+                          sampling_params=greedy(8), block_ids=block_ids,
                           num_computed_tokens=0)
 
 

@@ -1,9 +1,7 @@
-"""The CPU backend's hook implementations: registration, dispatch by name, KV-cache sizing."""
+"""The CPU backend's declaration: registration, dispatch by name, KV-cache sizing."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import namedtuple
 from types import SimpleNamespace
 
@@ -12,9 +10,12 @@ import pytest
 from octavo.backends import Backend, list_backends, select_backend
 from octavo.config import CacheConfig, ParallelConfig
 from octavo.plugins import build_plugin_manager
-from octavo_cpu import plugin
+from octavo.worker.worker import Worker
 from octavo_cpu.attention import CPUAttentionBackend
+from octavo_cpu.plugin import plugin
 from octavo_cpu.worker import CPUWorker
+
+from tests.helpers.imports import modules_loaded_by
 
 PER_BLOCK = 8192  # bytes of one KV block (all layers) of the fake worker
 GiB = 2**30
@@ -23,12 +24,16 @@ _VirtualMemory = namedtuple("_VirtualMemory", "total available")
 
 
 def _fake_worker(max_num_seqs: int, max_model_len: int):
-    """Just what the memory hook reads: the scheduler/model limits and the bytes per block."""
+    """Just what the memory hook reads: the scheduler/model limits and the bytes per block
+    (``max_useful_kv_cache_bytes`` is the real ``Worker``'s, on these figures)."""
     config = SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
         model_config=SimpleNamespace(max_model_len=max_model_len),
+        cache_config=CacheConfig(),
     )
-    return SimpleNamespace(config=config, kv_cache_bytes_per_block=lambda: PER_BLOCK)
+    worker = SimpleNamespace(config=config, kv_cache_bytes_per_block=lambda: PER_BLOCK)
+    worker.max_useful_kv_cache_bytes = lambda: Worker.max_useful_kv_cache_bytes(worker)
+    return worker
 
 
 @pytest.fixture
@@ -43,6 +48,7 @@ def host_memory(monkeypatch):
 
 
 def _kv_memory(worker, cache_config, backend="cpu"):
+    worker.config.cache_config = cache_config  # one CacheConfig, as in an engine
     return plugin.octavo_available_kv_cache_memory(
         backend=backend, worker=worker, cache_config=cache_config)
 
@@ -112,12 +118,13 @@ def test_memory_hook_through_the_plugin_manager(host_memory):
 
 def test_entry_point_module_is_cheap_to_import():
     """Discovery imports ``octavo_cpu.plugin`` only: no torch, no kernels, no psutil."""
-    code = (
-        "import sys, octavo_cpu.plugin; "
-        "print(sorted(m for m in ('torch', 'psutil', 'octavo_cpu.attention', "
-        "'octavo_cpu.memory', 'octavo_cpu.worker') if m in sys.modules))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    watched = ("torch", "psutil", "octavo_cpu.attention", "octavo_cpu.memory", "octavo_cpu.worker")
+    assert modules_loaded_by("import octavo_cpu.plugin", watched) == []
+
+
+def test_entry_point_names_the_declaration():
+    from importlib.metadata import entry_points
+
+    (point,) = [ep for ep in entry_points(group="octavo") if ep.name == "cpu"]
+    assert point.value == "octavo_cpu.plugin:plugin"
+    assert point.load() is plugin

@@ -8,35 +8,23 @@ from __future__ import annotations
 
 import msgspec
 
+from octavo.messages.logprobs import LogprobsLists
 from octavo.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
     """One completion to generate (for n > 1 the front end sends n of them)."""
 
-    # Unique id (for n > 1: "<index>_<parent id>").
+    # Unique id (for n > 1: see octavo.engine.processor.child_request_id).
     request_id: str
     # Tokenized prompt.
     prompt_token_ids: list[int]
-    # How to sample; all_stop_token_ids already holds the model's EOS ids.
+    # This completion's own settings, resolved by the front end: all_stop_token_ids holds the
+    # model's EOS ids, max_tokens is clipped to the room left in max_model_len, seed is the
+    # completion's effective seed, n is 1.
     sampling_params: SamplingParams
-    # Effective max new tokens (already clipped to max_model_len - prompt length).
-    max_tokens: int
-    # Effective seed of this completion (None: unseeded).
-    seed: int | None = None
     # time.time() when the front end received the request.
     arrival_time: float = 0.0
-
-
-class LogprobsLists(msgspec.Struct, array_like=True):
-    """Logprobs of consecutive positions: row i = [chosen token, top-k tokens...]."""
-
-    # [num_positions][1 + k] token ids; column 0 is the chosen (sampled or actual) token.
-    token_ids: list[list[int]]
-    # [num_positions][1 + k] log-probabilities matching token_ids.
-    logprobs: list[list[float]]
-    # [num_positions] rank of the chosen token (1 = most likely).
-    ranks: list[int]
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
@@ -96,8 +84,8 @@ class EngineCoreShutdown(msgspec.Struct, tag="shutdown"):
 EngineCoreInput = EngineCoreAdd | EngineCoreAbort | EngineCoreUtility | EngineCoreShutdown
 
 
-class EngineCoreStats(msgspec.Struct, kw_only=True):
-    """Scheduler snapshot after a step (for metrics and admission control)."""
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    """Scheduler snapshot after a step (for logs, metrics and admission control)."""
 
     # Requests in the running batch.
     num_running: int
@@ -105,10 +93,25 @@ class EngineCoreStats(msgspec.Struct, kw_only=True):
     num_waiting: int
     # Fraction of KV blocks held by requests, in [0, 1].
     kv_cache_usage: float
-    # Prefix-cache hits / queried prompt tokens since start.
-    prefix_cache_hit_rate: float
+    # Prompt tokens looked up in the prefix cache since start.
+    prefix_cache_queries: int
+    # Of those, tokens found cached.
+    prefix_cache_hits: int
     # Preemptions since start.
     num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits / queried prompt tokens since start (0 before any query)."""
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @classmethod
+    def idle(cls) -> SchedulerStats:
+        """The snapshot of an engine that has run nothing yet."""
+        return cls(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=0,
+                   prefix_cache_hits=0, num_preemptions=0)
 
 
 class EngineCoreReady(msgspec.Struct, tag="ready", kw_only=True):
@@ -129,7 +132,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
     # Per request that produced something this step.
     outputs: list[EngineCoreOutput]
     # The scheduler after the step.
-    stats: EngineCoreStats
+    stats: SchedulerStats
     # Child request ids the core refused to queue, with the reason (a ValueError's message).
     rejected: dict[str, str] = {}
 

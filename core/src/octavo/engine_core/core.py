@@ -18,12 +18,17 @@ import logging
 from dataclasses import dataclass
 
 from octavo.config import EngineConfig
-from octavo.engine.messages import EngineCoreOutput, EngineCoreRequest
-from octavo.engine.request import Request, RequestStatus
-from octavo.executor.uniproc import UniprocExecutor
-from octavo.scheduler.output import SchedulerOutput
-from octavo.scheduler.scheduler import Scheduler, SchedulerStats
-from octavo.worker.async_output import PendingStepOutput
+from octavo.executor import Executor, PendingOutput, UniprocExecutor
+from octavo.kv_cache.hashing import block_hasher
+from octavo.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from octavo.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +38,7 @@ class _InFlightStep:
     """A launched step whose results have not been recorded."""
 
     scheduler_output: SchedulerOutput
-    pending: PendingStepOutput
+    pending: PendingOutput
 
 
 class EngineCore:
@@ -41,7 +46,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniprocExecutor(config)
+        self.executor: Executor = UniprocExecutor(config)
         num_blocks = self.executor.initialize_kv_cache()
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(
@@ -50,21 +55,20 @@ class EngineCore:
             num_blocks=num_blocks,
             max_model_len=config.model_config.max_model_len,
         )
+        self._block_hasher = block_hasher(config.cache_config.block_size)
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: _InFlightStep | None = None
         if self.async_scheduling:
             logger.info("async scheduling: the next step is scheduled while one runs")
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request (raises ``ValueError`` subclasses for ones that cannot run)."""
+        """Queue a request validated by the front end (``octavo.engine.processor``)."""
         self.scheduler.add_request(
             Request(
                 request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
                 sampling_params=request.sampling_params,
-                max_tokens=request.max_tokens,
-                block_size=self.config.cache_config.block_size,
-                seed=request.seed,
+                block_hasher=self._block_hasher,
                 arrival_time=request.arrival_time,
             )
         )

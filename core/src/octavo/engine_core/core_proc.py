@@ -1,8 +1,9 @@
 """The engine core in its own process: the loop behind ``AsyncLLM``.
 
 ``run_engine_core`` is the target of a ``multiprocessing`` *spawn* process. It builds the
-``EngineCore`` from the same ``EngineArgs`` as ``octavo.LLM`` (passed as a spawn argument),
-then talks to the front end over two zmq PUSH/PULL sockets, msgpack-encoded with msgspec:
+``EngineCore`` from the ``EngineConfig`` the front end resolved (passed as a spawn argument:
+the model's config is read once, in the front end), then talks to the front end over two zmq
+PUSH/PULL sockets, msgpack-encoded with msgspec:
 
 - in:  ``EngineCoreInput``  (add, abort, utility call, shutdown)
 - out: ``EngineCoreEvent``  (ready once, then outputs + a stats snapshot each step, utility
@@ -27,7 +28,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from octavo.engine.messages import (
+from octavo.config import EngineConfig
+from octavo.engine_core.core import EngineCore
+from octavo.messages.engine_core import (
     EngineCoreAbort,
     EngineCoreAdd,
     EngineCoreEvent,
@@ -36,9 +39,9 @@ from octavo.engine.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreShutdown,
-    EngineCoreStats,
     EngineCoreUtility,
     EngineCoreUtilityResult,
+    SchedulerStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,12 +53,12 @@ _LINGER_MS = 2000
 
 
 def run_engine_core(
-    engine_args: Any, input_address: str, output_address: str, parent_pid: int,
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
     ipc_dir: str | None = None,
 ) -> None:
     """Process entry point: build the core, announce it, serve until told to stop.
 
-    :param engine_args: the ``EngineArgs`` of the server (the same options as ``octavo.LLM``).
+    :param config: the engine's resolved configuration (model, backend, limits).
     :param input_address: zmq address the front end PUSHes ``EngineCoreInput`` to.
     :param output_address: zmq address the front end PULLs ``EngineCoreEvent`` from.
     :param parent_pid: the front end's pid; the loop exits when it is no longer our parent.
@@ -72,7 +75,7 @@ def run_engine_core(
     configure_logging()
     proc = EngineCoreProc(input_address, output_address, parent_pid)
     try:
-        proc.start(engine_args)
+        proc.start(config)
         exit_code = proc.run()
     except BaseException as exc:  # anything: tell the front end before dying
         logger.exception("engine core failed")
@@ -100,7 +103,7 @@ class EngineCoreProc:
         self.output_socket.connect(output_address)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreInput)
-        self.engine_core: Any = None
+        self.engine_core: EngineCore | None = None
         self._shutdown = False
         # True once the loop ended because the parent process was gone.
         self.orphaned = False
@@ -111,10 +114,7 @@ class EngineCoreProc:
             "kv_cache_stats": self._kv_cache_stats,
         }
 
-    def start(self, engine_args: Any) -> None:
-        from octavo.engine.core import EngineCore
-
-        config = engine_args.create_engine_config()
+    def start(self, config: EngineConfig) -> None:
         self.engine_core = EngineCore(config)
         self.send(
             EngineCoreReady(
@@ -205,15 +205,8 @@ class EngineCoreProc:
             "num_requests_holding_blocks": manager.num_requests_holding_blocks(),
         }
 
-    def _stats(self) -> EngineCoreStats:
-        stats = self.engine_core.stats()
-        return EngineCoreStats(
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            kv_cache_usage=stats.kv_cache_usage,
-            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            num_preemptions=stats.num_preemptions,
-        )
+    def _stats(self) -> SchedulerStats:
+        return self.engine_core.stats()
 
     def _parent_alive(self) -> bool:
         now = time.monotonic()

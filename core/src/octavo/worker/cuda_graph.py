@@ -1,5 +1,9 @@
 """CUDA graphs for decode steps: one captured forward per batch size of a ladder.
 
+A ``GraphRunner`` (``octavo.worker.graph_runner``) that GPU workers make (``GPUWorker``):
+``torch.cuda.CUDAGraph`` records CUDA graphs on NVIDIA builds of torch and HIP graphs on ROCm
+builds, so one implementation serves both backends.
+
 A decode step of a small model is launch-bound (hundreds of tiny kernels per step), so the
 model forward of a pure-decode batch is captured once per batch size and replayed. Inputs
 live in persistent buffers; a step of ``B`` sequences copies its inputs into the first ``B``

@@ -23,10 +23,8 @@ class NewRequestData:
     prompt_token_ids: list[int]
     # Tokens generated before a preemption (empty for a fresh request); recomputed as prompt.
     output_token_ids: list[int]
-    # How to sample.
+    # How to sample (this completion's own settings: its seed is the effective one).
     sampling_params: SamplingParams
-    # Effective seed of this completion (None: unseeded).
-    seed: int | None
     # All its KV blocks so far, in order (prefix-cache hits first).
     block_ids: list[int]
     # Tokens already in the cache (prefix-cache hits).

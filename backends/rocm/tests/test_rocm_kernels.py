@@ -68,7 +68,7 @@ def test_launch_config_is_the_amd_one():
 
 def _forward_both(batch, num_heads, num_kv_heads, head_dim):
     """ROCm-configured Triton impl and the reference on copies of one cache."""
-    backend = make_attention_backend(model_config=None)
+    backend = make_attention_backend(model_config=None, cache_config=None)
     assert backend.config is CONFIG
     impl = backend.make_impl(num_heads, num_kv_heads, head_dim, batch.scale)
     reference = ReferenceAttentionImpl(num_heads, num_kv_heads, head_dim, batch.scale)

