@@ -1,13 +1,20 @@
-"""Paged attention in plain torch for the CPU.
+"""Paged attention for the CPU: C++ kernels, with plain torch as the fallback.
 
-Decode rows (one new token) of a step are batched: their context blocks are gathered with the
-block table into one padded tensor and attended in a single masked matmul. Prefill rows
-(prompts, chunks after a cached prefix) use ``scaled_dot_product_attention`` one sequence at a
-time with a causal mask shifted by the cached context. Checked against
-``octavo.attention.reference``.
+The C++ kernels (``octavo_cpu.kernels``, sources in ``octavo_cpu/csrc``) write the cache and
+attend decode and prefill rows of a step in one call, vectorised for AVX2 or AVX-512 and run on
+torch's threads. They take float32, bfloat16 and float16 with head dims that are multiples of
+16; anything else, and every machine where they cannot be built, uses the torch code below.
+
+Torch path: decode rows (one new token) of a step are batched: their context blocks are
+gathered with the block table into one padded tensor and attended in a single masked matmul.
+Prefill rows (prompts, chunks after a cached prefix) use ``scaled_dot_product_attention`` one
+sequence at a time with a causal mask shifted by the cached context. Both paths are checked
+against ``octavo.attention.reference``.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -15,23 +22,44 @@ from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMeta
 from octavo.attention.reference import gather_context, write_kv_reference
 from octavo.config import CacheConfig, ModelConfig
 
+from octavo_cpu.kernels import CPUKernels, load_kernels
+
+logger = logging.getLogger("octavo.cpu.attention")  # under the octavo tree
+
 
 def make_attention_backend(
     model_config: ModelConfig, cache_config: CacheConfig
 ) -> AttentionBackend:
     """The CPU kernels; one implementation serves every model and block size."""
-    return CPUAttentionBackend()
+    backend = CPUAttentionBackend()
+    if backend.kernels is not None:
+        dtype = getattr(model_config, "dtype", torch.float32)
+        logger.info("cpu attention: C++ kernels (%s), %d threads",
+                    backend.kernels.isa_for(dtype), torch.get_num_threads())
+    return backend
 
 
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu-torch"
 
+    def __init__(self, use_kernels: bool = True) -> None:
+        # Built (first use) or loaded here, when the backend is chosen; None = torch only.
+        self.kernels: CPUKernels | None = load_kernels() if use_kernels else None
+
     def make_impl(self, num_heads, num_kv_heads, head_dim, scale):
-        return CPUAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
+        return CPUAttentionImpl(num_heads, num_kv_heads, head_dim, scale, kernels=self.kernels)
 
 
 class CPUAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kernels: CPUKernels | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.kernels = kernels
+
     def forward(self, query, key, value, kv_cache, metadata):
+        if self.kernels is not None and self.kernels.covers(query, kv_cache):
+            self.kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+            return self.kernels.paged_attention(query, kv_cache, metadata, self.scale)
         write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
