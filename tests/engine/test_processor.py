@@ -24,7 +24,7 @@ class _Tokenizer:
 
 def make(clip: bool = True, capabilities: BackendCapabilities | None = None, max_logprobs: int = 5):
     model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=MAX_LEN,
-                                   max_logprobs=max_logprobs)
+                                   max_logprobs=max_logprobs, max_n=4)
     backend = "npu" if capabilities is not None else None
     return Processor(model_config, _Tokenizer(), EOS, backend=backend, capabilities=capabilities,
                      clip_max_tokens=clip)
@@ -49,6 +49,9 @@ def refused(processor: Processor, prompt, params: SamplingParams) -> InvalidRequ
     ([5], SamplingParams(logprobs=6), "logprobs", "invalid_value"),
     ([5], SamplingParams(prompt_logprobs=9), "prompt_logprobs", "invalid_value"),
     ({"text": "x"}, SamplingParams(), "prompt", "invalid_value"),
+    ([5], SamplingParams(n=5), "n", "too_many"),
+    ([5], SamplingParams(stop=[f"s{i}" for i in range(129)]), "stop", "too_many"),
+    ([5], SamplingParams(stop=["x" * 1025]), "stop", "too_many"),
 ])
 def test_every_check_names_its_field_and_code(prompt, params, param, code):
     error = refused(make(), prompt, params)
@@ -96,7 +99,7 @@ def test_backend_capabilities_are_checked_with_the_field():
 
 
 def test_completions_carry_their_own_seed_and_limits():
-    params = SamplingParams(n=3, seed=7, max_tokens=4, prompt_logprobs=1)
+    params = SamplingParams(n=3, seed=7, max_tokens=4, prompt_logprobs=1)  # n within max_n (4)
     processed = make().process("req", [5, 6], params)
     children = [r.sampling_params for r in processed.core_requests]
     assert [r.request_id for r in processed.core_requests] == ["0_req", "1_req", "2_req"]

@@ -6,6 +6,8 @@
 | ``OCTAVO_PLUGINS`` | comma-separated allow-list of entry-point names to load (unset = all; empty = none) |
 | ``OCTAVO_DISABLE_PLUGINS`` | comma-separated entry-point names never to load |
 | ``OCTAVO_TRACE_HOOKS`` | ``1`` logs every hook call and its result at DEBUG level on ``octavo.hooks`` |
+| ``OCTAVO_CPU_KVCACHE_SPACE`` | KV-cache size in GiB on the CPU backend when ``--cpu-kv-cache-space`` is not given (default 4) |
+| ``OCTAVO_API_KEY`` | the API key of ``octavo serve`` when ``--api-key`` is not given (kept out of ``ps``) |
 """
 
 import os
@@ -30,3 +32,23 @@ def plugin_block_list() -> set[str]:
 
 def trace_hooks() -> bool:
     return os.environ.get("OCTAVO_TRACE_HOOKS", "0") not in ("", "0", "false", "False")
+
+
+def api_key() -> str | None:
+    """The server's API key from the environment (``None`` when unset or empty)."""
+    return os.environ.get("OCTAVO_API_KEY") or None
+
+
+def cpu_kvcache_space() -> float | None:
+    """``OCTAVO_CPU_KVCACHE_SPACE``: the CPU backend's KV-cache size in GiB (``None`` when
+    unset or empty); ``ValueError`` unless it is a number > 0."""
+    raw = os.environ.get("OCTAVO_CPU_KVCACHE_SPACE", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"OCTAVO_CPU_KVCACHE_SPACE must be a size in GiB > 0, got {raw!r}")
+    return value

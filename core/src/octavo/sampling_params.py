@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from octavo.errors import InvalidRequestError, InvalidRequestTypeError
 
 _GREEDY_EPS = 1e-5
+# Every integer field fits a signed 64-bit integer (what msgpack and torch carry); larger values
+# are refused here, never left to fail deep inside the engine.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -94,7 +97,7 @@ class SamplingParams:
                 param="min_tokens",
             )
         if self.seed is not None:
-            _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)
+            _check_int("seed", self.seed, low=_INT64_MIN)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
         if self.prompt_logprobs is not None:
@@ -159,10 +162,14 @@ class SamplingParams:
         return max(ids) if ids else -1
 
 
-def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestTypeError(f"{name} must be an integer, got {value!r}", param=name)
     _check_range(name, value, low, high)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise InvalidRequestError(
+            f"{name} must fit in a signed 64-bit integer (at most {_INT64_MAX}), got {value!r}",
+            param=name)
 
 
 def _check_float(name: str, value: object, low: float | None = None, high: float | None = None) -> None:

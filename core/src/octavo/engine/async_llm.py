@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from octavo.engine.arg_utils import EngineArgs
-from octavo.engine.core_client import EngineCoreClient, EngineDeadError
+from octavo.engine.core_client import EngineCoreClient, EngineDeadError, EngineShuttingDownError
 from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
 from octavo.engine.processor import KVCacheCapacity, Processor, PromptType
 from octavo.engine.stats import IterationStats, StatLogger
@@ -40,7 +40,14 @@ from octavo.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "IterationStats", "RequestOutputKind", "StatLogger"]
+__all__ = [
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineShuttingDownError",
+    "IterationStats",
+    "RequestOutputKind",
+    "StatLogger",
+]
 
 
 class AsyncLLM:
@@ -187,6 +194,16 @@ class AsyncLLM:
             if request_id in self._queues:  # left early: cancelled, client gone, error
                 self.abort(request_id)
 
+    def abort_all(self, error: BaseException) -> int:
+        """Stop every unfinished request now: each one's output stream raises ``error``, and
+        its blocks are freed in the core. Returns how many were stopped."""
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            queue = self._queues[request_id]
+            self.abort(request_id)
+            queue.put_nowait(error)
+        return len(request_ids)
+
     def abort(self, request_id: str) -> None:
         """Stop a request now (its blocks are freed in the core); unknown ids are ignored."""
         child_ids = self.output_processor.child_ids(request_id)
@@ -304,6 +321,6 @@ class AsyncLLM:
             except (asyncio.CancelledError, Exception):
                 pass
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError("the engine is shutting down"))
+            queue.put_nowait(EngineShuttingDownError("the engine is shutting down"))
         self._queues.clear()
         self.core.shutdown()

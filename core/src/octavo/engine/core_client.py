@@ -42,6 +42,11 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; nothing more can run."""
 
 
+class EngineShuttingDownError(EngineDeadError):
+    """The engine is stopping (the server's shutdown grace period is over): requests still
+    running are cut."""
+
+
 class EngineCoreClient:
     """Spawns the engine-core process and carries messages to and from it."""
 
@@ -115,8 +120,19 @@ class EngineCoreClient:
         return self.process is not None and self.process.is_alive()
 
     async def receive(self) -> EngineCoreEvent:
-        """The next message from the core (waits for it)."""
-        return self._decoder.decode(await self._output_socket.recv())
+        """The next message from the core (waits for it).
+
+        A frame that is not a valid ``EngineCoreEvent`` (it can only come from another process
+        writing to the socket: the core encodes every message from the same typed structs) is
+        logged and dropped; it fails nothing and nobody.
+        """
+        while True:
+            frame = await self._output_socket.recv()
+            try:
+                return self._decoder.decode(frame)
+            except msgspec.DecodeError as exc:
+                logger.error("dropped a malformed frame (%d bytes) from the engine core's output "
+                             "socket: %s", len(frame), exc)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._send(EngineCoreAdd(requests=requests))

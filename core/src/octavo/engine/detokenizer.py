@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from octavo.engine.stop_strings import StopStringMatcher, stop_string_matcher
 from octavo.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,11 @@ class IncrementalDetokenizer:
         "_deferred",
         "_include_stop",
         "_max_stop_len",
+        "_matcher",
         "_num_sent",
         "_read_offset",
         "_skip_special_tokens",
         "_stop_str",
-        "_stops",
         "_stream",
         "_text",
         "_token_ids",
@@ -101,14 +102,16 @@ class IncrementalDetokenizer:
         self._text = ""
         # Characters of _text already handed out by take_delta.
         self._num_sent = 0
-        # Stop strings, and the longest one's length (0: none, nothing held back).
-        self._stops: list[str] = list(params.stop or [])
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # Stop strings (one automaton for all; None: none), and the longest one's length (0:
+        # none, nothing held back).
+        stops = tuple(params.stop or ())
+        self._matcher: StopStringMatcher | None = stop_string_matcher(stops) if stops else None
+        self._max_stop_len = self._matcher.max_len if self._matcher is not None else 0
         self._include_stop = params.include_stop_str_in_output
         # The stop string found, once one is.
         self._stop_str: str | None = None
         # Deferred decoding: tokens received but not decoded yet (None: decode every step).
-        self._deferred: list[int] | None = [] if defer and not self._stops else None
+        self._deferred: list[int] | None = [] if defer and self._matcher is None else None
 
     @property
     def output_text(self) -> str:
@@ -144,7 +147,7 @@ class IncrementalDetokenizer:
             self._extend(self._step(token_id))
         if finished and self._read_offset < len(self._token_ids):
             self._extend(self._offset_text(force=True))
-        if len(self._text) > old_len and self._stops:
+        if len(self._text) > old_len and self._matcher is not None:
             return self._find_stop(old_len)
         return None
 
@@ -222,17 +225,12 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, old_len: int) -> str | None:
         """Look for a stop string ending in the text added after ``old_len``; cut on a match."""
-        # A match may start up to max_stop_len - 1 characters before the new text.
-        start = max(0, old_len - self._max_stop_len + 1)
-        best: tuple[int, int, str] | None = None  # (index, length, stop string)
-        for stop in self._stops:
-            index = self._text.find(stop, start)
-            if index != -1 and (best is None or (index, len(stop)) < best[:2]):
-                best = (index, len(stop), stop)
-        if best is None:
+        assert self._matcher is not None
+        found = self._matcher.find(self._text, old_len)
+        if found is None:
             return None
-        index, length, stop = best
-        cut = index + length if self._include_stop else index
+        index, stop = found
+        cut = index + len(stop) if self._include_stop else index
         assert cut >= self._num_sent, (
             f"stop string {stop!r} at {index} cuts text already handed out ({self._num_sent} chars)"
         )

@@ -2,10 +2,11 @@
 ``EngineCoreRequest``s.
 
 Every check of a request that is not about HTTP or the OpenAI schema happens here, before
-anything is queued anywhere: the prompt (type, valid Unicode, token ids in the vocabulary, not
-empty, within ``max_model_len``), the sampling settings against the model (token ids named in
-``stop_token_ids``/``logit_bias``, logprob counts), against the backend's capabilities, and
-whether the request could ever fit the KV cache. ``SamplingParams`` checks its own ranges when
+anything is queued anywhere (and before anything is made per completion): the prompt (type,
+valid Unicode, token ids in the vocabulary, not empty, within ``max_model_len``), the sampling
+settings against the engine's limits (``n`` at most ``max_n``, stop strings' count and length,
+logprob counts) and the model (token ids named in ``stop_token_ids``/``logit_bias``), against
+the backend's capabilities, and whether the request could ever fit the KV cache. ``SamplingParams`` checks its own ranges when
 it is built. Every problem is an ``octavo.errors.InvalidRequestError`` carrying the engine-side
 field (``param``) and a ``code``; the OpenAI server maps it to a 400, ``LLM.generate`` raises
 it as the ``ValueError`` it is. The scheduler only asserts what was checked here.
@@ -26,6 +27,7 @@ from octavo.errors import (
     CODE_EMPTY_PROMPT,
     CODE_INVALID_TEXT,
     CODE_KV_CACHE_TOO_SMALL,
+    CODE_TOO_MANY,
     InvalidRequestError,
     InvalidRequestTypeError,
 )
@@ -34,6 +36,12 @@ from octavo.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = Union[str, list[int], dict[str, Any]]
+
+# Most stop strings one request may give, and the longest one in characters. Their matching
+# costs scale with the longest (the text scanned per step), not with how many there are
+# (octavo.engine.stop_strings), but both stay bounded.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_LENGTH = 1024
 
 
 @dataclasses.dataclass(slots=True)
@@ -159,6 +167,23 @@ class Processor:
         return ProcessedPrompt(text, token_ids, params, core_requests)
 
     def _check_params(self, params: SamplingParams) -> None:
+        if params.n > self.model_config.max_n:
+            raise InvalidRequestError(
+                f"n must be at most {self.model_config.max_n} (max_n), got {params.n}",
+                param="n", code=CODE_TOO_MANY,
+            )
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(params.stop)}",
+                param="stop", code=CODE_TOO_MANY,
+            )
+        for stop in params.stop:
+            check_text(stop, "stop")
+            if len(stop) > MAX_STOP_STRING_LENGTH:
+                raise InvalidRequestError(
+                    f"stop strings may have at most {MAX_STOP_STRING_LENGTH} characters, got one "
+                    f"of {len(stop)}", param="stop", code=CODE_TOO_MANY,
+                )
         vocab = self.model_config.vocab_size
         if params.max_token_id >= vocab:
             named_in_stop_ids = params.max_token_id in params.stop_token_ids
@@ -173,8 +198,6 @@ class Processor:
             if value is not None and value > limit:
                 raise InvalidRequestError(
                     f"{name} must be at most {limit} (max_logprobs), got {value}", param=name)
-        for stop in params.stop:
-            check_text(stop, "stop")
         if self.capabilities is not None:
             assert self.backend is not None, "checked in __init__"
             check_request(self.backend, self.capabilities, params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from octavo.config import ModelConfig
@@ -11,14 +12,25 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
-    """The model's ``transformers`` tokenizer (from the folder, or built from GGUF metadata)."""
-    from transformers import AutoTokenizer
+    """The model's ``transformers`` tokenizer: from ``model_config.tokenizer`` when set, else
+    from the model folder, or built from GGUF metadata (sharing the process's one parse of the
+    file)."""
+    start = time.perf_counter()
+    if model_config.tokenizer is None and model_config.gguf_file is not None:
+        from octavo.model_executor.loader.gguf_file import read_gguf
+        from octavo.model_executor.loader.gguf_hf import gguf_hf_tokenizer
 
-    if model_config.gguf_file is not None:
-        return AutoTokenizer.from_pretrained(
-            model_config.model_dir, gguf_file=model_config.gguf_file.name
+        tokenizer = gguf_hf_tokenizer(read_gguf(model_config.gguf_file), model_config.hf_config)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer or model_config.model_dir,
+            trust_remote_code=model_config.trust_remote_code,
         )
-    return AutoTokenizer.from_pretrained(model_config.model_dir)
+    logger.info("tokenizer: %s, %d tokens, loaded in %.2f s", type(tokenizer).__name__,
+                len(tokenizer), time.perf_counter() - start)
+    return tokenizer
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:

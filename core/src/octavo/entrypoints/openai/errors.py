@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from octavo.engine.core_client import EngineDeadError
+from octavo.engine.core_client import EngineDeadError, EngineShuttingDownError
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,10 @@ class OpenAIError(Exception):
 
 
 def engine_dead_error(exc: BaseException) -> OpenAIError:
+    """503 for a request the engine cannot serve: it died, or the server is shutting down."""
+    if isinstance(exc, EngineShuttingDownError):
+        return OpenAIError(f"the server is shutting down: {exc}; retry on another server", 503,
+                           code="server_shutting_down")
     return OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead")
 
 

@@ -3,6 +3,10 @@
 Requests accept extra fields at parse time and ``unsupported_fields`` lists them afterwards, so
 the server can answer 400 *naming* every field it does not support (OpenAI fields such as
 ``tools`` or ``suffix`` as much as typos) instead of silently ignoring them.
+
+Request fields are validated strictly: no coercion of booleans to integers (``[true, false]``
+is not a list of token ids) or of strings to numbers (``"0.5"`` is not a temperature); JSON
+integers are accepted where numbers are expected.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class OpenAIRequest(BaseModel):
-    """Base of request bodies: extra fields are kept so they can be reported."""
+    """Base of request bodies: extra fields are kept so they can be reported; types strict."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class OpenAIResponse(BaseModel):
@@ -87,7 +91,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     # Top logprobs per token (0: only the chosen token's).
     logprobs: int | None = None
-    # Top logprobs per prompt token (octavo extension; implied by echo + logprobs).
+    # Top logprobs per prompt token (vLLM's extension): returned in choices[i].prompt_logprobs;
+    # echo + logprobs also asks for them, for the echoed prompt's logprobs.
     prompt_logprobs: int | None = None
     # Only best_of == n (or unset) is supported.
     best_of: int | None = None
@@ -102,11 +107,23 @@ class CompletionLogprobs(OpenAIResponse):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIResponse):
+    """One token's entry in ``prompt_logprobs`` (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(OpenAIResponse):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # With the request's prompt_logprobs: per prompt token, token id -> its logprob entry (the
+    # actual token and the top ones); None for the first token. Streamed with a choice's
+    # first chunk.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIResponse):

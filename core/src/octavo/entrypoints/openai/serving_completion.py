@@ -18,6 +18,7 @@ from octavo.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    PromptLogprob,
     UsageInfo,
 )
 from octavo.entrypoints.openai.serving_engine import (
@@ -55,6 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(f"best_of must equal n ({request.n}) if given; best_of > n is not "
                               "supported", 400, param="best_of", code="unsupported_value")
         prompts = self._prompts(request.prompt)
+        self.check_batch(len(prompts), request.n)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
@@ -62,12 +64,14 @@ class OpenAIServingCompletion(OpenAIServing):
         engine_prompts = [{"prompt": p.text, "prompt_token_ids": p.token_ids} for p in prompts]
         request_id = self.new_request_id()
         if request.stream:
-            ids, streams = self.add_requests(request_id, engine_prompts, params, RequestOutputKind.DELTA)
+            ids, streams = self.add_requests(request_id, engine_prompts, params,
+                                         RequestOutputKind.DELTA)
             return SSEResponse(
                 self._stream(request_id, model, request, prompts, streams),
                 on_close=lambda: self.abort_all(ids),
             )
-        ids, streams = self.add_requests(request_id, engine_prompts, params, RequestOutputKind.FINAL_ONLY)
+        ids, streams = self.add_requests(request_id, engine_prompts, params,
+                                         RequestOutputKind.FINAL_ONLY)
         try:
             outputs = await self.wait_or_disconnect(raw_request, _collect(streams))
         except ClientDisconnected:
@@ -123,6 +127,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text=text,
                     logprobs=self._logprobs(token_ids, positions, request.logprobs, offset),
                     finish_reason=completion.finish_reason,
+                    prompt_logprobs=self._prompt_logprobs(request, output.prompt_logprobs),
                 ))
         num_prompt = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(
@@ -138,6 +143,7 @@ class OpenAIServingCompletion(OpenAIServing):
         exclude = None if include_usage else {"usage"}
         n = request.n
         echoed = [False] * (len(prompts) * n)
+        started = [False] * (len(prompts) * n)
         offsets = [0 if request.echo else len(p.text) for p in prompts for _ in range(n)]
         prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         num_generated = 0
@@ -160,10 +166,16 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self._logprobs(token_ids, positions, request.logprobs, offsets[index])
                     if logprobs is not None:
                         offsets[index] += sum(len(t) for t in logprobs.tokens)
+                    first = not started[index]
+                    started[index] = True
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model,
-                        choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                  finish_reason=completion.finish_reason)],
+                        choices=[CompletionChoice(
+                            index=index, text=text, logprobs=logprobs,
+                            finish_reason=completion.finish_reason,
+                            prompt_logprobs=(self._prompt_logprobs(request, prompt_logprobs[i])
+                                             if first else None),
+                        )],
                     )
                     yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
             if include_usage:
@@ -179,6 +191,22 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as exc:
             yield OpenAIError(str(exc), 400, code="invalid_value").to_sse()
         yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _prompt_logprobs(
+        request: CompletionRequest, positions: list[PositionLogprobs | None] | None
+    ) -> list[dict[int, PromptLogprob] | None] | None:
+        """``choices[i].prompt_logprobs`` when the request asked for them (vLLM's field)."""
+        if request.prompt_logprobs is None or positions is None:
+            return None
+        return [
+            None if position is None else {
+                token_id: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                                        decoded_token=lp.decoded_token)
+                for token_id, lp in position.items()
+            }
+            for position in positions
+        ]
 
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
                   num_top: int | None, offset: int) -> CompletionLogprobs | None:

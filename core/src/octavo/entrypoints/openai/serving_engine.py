@@ -82,15 +82,28 @@ class OpenAIServing:
             )
         return model
 
-    def check_admission(self) -> None:
-        """503 when the engine is dead or too many requests are already waiting."""
+    def check_batch(self, num_prompts: int, n: int) -> None:
+        """400 when one HTTP request asks for more completions (prompts x n) than ``max_n``."""
+        limit = self.engine.model_config.max_n
+        if num_prompts * n > limit:
+            raise OpenAIError(
+                f"this request asks for {num_prompts * n} completions ({num_prompts} prompts x n="
+                f"{n}); at most {limit} (max_n) are allowed per request", 400,
+                param="prompt" if num_prompts > 1 else "n", code="too_many",
+            )
+
+    def check_admission(self, num_new: int) -> None:
+        """503 when the engine is dead, or when ``--max-waiting-requests`` completions already
+        wait or ``num_new`` more would make more wait (a request larger than the cap is still
+        admitted into an empty queue: ``max_n`` bounds it)."""
         if self.engine.is_dead:
             raise engine_dead_error(EngineDeadError(self.engine.dead_reason))
         cap = self.max_waiting_requests
-        if cap is not None and self.engine.num_waiting_requests >= cap:
+        waiting = self.engine.num_waiting_requests
+        if cap is not None and (waiting >= cap or (waiting > 0 and waiting + num_new > cap)):
             raise OpenAIError(
-                f"the server is overloaded: {self.engine.num_waiting_requests} requests are "
-                f"waiting (limit {cap}); retry later", 503, code="overloaded",
+                f"the server is overloaded: {waiting} requests are waiting and this one would "
+                f"add {num_new} (limit {cap}); retry later", 503, code="overloaded",
             )
 
     # ---- sampling params ------------------------------------------------------------------
@@ -156,7 +169,7 @@ class OpenAIServing:
         :param params_renamed: engine field -> the request's field, for error messages (for
             several prompts, ``"prompt"`` becomes ``"prompt[i]"`` by itself).
         """
-        self.check_admission()
+        self.check_admission(len(prompts) * params.n)
         added: list[tuple[str, asyncio.Queue[Any]]] = []
         try:
             for i, prompt in enumerate(prompts):
