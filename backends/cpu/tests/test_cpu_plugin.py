@@ -60,10 +60,33 @@ def test_kv_cache_memory_bytes_is_honoured_exactly(host_memory):
     assert _kv_memory(worker, cache) == 123_456_789
 
 
-def test_fraction_of_available_host_memory(host_memory):
+def test_fixed_default_of_4_gib_whatever_memory_is_free(host_memory, monkeypatch):
+    monkeypatch.delenv("OCTAVO_CPU_KVCACHE_SPACE", raising=False)
+    worker = _fake_worker(max_num_seqs=256, max_model_len=131072)  # cap far above the budget
+    for available in (8 * GiB, 13 * GiB, 100 * GiB):
+        host_memory(available)
+        assert _kv_memory(worker, CacheConfig()) == 4 * GiB
+    host_memory(6 * GiB)  # a small machine: half of what is available
+    assert _kv_memory(worker, CacheConfig()) == 3 * GiB
+
+
+def test_space_flag_then_env_var_then_default(host_memory, monkeypatch):
+    host_memory(16 * GiB)
+    worker = _fake_worker(max_num_seqs=256, max_model_len=131072)
+    monkeypatch.setenv("OCTAVO_CPU_KVCACHE_SPACE", "1.5")
+    assert _kv_memory(worker, CacheConfig()) == int(1.5 * GiB)
+    assert _kv_memory(worker, CacheConfig(cpu_kv_cache_space=0.5)) == GiB // 2
+    with pytest.raises(RuntimeError, match=r"asked for 32 GiB \(cpu_kv_cache_space\).*16.00 GiB"):
+        _kv_memory(worker, CacheConfig(cpu_kv_cache_space=32))
+    monkeypatch.setenv("OCTAVO_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ValueError, match="OCTAVO_CPU_KVCACHE_SPACE must be a size in GiB > 0, got 'lots'"):
+        _kv_memory(worker, CacheConfig())
+
+
+def test_fraction_of_available_host_memory_when_asked(host_memory):
     host_memory(8 * GiB)
     worker = _fake_worker(max_num_seqs=256, max_model_len=131072)  # cap far above the budget
-    assert _kv_memory(worker, CacheConfig()) == 2 * GiB  # default fraction 0.25
+    assert _kv_memory(worker, CacheConfig(cpu_kv_cache_fraction=0.25)) == 2 * GiB
     assert _kv_memory(worker, CacheConfig(cpu_kv_cache_fraction=0.5)) == 4 * GiB
 
 

@@ -63,5 +63,5 @@ def test_every_flag_and_metric_is_documented() -> None:
             if flag.startswith("--") and flag != "--help":
                 assert f"`{flag}" in doc, f"{flag} is not documented in {DOC.name}"
     for name, kind, _ in METRICS:
-        shown = f"{name}_total" if kind == "counter" else name
+        shown = f"octavo:{name}_total" if kind == "counter" else f"octavo:{name}"
         assert f"`{shown}`" in doc, f"metric {shown} is not documented"

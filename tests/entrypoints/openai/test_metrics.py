@@ -11,10 +11,10 @@ def test_every_metric_is_exported_and_moves(server, client) -> None:
     before = wait_idle(server)
     for name, kind, _ in METRICS:
         suffix = {"counter": "_total", "histogram": "_count"}.get(kind, "")
-        if name == "octavo:request_success":
-            assert f'{name}_total{{finished_reason="length"}}' in before
+        if name == "request_success":
+            assert 'octavo:request_success_total{finished_reason="length"}' in before
         else:
-            assert f"{name}{suffix}" in before, name
+            assert f"octavo:{name}{suffix}" in before, name
     resp = client.completions.create(model=SERVED_NAME, prompt=["Hello world", "Hello there"], max_tokens=5,
                                      temperature=0, extra_body={"ignore_eos": True})
     after = wait_idle(server)
@@ -26,7 +26,20 @@ def test_every_metric_is_exported_and_moves(server, client) -> None:
     assert delta["octavo:inter_token_latency_seconds_count"] == 8
     assert delta["octavo:e2e_request_latency_seconds_count"] == 2
     assert delta["octavo:e2e_request_latency_seconds_sum"] > 0
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "time_per_output_token_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_params_n", "request_params_max_tokens"):
+        assert delta[f"octavo:{name}_count"] == 2, name
+    assert delta["octavo:request_generation_tokens_sum"] == 10
+    assert delta["octavo:request_params_max_tokens_sum"] == 10
+    assert delta["octavo:request_prefill_time_seconds_sum"] > 0
+    assert delta["octavo:iteration_tokens_total_count"] >= 1
+    assert delta["octavo:prefix_cache_queries_total"] >= resp.usage.prompt_tokens - 2
     # The same prompt again: its full blocks come from the prefix cache.
+    hits_before = metrics(server)["octavo:prefix_cache_hits_total"]
     client.completions.create(model=SERVED_NAME, prompt="Hello world " * 20, max_tokens=2)
     client.completions.create(model=SERVED_NAME, prompt="Hello world " * 20, max_tokens=2)
-    assert metrics(server)["octavo:prefix_cache_hit_rate"] > 0
+    after = metrics(server)
+    assert after["octavo:prefix_cache_hit_rate"] > 0
+    assert after["octavo:prefix_cache_hits_total"] - hits_before >= 32  # two full blocks

@@ -2,7 +2,8 @@
 
 Static batches (left-padded), greedy, exactly ``max(output_len)`` new tokens per batch with EOS
 disabled; only the tokens each request asked for are counted, as a serving system would
-return them. Same dtype and device as the Octavo run.
+return them. Same dtype and device as the Octavo run. A progress bar counts the decoding
+steps of all batches (with the time left), through a pass-through logits processor.
 """
 
 from __future__ import annotations
@@ -39,14 +40,34 @@ def load_hf_model(model_config: ModelConfig, device: str = "cpu"):
     return model.to(device).eval()
 
 
+class _StepProgress:
+    """A logits processor that changes nothing and advances a progress bar once per decoding
+    step (``generate`` calls its logits processors once per new token)."""
+
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.bar.update(1)
+        return scores
+
+
 @torch.inference_mode()
 def run_hf_generate(model_config: ModelConfig, workload: Workload, batch_size: int | None,
                     device: str = "cpu") -> HFResult:
+    from tqdm.auto import tqdm
+    from transformers import LogitsProcessorList
+
     model = load_hf_model(model_config, device)
     batch_size = batch_size or len(workload.prompts)
     pad_id = 0
+    batches = range(0, len(workload.prompts), batch_size)
+    num_steps = sum(max(workload.output_lens[first:first + batch_size]) for first in batches)
+    bar = tqdm(total=num_steps, desc=f"HF generate ({len(batches)} batch(es))", unit="step",
+               dynamic_ncols=True)
+    progress = LogitsProcessorList([_StepProgress(bar)])
     start = time.perf_counter()
-    for first in range(0, len(workload.prompts), batch_size):
+    for first in batches:
         prompts = workload.prompts[first : first + batch_size]
         longest = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -62,8 +83,10 @@ def run_hf_generate(model_config: ModelConfig, workload: Workload, batch_size: i
             min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=pad_id,
+            logits_processor=progress,
         )
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    bar.close()
     return HFResult(elapsed, workload.num_output_tokens / elapsed, batch_size)

@@ -17,10 +17,29 @@ import gc
 import json
 import platform
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 
+from octavo.cli.options import RawDescriptionHelpFormatter, add_engine_options
 from octavo.engine.arg_utils import EngineArgs
+
+# `octavo bench throughput --help`: plain text (the module docstring is reStructuredText).
+_THROUGHPUT_DESCRIPTION = """\
+Offline throughput on a synthetic workload: random token-id prompts, prompt and output lengths
+uniform in the given ranges, fixed seed, greedy sampling. Runs through LLM.generate, or with
+--async-engine through AsyncLLM (the engine core in its own process, as `octavo serve` runs
+it). With --compare-hf, Hugging Face transformers generate then runs the same token ids in the
+same process (static left-padded batches; only the requested output tokens are counted) and
+the ratio is printed. Prints a summary and one JSON line.
+
+How long: each phase shows a progress bar with its remaining time. On a CPU, HF takes about as
+long as Octavo or longer (its padded batches do more work); the default workload on the
+default model takes about 1.5 minutes per engine on two cores, so about 3-4 minutes with
+--compare-hf (an estimate for the HF run is printed before it starts).
+
+Example: octavo bench throughput --num-prompts 32 --input-len 64:128 --output-len 32:64 --compare-hf
+"""
 
 
 @dataclass(slots=True)
@@ -76,12 +95,13 @@ def add_parser(sub) -> None:
     )
     modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
     tp = modes.add_parser("throughput", help="offline throughput on a synthetic workload",
-                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          description=_THROUGHPUT_DESCRIPTION,
+                          formatter_class=RawDescriptionHelpFormatter)
     tp.add_argument("--num-prompts", type=_positive_int, default=64, help="number of requests")
     tp.add_argument("--input-len", type=_range, default=(64, 256), metavar="MIN:MAX",
-                    help="prompt lengths, uniform in [MIN, MAX] (default 64:256)")
+                    help="prompt lengths, uniform in [MIN, MAX]; one number: MIN = MAX")
     tp.add_argument("--output-len", type=_range, default=(64, 128), metavar="MIN:MAX",
-                    help="output lengths, uniform in [MIN, MAX] (default 64:128)")
+                    help="output lengths, uniform in [MIN, MAX]; one number: MIN = MAX")
     tp.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
     tp.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                     help="let EOS end requests early (default: ignore EOS so lengths are exact)")
@@ -92,15 +112,18 @@ def add_parser(sub) -> None:
                     help="also run HF transformers generate on the same token ids and print the ratio")
     tp.add_argument("--hf-batch-size", type=int, default=None,
                     help="static batch size for HF (default: all requests in one batch)")
-    EngineArgs.add_cli_args(tp)
+    add_engine_options(tp)
     tp.set_defaults(func=run_throughput)
 
-    lat = modes.add_parser("latency", help="single-request latency (ms per output token)")
+    lat = modes.add_parser("latency", help="single-request latency (ms per output token)",
+                           description="Single-request latency: one request at a time (a fresh "
+                           "random prompt each, greedy, EOS ignored), with a progress bar over "
+                           "the requests. Prints a summary and one JSON line.")
     lat.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens")
     lat.add_argument("--output-len", type=_positive_int, default=128, help="output tokens")
     lat.add_argument("--num-iters", type=_positive_int, default=3, help="timed requests")
     lat.add_argument("--num-iters-warmup", type=int, default=1, help="untimed requests first")
-    EngineArgs.add_cli_args(lat)
+    add_engine_options(lat)
     lat.set_defaults(func=run_latency)
 
 
@@ -142,19 +165,51 @@ async def _run_async(engine, workload: Workload, ignore_eos: bool) -> _OctavoRun
             num_out = sum(len(c.token_ids) for c in output.outputs)
         return num_out
 
+    from tqdm.auto import tqdm
+
     params = _throughput_params(workload, ignore_eos)
+    bar = tqdm(total=len(workload.prompts), desc="octavo (async engine)", unit="req",
+               dynamic_ncols=True)
+
+    async def counted(request_id: str, prompt: list[int], sp) -> int:
+        num_out = await one(request_id, prompt, sp)
+        bar.update(1)
+        return num_out
+
     start = time.perf_counter()
-    counts = await asyncio.gather(
-        *(one(str(i), p, sp) for i, (p, sp) in enumerate(zip(workload.prompts, params)))
-    )
+    try:
+        counts = await asyncio.gather(
+            *(counted(str(i), p, sp) for i, (p, sp) in enumerate(zip(workload.prompts, params)))
+        )
+    finally:
+        bar.close()
     elapsed = time.perf_counter() - start
     return _OctavoRun(elapsed, sum(counts), engine.scheduler_stats.num_preemptions)
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
     vocab = min(len(tokenizer), model_config.vocab_size)
-    return make_workload(args.num_prompts, args.input_len, args.output_len, vocab,
-                         args.workload_seed)
+    workload = make_workload(args.num_prompts, args.input_len, args.output_len, vocab,
+                             args.workload_seed)
+    then = ", then the same on HF transformers (--compare-hf)" if args.compare_hf else ""
+    print(f"workload: {len(workload.prompts)} requests, {workload.num_prompt_tokens:,} prompt + "
+          f"{workload.num_output_tokens:,} output tokens, through Octavo{then}; progress bars "
+          "show the time left", file=sys.stderr, flush=True)
+    return workload
+
+
+def estimate_hf_seconds(workload: Workload, batch_size: int | None, octavo_seconds: float) -> float:
+    """Rough time HF ``generate`` will take, from Octavo's time on the same workload: both are
+    bound by the same matrix work on a CPU (docs/benchmarks.md: 1.00x), and HF's static
+    batches process every row up to the batch's longest prompt and output."""
+    batch_size = batch_size or len(workload.prompts)
+    hf_tokens = 0
+    for first in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[first:first + batch_size]
+        outputs = workload.output_lens[first:first + batch_size]
+        hf_tokens += len(prompts) * (max(map(len, prompts)) + max(outputs))
+    octavo_tokens = workload.num_prompt_tokens + workload.num_output_tokens
+    return octavo_seconds * hf_tokens / max(octavo_tokens, 1)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -216,6 +271,10 @@ def run_throughput(args: argparse.Namespace) -> int:
             import torch
 
             torch.cuda.empty_cache()
+        estimate = estimate_hf_seconds(workload, args.hf_batch_size, elapsed)
+        print(f"HF transformers: loading the model, then generating; expect roughly "
+              f"{_duration(estimate)} (Octavo took {_duration(elapsed)}; HF pads every batch "
+              "to its longest prompt and output)", file=sys.stderr, flush=True)
         hf = run_hf_generate(model_config, workload, args.hf_batch_size, hf_device)
         result["hf_output_tokens_per_s"] = round(hf.output_tokens_per_s, 2)
         result["hf_elapsed_s"] = round(hf.elapsed_s, 3)
@@ -240,8 +299,12 @@ def run_latency(args: argparse.Namespace) -> int:
                              (args.output_len, args.output_len), vocab, 0)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(prompts), desc="latency (warm-up first)", unit="req", dynamic_ncols=True)
     for prompt in prompts[: args.num_iters_warmup]:
         llm.generate(prompt, params, use_tqdm=False)
+        bar.update(1)
     latencies = []
     ttfts = []
     for prompt in prompts[args.num_iters_warmup :]:
@@ -249,6 +312,8 @@ def run_latency(args: argparse.Namespace) -> int:
         out = llm.generate(prompt, params, use_tqdm=False)[0]
         latencies.append(time.perf_counter() - start)
         ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+        bar.update(1)
+    bar.close()
     mean = sum(latencies) / len(latencies)
     ttft = sum(ttfts) / len(ttfts)
     per_token_ms = (mean - ttft) / max(args.output_len - 1, 1) * 1000
@@ -267,6 +332,10 @@ def run_latency(args: argparse.Namespace) -> int:
           f"{per_token_ms:.2f} ms per output token")
     print(json.dumps(result))
     return 0
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _device_type(backend_name: str) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from octavo import envs
+from octavo.cli.options import add_engine_options
 from octavo.engine.arg_utils import EngineArgs
 
 
@@ -25,7 +27,8 @@ def add_parser(sub) -> None:
                        help="model name(s) clients use in 'model' (default: the model path); "
                        "responses carry the first")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' (except on /health and /metrics)")
+                       help="require 'Authorization: Bearer KEY' (except on /health and /metrics); "
+                       "default: $OCTAVO_API_KEY, which unlike a flag does not show in `ps`")
     group.add_argument("--chat-template", default=None,
                        help="chat template file or jinja text (default: the tokenizer's)")
     group.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
@@ -37,12 +40,15 @@ def add_parser(sub) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds requests in flight may take to finish on SIGTERM/SIGINT")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    EngineArgs.add_cli_args(parser)
+    group.add_argument("--vllm-metric-names", action="store_true",
+                       help="also export every /metrics series under its vLLM name (vllm:...), "
+                       "so dashboards built for vLLM work unchanged")
+    add_engine_options(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.entrypoints.openai.api_server import ServerArgs, run_server
+    from octavo.entrypoints.openai.api_server import ServerArgs, bind_socket, run_server
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -53,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    # The port first: a busy one is reported now, not after the model has loaded.
+    sock = bind_socket(args.host, args.port)
     engine_args = EngineArgs.from_cli_args(args)
     # Fail here, with one clear line, on a missing model or backend or a bad option or template
     # (cheap: reads config.json; the weights load in the engine-core process).
@@ -66,12 +74,13 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_names=args.served_model_name or [],
-        api_key=args.api_key,
+        api_key=args.api_key if args.api_key is not None else envs.api_key(),
         chat_template=args.chat_template,
         allowed_origins=args.allowed_origins or [],
         max_request_body_bytes=args.max_request_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
         access_log=args.access_log,
+        vllm_metric_names=args.vllm_metric_names,
     )
-    return run_server(server_args)
+    return run_server(server_args, sock)

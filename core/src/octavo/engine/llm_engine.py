@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from octavo.config import EngineConfig
 from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
-from octavo.engine.processor import KVCacheCapacity, Processor, PromptType
+from octavo.engine.processor import KVCacheCapacity, ProcessedPrompt, Processor, PromptType
 from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
 from octavo.engine_core.core import EngineCore
 from octavo.messages import SchedulerStats
@@ -26,23 +27,35 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.model_config.seed)
+        start = time.perf_counter()
         self.tokenizer = load_tokenizer(config.model_config)
         self.processor = Processor(
             config.model_config, self.tokenizer, eos_token_ids(config.model_config, self.tokenizer),
             backend=config.backend, capabilities=config.backend_capabilities,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        core_start = time.perf_counter()
         self.engine_core = EngineCore(config)
         self.processor.kv_cache = KVCacheCapacity(
             self.engine_core.num_blocks, config.cache_config.block_size
         )
+        # Seconds each start-up phase took (the from_engine_args log line sums them up).
+        self.startup_seconds = {"tokenizer": core_start - start,
+                                "weights + KV cache": time.perf_counter() - core_start}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         from octavo.logger import configure_logging
 
         configure_logging()
-        return cls(args.create_engine_config())
+        start = time.perf_counter()
+        config = args.create_engine_config()
+        config_seconds = time.perf_counter() - start
+        engine = cls(config)
+        phases = {"config": config_seconds, **engine.startup_seconds}
+        logger.info("engine ready in %.1f s (%s)", time.perf_counter() - start,
+                    ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
+        return engine
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -54,8 +67,10 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-    ) -> None:
-        """Validate and queue a request, all or nothing.
+    ) -> ProcessedPrompt:
+        """Validate and queue a request, all or nothing; return it as the engine core got it
+        (each completion's resolved ``sampling_params``: ``max_tokens`` clipped to the room
+        left in ``max_model_len``, ...).
 
         Raises ``octavo.errors.InvalidRequestError`` (a ``ValueError``) for bad input, with
         nothing queued.
@@ -69,6 +84,7 @@ class LLMEngine:
         for core_request in processed.core_requests:
             self.engine_core.add_request(core_request)
         self.output_processor.add_request(request_id, processed, output_kind)
+        return processed
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort requests (by the ids given to add_request); their blocks are freed at once."""

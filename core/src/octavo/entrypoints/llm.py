@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -15,6 +16,24 @@ from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 
 ChatMessage = dict[str, Any]
+
+logger = logging.getLogger(__name__)
+
+
+def interrupted_outputs(interrupt: BaseException) -> list[RequestOutput] | None:
+    """What a ``generate``/``chat`` call had produced when Ctrl-C (a ``KeyboardInterrupt``)
+    stopped it, or ``None`` when ``interrupt`` did not come out of one.
+
+    One entry per prompt, in the prompts' order: a finished prompt's output as ``generate``
+    would return it; for the others, what they had generated, with ``finish_reason="abort"``
+    (their requests are aborted; the engine stays usable). The interrupt itself is re-raised
+    unchanged, so code that does not care sees the usual ``KeyboardInterrupt``.
+    """
+    return getattr(interrupt, _OUTPUTS_ATTR, None)
+
+
+# Attribute of the re-raised KeyboardInterrupt that carries the outputs so far.
+_OUTPUTS_ATTR = "octavo_outputs"
 
 
 class LLM:
@@ -52,18 +71,37 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         request_ids = []
+        # (asked, given) max_tokens of the prompts whose max_tokens was cut to fit.
+        clipped: list[tuple[int, int]] = []
         try:
             for prompt, params in zip(prompt_list, params_list):
                 request_id = str(next(self._counter))
                 # Only finished requests are returned: no per-step snapshots to build.
-                self.llm_engine.add_request(
+                processed = self.llm_engine.add_request(
                     request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY
                 )
                 request_ids.append(request_id)
-        except Exception:
+                given = processed.core_requests[0].sampling_params.max_tokens
+                if params.max_tokens is not None and given < params.max_tokens:
+                    clipped.append((params.max_tokens, given))
+        except BaseException:
             self.llm_engine.abort_request(request_ids)
             raise
+        if clipped:
+            self._warn_clipped(clipped, len(prompt_list))
         return self._run_engine(request_ids, use_tqdm)
+
+    def _warn_clipped(self, clipped: list[tuple[int, int]], num_prompts: int) -> None:
+        """One warning per call: max_tokens was lowered so prompt + completion fit
+        ``max_model_len`` (the server refuses such requests instead)."""
+        max_model_len = self.llm_engine.config.model_config.max_model_len
+        asked = max(a for a, _ in clipped)
+        lowest = min(g for _, g in clipped)
+        logger.warning(
+            "max_tokens lowered to fit max_model_len=%d for %d of %d prompt(s) (asked %d, "
+            "lowered to as little as %d); pass a larger max_model_len or a smaller max_tokens "
+            "to silence this", max_model_len, len(clipped), num_prompts, asked, lowest,
+        )
 
     def chat(
         self,
@@ -101,6 +139,12 @@ class LLM:
                         elapsed = bar.format_dict.get("elapsed") or 0.0
                         if elapsed > 0:
                             bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
+        except KeyboardInterrupt as interrupt:
+            # Ctrl-C: keep what is done for the caller (see interrupted_outputs).
+            aborted = self.llm_engine.abort_request([r for r in request_ids if r not in finished])
+            finished.update((output.request_id, output) for output in aborted)
+            setattr(interrupt, _OUTPUTS_ATTR, [finished[r] for r in request_ids])
+            raise
         except BaseException:
             self.llm_engine.abort_request([r for r in request_ids if r not in finished])
             raise

@@ -4,7 +4,7 @@ VENDOR: replace ``device_memory`` and ``peak_bytes_during`` with your runtime's 
 backend uses ``torch.cuda.mem_get_info``, ``reset_peak_memory_stats`` and
 ``max_memory_allocated``). The template's "device" is the host, which has no peak-memory
 counter, so it counts no activation peak and gives the KV cache ``cpu_kv_cache_fraction`` of
-the available memory.
+the available memory (:data:`DEFAULT_FRACTION` when not set).
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import psutil
 from octavo.config import CacheConfig
 
 logger = logging.getLogger(__name__)
+
+# Share of the template device's free memory for the KV cache when cpu_kv_cache_fraction is unset.
+DEFAULT_FRACTION = 0.25
 
 
 def device_memory(device) -> tuple[int, int]:
@@ -40,7 +43,8 @@ def available_kv_cache_memory(worker, cache_config: CacheConfig) -> int:
         return cache_config.kv_cache_memory_bytes
     peak = peak_bytes_during(worker)
     free, total = device_memory(worker.device)
-    budget = int(free * cache_config.cpu_kv_cache_fraction) - peak
+    fraction = cache_config.cpu_kv_cache_fraction or DEFAULT_FRACTION
+    budget = int(free * fraction) - peak
     useful = worker.max_useful_kv_cache_bytes()
     logger.debug("template device: %.2f of %.2f GiB free, peak %.2f GiB, KV budget %.2f GiB",
                  free / 2**30, total / 2**30, peak / 2**30, budget / 2**30)

@@ -13,8 +13,10 @@ rules of ``octavo serve``:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,11 +25,14 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.async_llm import AsyncLLM
+from octavo.engine.core_client import EngineShuttingDownError
 from octavo.engine.processor import check_text
 from octavo.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from octavo.entrypoints.openai.metrics import PrometheusStatLogger
@@ -86,6 +91,8 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     # Log one line per HTTP request (uvicorn's access log).
     access_log: bool = False
+    # Also export every metric as vllm:<name>, for dashboards built for vLLM.
+    vllm_metric_names: bool = False
 
 
 def build_app(args: ServerArgs) -> FastAPI:
@@ -106,9 +113,12 @@ def build_app(args: ServerArgs) -> FastAPI:
         description="OpenAI-compatible API of the Octavo inference engine.",
         lifespan=lifespan,
         responses={400: {"model": ErrorResponse}},
+        docs_url=None,  # served by _add_docs, from local files
+        redoc_url=None,
     )
     install_error_handlers(app)
     _add_routes(app)
+    _add_docs(app)
     # Added last = outermost: CORS, then the API key, then the body limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
     if args.api_key:
@@ -128,7 +138,7 @@ def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs) -> None:
     state.served_model_names = names
     state.completion = OpenAIServingCompletion(engine, names, **common)
     state.chat = OpenAIServingChat(engine, names, chat_template=args.chat_template, **common)
-    state.metrics = PrometheusStatLogger(names[0])
+    state.metrics = PrometheusStatLogger(names[0], vllm_names=args.vllm_metric_names)
     engine.stat_loggers.append(state.metrics)
     on_dead = getattr(state, "on_engine_dead", None)
     if on_dead is not None:
@@ -211,17 +221,99 @@ def _add_routes(app: FastAPI) -> None:
         return DetokenizeResponse(prompt=chat.tokenizer.decode(token_ids))
 
 
+def _add_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI from the files of the ``swagger-ui-bundle`` package, so it works
+    with no internet (FastAPI's default page loads it from a CDN)."""
+    from swagger_ui_bundle import swagger_ui_path
+
+    assets = "/docs/assets"
+    app.mount(assets, StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} API",
+            swagger_js_url=f"{assets}/swagger-ui-bundle.js",
+            swagger_css_url=f"{assets}/swagger-ui.css",
+            swagger_favicon_url=f"{assets}/favicon-32x32.png",
+        )
+
+
 # ---- running -----------------------------------------------------------------------------------
 
 
+class PortInUseError(RuntimeError):
+    """The server's address cannot be bound (port taken, or not an address of this machine)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, bound before anything slow happens, so a busy
+    port is reported at once and not after the model has loaded.
+
+    :raises PortInUseError: with what to change.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise PortInUseError(f"cannot listen on {host}:{port}: {exc}; check --host") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"port {port} on {host} is already in use: pick another with --port (0 picks "
+                "any free one), or stop what holds it") from None
+        raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host "
+                             "and --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+# After the shutdown grace period the requests still running get their 503s; uvicorn waits
+# this much longer for those responses to go out before it cancels what is left.
+_ERROR_DELIVERY_S = 5.0
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, plus the URL in the log once listening and a way to exit non-zero."""
+    """uvicorn's server, plus the URL in the log once listening, a way to exit non-zero, and
+    the shutdown grace period: on SIGTERM/SIGINT requests in flight may finish for
+    ``grace_period_s``, then every one still running is cut with an OpenAI error object (503,
+    ``server_shutting_down``) rather than left to uvicorn's plain-text 500."""
 
     exit_code = 0
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_period_s: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self.grace_period_s = grace_period_s
 
     def request_exit(self, exit_code: int) -> None:
         self.exit_code = exit_code
         self.should_exit = True
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.grace_period_s, self._cut_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _cut_requests(self) -> None:
+        engine: AsyncLLM | None = getattr(self._app.state, "engine", None)
+        if engine is None:
+            return
+        count = engine.abort_all(EngineShuttingDownError(
+            f"requests still running after the {self.grace_period_s:.0f} s shutdown timeout "
+            "were cut"))
+        if count:
+            logger.warning("shutdown timeout: %d request(s) still running were cut (503)", count)
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
@@ -233,15 +325,20 @@ class _Server(uvicorn.Server):
                     shown, port, shown, port)
 
 
-def run_server(args: ServerArgs) -> int:
-    """Serve until SIGTERM/SIGINT (returns 0) or the engine dies / fails to start (returns 1)."""
+def run_server(args: ServerArgs, sock: socket.socket | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (returns 0) or the engine dies / fails to start (returns 1).
+
+    :param sock: the listening socket (``bind_socket``); bound here when not given.
+    """
+    if sock is None:
+        sock = bind_socket(args.host, args.port)
     app = build_app(args)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, lifespan="on", access_log=args.access_log,
-        timeout_graceful_shutdown=max(int(args.shutdown_timeout), 1), log_level="info",
-        timeout_keep_alive=5,
+        timeout_graceful_shutdown=int(args.shutdown_timeout + _ERROR_DELIVERY_S) + 1,
+        log_level="info", timeout_keep_alive=5,
     )
-    server = _Server(config)
+    server = _Server(config, app, grace_period_s=args.shutdown_timeout)
 
     def on_engine_dead(reason: str) -> None:
         logger.error("shutting down in %.0f s: %s", DEAD_ENGINE_EXIT_DELAY_S, reason)
@@ -252,8 +349,9 @@ def run_server(args: ServerArgs) -> int:
     # handlers in place that re-raise is a no-op and the exit code stays ours (0).
     previous = {sig: signal.signal(sig, _ignore_reraised_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        asyncio.run(server.serve())
+        asyncio.run(server.serve(sockets=[sock]))
     finally:
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not server.started:
@@ -264,3 +362,13 @@ def run_server(args: ServerArgs) -> int:
 
 def _ignore_reraised_signal(signum: int, frame: Any) -> None:
     logger.debug("signal %d after shutdown ignored", signum)
+
+
+if __name__ == "__main__":
+    # `python -m octavo.entrypoints.openai.api_server [MODEL] [options]` is `octavo serve`: the
+    # same parser, the same exit codes.
+    import sys
+
+    from octavo.cli.main import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,11 +1,17 @@
-"""Prometheus metrics of the server (``GET /metrics``), all named under ``octavo:``.
+"""Prometheus metrics of the server (``GET /metrics``), named as vLLM names them.
 
 ``PrometheusStatLogger`` is an ``AsyncLLM`` stat logger: it is called after every engine-core
-step with the scheduler's snapshot and what the front end saw in that step. Metrics live in
-their own ``CollectorRegistry`` (never the global one), labelled with the served model name.
+step with the scheduler's snapshot and what the front end saw in that step. Every series is
+``octavo:<name>``, where ``<name>`` is vLLM's own (``prompt_tokens_total``,
+``time_to_first_token_seconds``, ...), so a vLLM dashboard needs only its prefix changed; with
+``vllm_names`` each series is exported under ``vllm:<name>`` as well, and existing Grafana
+boards work unchanged. Metrics live in their own ``CollectorRegistry`` (never the global one),
+labelled with the served model name.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,83 +24,151 @@ prometheus_client.disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+_N_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
-# (name, kind, help) of every metric, for the docs and the tests.
+# (name without prefix, kind, help) of every metric, for the docs and the tests.
 METRICS = (
-    ("octavo:num_requests_running", "gauge", "Requests in the engine's running batch."),
-    ("octavo:num_requests_waiting", "gauge", "Requests waiting to run (new or preempted)."),
-    ("octavo:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks held by requests (0 to 1)."),
-    ("octavo:prefix_cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache / prompt tokens looked up, since start."),
-    ("octavo:num_preemptions", "counter", "Requests preempted to free KV blocks (recomputed later)."),
-    ("octavo:prompt_tokens", "counter", "Prompt tokens of admitted requests."),
-    ("octavo:generation_tokens", "counter", "Generated tokens."),
-    ("octavo:request_success", "counter", "Finished completions, by finished_reason (stop, length, abort)."),
-    ("octavo:time_to_first_token_seconds", "histogram", "Seconds from arrival to the first generated token."),
-    ("octavo:inter_token_latency_seconds", "histogram", "Seconds between two tokens of one completion."),
-    ("octavo:e2e_request_latency_seconds", "histogram", "Seconds from arrival to the end of a request."),
+    ("num_requests_running", "gauge", "Requests in the engine's running batch."),
+    ("num_requests_waiting", "gauge", "Requests waiting to run (new or preempted)."),
+    ("kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks held by requests (0 to 1)."),
+    ("prefix_cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache / prompt tokens looked up, since start."),
+    ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "counter", "Requests preempted to free KV blocks (recomputed later)."),
+    ("prompt_tokens", "counter", "Prompt tokens of admitted requests."),
+    ("generation_tokens", "counter", "Generated tokens."),
+    ("request_success", "counter", "Finished completions, by finished_reason (stop, length, abort)."),
+    ("iteration_tokens_total", "histogram", "Tokens (prompt chunks and decodes) per engine step."),
+    ("time_to_first_token_seconds", "histogram", "Seconds from arrival to the first generated token."),
+    ("inter_token_latency_seconds", "histogram", "Seconds between two tokens of one completion."),
+    ("time_per_output_token_seconds", "histogram", "Per finished request: decode time / (generated tokens - 1)."),
+    ("e2e_request_latency_seconds", "histogram", "Seconds from arrival to the end of a request."),
+    ("request_queue_time_seconds", "histogram", "Seconds a request waited before it was first scheduled."),
+    ("request_prefill_time_seconds", "histogram", "Seconds from first scheduling to the first token."),
+    ("request_decode_time_seconds", "histogram", "Seconds from the first token to the end."),
+    ("request_inference_time_seconds", "histogram", "Seconds from first scheduling to the end."),
+    ("request_prompt_tokens", "histogram", "Prompt tokens per finished request."),
+    ("request_generation_tokens", "histogram", "Generated tokens per finished request (all its completions)."),
+    ("request_params_n", "histogram", "The n of each finished request."),
+    ("request_params_max_tokens", "histogram", "The max_tokens of each finished request that set one."),
 )
+
+_BUCKETS = {
+    "iteration_tokens_total": _TOKEN_BUCKETS,
+    "time_to_first_token_seconds": _LATENCY_BUCKETS,
+    "inter_token_latency_seconds": _LATENCY_BUCKETS,
+    "time_per_output_token_seconds": _LATENCY_BUCKETS,
+    "request_prompt_tokens": _TOKEN_BUCKETS,
+    "request_generation_tokens": _TOKEN_BUCKETS,
+    "request_params_n": _N_BUCKETS,
+    "request_params_max_tokens": _TOKEN_BUCKETS,
+}
+
+
+class _Series:
+    """One metric under every prefix it is exported with (``octavo:``, maybe ``vllm:``)."""
+
+    def __init__(self, metrics: list) -> None:
+        self._metrics = metrics
+
+    def set(self, value: float) -> None:
+        for metric in self._metrics:
+            metric.set(value)
+
+    def inc(self, value: float = 1) -> None:
+        for metric in self._metrics:
+            metric.inc(value)
+
+    def observe(self, value: float) -> None:
+        for metric in self._metrics:
+            metric.observe(value)
+
+    def observe_all(self, values: Iterable[float]) -> None:
+        for value in values:
+            self.observe(value)
 
 
 class PrometheusStatLogger:
-    """Turns engine snapshots into Prometheus metrics."""
+    """Turns engine snapshots into Prometheus metrics.
 
-    def __init__(self, model_name: str) -> None:
+    :param vllm_names: also export every series as ``vllm:<name>``.
+    """
+
+    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        doc = {name: text for name, _, text in METRICS}
-        r = self.registry
-
-        def gauge(name: str) -> Gauge:
-            return Gauge(name, doc[name], labels, registry=r).labels(model_name)
-
-        def counter(name: str) -> Counter:
-            return Counter(name, doc[name], labels, registry=r).labels(model_name)
-
-        def histogram(name: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc[name], labels, buckets=buckets, registry=r).labels(model_name)
-
-        self.num_running = gauge("octavo:num_requests_running")
-        self.num_waiting = gauge("octavo:num_requests_waiting")
-        self.kv_cache_usage = gauge("octavo:kv_cache_usage_perc")
-        self.prefix_cache_hit_rate = gauge("octavo:prefix_cache_hit_rate")
-        self.num_preemptions = counter("octavo:num_preemptions")
-        self.prompt_tokens = counter("octavo:prompt_tokens")
-        self.generation_tokens = counter("octavo:generation_tokens")
-        self._request_success = Counter(
-            "octavo:request_success", doc["octavo:request_success"], ["model_name", "finished_reason"],
-            registry=r,
-        )
+        self.prefixes = ("octavo", "vllm") if vllm_names else ("octavo",)
         self.model_name = model_name
-        for reason in ("stop", "length", "abort"):
-            self._request_success.labels(model_name, reason)  # exported as 0 from the start
-        self.time_to_first_token = histogram("octavo:time_to_first_token_seconds", _LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("octavo:inter_token_latency_seconds", _LATENCY_BUCKETS)
-        self.e2e_latency = histogram("octavo:e2e_request_latency_seconds", _E2E_BUCKETS)
+        kinds = {name: (kind, text) for name, kind, text in METRICS}
+        self._series: dict[str, _Series] = {}
+        self._request_success: list[Counter] = []
+        for name, (kind, text) in kinds.items():
+            made = []
+            for prefix in self.prefixes:
+                full = f"{prefix}:{name}"
+                if name == "request_success":
+                    counter = Counter(full, text, ["model_name", "finished_reason"],
+                                      registry=self.registry)
+                    for reason in ("stop", "length", "abort"):
+                        counter.labels(model_name, reason)  # exported as 0 from the start
+                    self._request_success.append(counter)
+                    continue
+                if kind == "gauge":
+                    metric = Gauge(full, text, ["model_name"], registry=self.registry)
+                elif kind == "counter":
+                    metric = Counter(full, text, ["model_name"], registry=self.registry)
+                else:
+                    metric = Histogram(full, text, ["model_name"], registry=self.registry,
+                                       buckets=_BUCKETS.get(name, _REQUEST_BUCKETS))
+                made.append(metric.labels(model_name))
+            self._series[name] = _Series(made)
         self._last_num_preemptions = 0
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        self.num_running.set(scheduler_stats.num_running)
-        self.num_waiting.set(scheduler_stats.num_waiting)
-        self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
-        self.prefix_cache_hit_rate.set(scheduler_stats.prefix_cache_hit_rate)
-        new_preemptions = scheduler_stats.num_preemptions - self._last_num_preemptions
-        if new_preemptions > 0:
-            self.num_preemptions.inc(new_preemptions)
-        self._last_num_preemptions = scheduler_stats.num_preemptions
-        if iteration_stats.num_prompt_tokens:
-            self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
-        if iteration_stats.num_generation_tokens:
-            self.generation_tokens.inc(iteration_stats.num_generation_tokens)
-        for value in iteration_stats.time_to_first_tokens:
-            self.time_to_first_token.observe(value)
-        for value in iteration_stats.inter_token_latencies:
-            self.inter_token_latency.observe(value)
-        for value in iteration_stats.e2e_latencies:
-            self.e2e_latency.observe(value)
-        for reason in iteration_stats.finish_reasons:
-            self._request_success.labels(self.model_name, reason).inc()
+        s, sched, it = self._series, scheduler_stats, iteration_stats
+        s["num_requests_running"].set(sched.num_running)
+        s["num_requests_waiting"].set(sched.num_waiting)
+        s["kv_cache_usage_perc"].set(sched.kv_cache_usage)
+        s["prefix_cache_hit_rate"].set(sched.prefix_cache_hit_rate)
+        self._count_since_last("num_preemptions", sched.num_preemptions, "_last_num_preemptions")
+        self._count_since_last("prefix_cache_queries", sched.prefix_cache_queries,
+                               "_last_prefix_queries")
+        self._count_since_last("prefix_cache_hits", sched.prefix_cache_hits, "_last_prefix_hits")
+        if it.num_prompt_tokens:
+            s["prompt_tokens"].inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            s["generation_tokens"].inc(it.num_generation_tokens)
+            s["iteration_tokens_total"].observe(sched.num_batched_tokens)
+        s["time_to_first_token_seconds"].observe_all(it.time_to_first_tokens)
+        s["inter_token_latency_seconds"].observe_all(it.inter_token_latencies)
+        for done in it.finished_requests:
+            s["e2e_request_latency_seconds"].observe(done.e2e_latency)
+            s["request_queue_time_seconds"].observe(done.queue_time)
+            s["request_prefill_time_seconds"].observe(done.prefill_time)
+            s["request_decode_time_seconds"].observe(done.decode_time)
+            s["request_inference_time_seconds"].observe(done.inference_time)
+            if done.time_per_output_token is not None:
+                s["time_per_output_token_seconds"].observe(done.time_per_output_token)
+            s["request_prompt_tokens"].observe(done.num_prompt_tokens)
+            s["request_generation_tokens"].observe(done.num_generation_tokens)
+            s["request_params_n"].observe(done.n)
+            if done.max_tokens is not None:
+                s["request_params_max_tokens"].observe(done.max_tokens)
+        for reason in it.finish_reasons:
+            for counter in self._request_success:
+                counter.labels(self.model_name, reason).inc()
+
+    def _count_since_last(self, name: str, total: int, last_attr: str) -> None:
+        """Counters of the engine core arrive as totals since start: add what is new."""
+        new = total - getattr(self, last_attr)
+        if new > 0:
+            self._series[name].inc(new)
+        setattr(self, last_attr, total)
 
     def expose(self) -> bytes:
         """The text exposition format of every metric."""

@@ -1,5 +1,8 @@
 """Read a llama.cpp GGUF file as a Hugging Face checkpoint: HF config, HF names, float32 weights.
 
+The file is parsed once per process (``octavo.model_executor.loader.gguf_file.read_gguf``);
+the config, the tokenizer (``octavo.engine.tokenizer``) and the weights share that parse.
+
 Every tensor is dequantized to float32 on load (no quantized compute yet). Q4_0, Q4_1 and Q8_0,
 the common types of small GGUFs, are dequantized here in vectorized torch; every other type goes
 through the reference ``gguf.quants.dequantize`` (numpy), which the torch versions match exactly.
@@ -21,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 import gguf
 import numpy as np
 import torch
+
+from octavo.model_executor.loader.gguf_file import GGUFFile, read_gguf
+from octavo.model_executor.loader.gguf_hf import gguf_hf_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -56,11 +62,9 @@ _GLOBAL_PATTERN = re.compile(r"(\w+)\.(weight|bias)")
 
 
 def load_gguf_config(path: str | Path) -> PretrainedConfig:
-    """Return the HF config that transformers derives from the GGUF metadata at ``path``."""
-    from transformers import AutoConfig
-
-    path = _check_file(path)
-    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    """Return the HF config that transformers derives from the GGUF metadata at ``path``
+    (built from this process's one parse of the file, :func:`read_gguf`)."""
+    return gguf_hf_config(read_gguf(path))
 
 
 def iterate_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,8 +80,8 @@ def iterate_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]
     :data:`SUPPORTED_ARCHITECTURES`. A tensor name with no HF equivalent raises ``ValueError``
     when reached.
     """
-    reader = gguf.GGUFReader(_check_file(path))
-    arch = _read_field(reader, "general.architecture")
+    gguf_file = read_gguf(path)
+    arch = _read_field(gguf_file, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} of {str(path)!r} is not supported; supported "
@@ -85,21 +89,21 @@ def iterate_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]
         )
     num_heads = num_kv_heads = 0
     if arch in _PERMUTED_ARCHITECTURES:
-        num_heads = int(_read_field(reader, f"{arch}.attention.head_count"))
-        num_kv_heads = int(_read_field(reader, f"{arch}.attention.head_count_kv", num_heads))
-    return _iterate(reader, num_heads, num_kv_heads)
+        num_heads = int(_read_field(gguf_file, f"{arch}.attention.head_count"))
+        num_kv_heads = int(_read_field(gguf_file, f"{arch}.attention.head_count_kv", num_heads))
+    return _iterate(gguf_file, num_heads, num_kv_heads)
 
 
 def _iterate(
-    reader: gguf.GGUFReader, num_heads: int, num_kv_heads: int
+    gguf_file: GGUFFile, num_heads: int, num_kv_heads: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
         hf_name = gguf_to_hf_name(tensor.name)
         # GGUF lists dims innermost first; HF (and numpy) outermost first.
-        shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
-        weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        shape = tuple(reversed(tensor.shape))
+        weight = dequantize(gguf_file.tensor_data(tensor), tensor.qtype).reshape(shape)
         if num_heads and ".attn_q." in tensor.name:
             weight = unpermute_qk(weight, num_heads)
         elif num_heads and ".attn_k." in tensor.name:
@@ -135,7 +139,8 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """Dequantize a GGUF tensor's raw data (as ``GGUFReader`` gives it) to float32, flat.
+    """Dequantize a GGUF tensor's stored data (``GGUFFile.tensor_data``, or ``GGUFReader``'s
+    ``tensor.data``) to float32, flat.
 
     Q4_0 / Q4_1 / Q8_0 use the torch kernels below; other types use ``gguf.quants.dequantize``.
     ``NotImplementedError`` (from gguf) for types that gguf cannot dequantize either.
@@ -189,21 +194,14 @@ _TORCH_KERNELS = {
 }
 
 
-def _check_file(path: str | Path) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist or is not a file")
-    return path
-
-
-def _read_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _read_field(gguf_file: GGUFFile, key: str, default: Any = None) -> Any:
     """Return metadata ``key``; ``default`` when absent, or ``ValueError`` if that is ``None``."""
-    field = reader.get_field(key)
-    if field is None:
+    value = gguf_file.metadata.get(key)
+    if value is None:
         if default is None:
             raise ValueError(
                 f"GGUF metadata key {key!r} is missing; the file is incomplete or was not made "
                 "by llama.cpp's converter"
             )
         return default
-    return field.contents()
+    return value
