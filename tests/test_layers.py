@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"messages"},
     {"backends", "hookspecs", "plugins"},
     {"config"},
-    {"attention", "kernels", "sample", "kv_cache"},
+    {"attention", "kernels", "sample", "kv_cache", "distributed"},
     {"model_executor"},
     {"worker", "scheduler"},
     {"executor"},

@@ -50,6 +50,7 @@ def test_json_has_every_capability_of_every_backend(with_restricted, capsys):
         "device_type": "cpu", "dist_backend": "gloo",
         "description": "test backend with tight declared limits",
         "available": True, "reason": restricted_backend.REASON, "default": False,
+        "ranks_here": None,  # the host: a process per rank
         "capabilities": {
             "dtypes": ["float32"], "head_dims": [16, 64], "block_sizes": [16],
             "cuda_graphs": False, "async_scheduling": False, "max_num_seqs": 8, "max_model_len": 128,
@@ -80,11 +81,13 @@ def test_text_lists_each_backend_with_its_capabilities(with_restricted, capsys):
     block = out.split("\nrestricted ", 1)[1].split("\n\n", 1)[0].splitlines()
     assert block[0].split() == ["available", *restricted_backend.REASON.split()]
     details = [line.strip() for line in block[1:]]
-    assert details[:2] == [
+    assert details[:3] == [
         "test backend with tight declared limits",
         "package octavo-test-restricted, priority -10, device type cpu, process group gloo",
+        "split models here (mp executor): one process per rank; more hosts with "
+        "--distributed-executor-backend ray",
     ]
-    assert details[2:] == [
+    assert details[3:] == [
         "dtypes             float32", "head dims          16, 64", "block sizes        16",
         "CUDA graphs        no", "async scheduling   no",
         "max num seqs       8", "max model len      128",

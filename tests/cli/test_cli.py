@@ -82,6 +82,10 @@ def test_bench_throughput_against_hf(tiny_llama):
     assert result["speedup_vs_hf"] == pytest.approx(
         result["output_tokens_per_s"] / result["hf_output_tokens_per_s"], rel=0.01)
     assert "octavo / HF" in done.stdout
+    # Said up front, and progress shown in each long phase (HF's decoding steps included).
+    assert "workload: 4 requests" in done.stderr and "then the same on HF" in done.stderr
+    assert "HF transformers: loading the model, then generating; expect roughly" in done.stderr
+    assert "Processed prompts" in done.stderr and "HF generate (1 batch(es))" in done.stderr
 
 
 def test_bench_throughput_async_engine_matches_the_workload(tiny_llama):

@@ -26,6 +26,7 @@ def run(tokenizer, kind: RequestOutputKind, params: SamplingParams):
         vocab_size = 384
         max_model_len = 512
         max_logprobs = 20
+        max_n = 128
 
     processor = Processor(_Config(), tokenizer, {2})
     processed = processor.process("r", "Hello", params)

@@ -13,6 +13,7 @@ from octavo.worker.gpu_memory import MemoryProfile, available_kv_cache_memory, k
 from octavo.worker.gpu_worker import GPUWorker
 
 GIB = 2**30
+ONE_RANK = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
 
 
 def test_kv_cache_budget_arithmetic():
@@ -80,7 +81,9 @@ def test_worker_binds_the_device_by_torch_cuda_names(monkeypatch, props):
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
-    config = SimpleNamespace(backend="rocm" if hasattr(props, "gcnArchName") else "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = SimpleNamespace(backend="rocm" if hasattr(props, "gcnArchName") else "cuda",
+                             parallel_config=ONE_RANK)
     worker = GPUWorker(config=config, pm=None)
     worker.init_device()
     assert chosen == [0]
@@ -93,5 +96,14 @@ def test_no_graph_runner_when_not_declared_or_eager(cuda_graphs, enforce_eager):
         backend="cuda",
         backend_capabilities=SimpleNamespace(cuda_graphs=cuda_graphs),
         model_config=SimpleNamespace(enforce_eager=enforce_eager),
+        parallel_config=ONE_RANK,
     )
     assert GPUWorker(config=config, pm=None).make_graph_runner() is None
+
+
+def test_a_rank_beyond_the_visible_gpus_says_what_to_change(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = SimpleNamespace(backend="cuda", parallel_config=SimpleNamespace(
+        tensor_parallel_size=2, pipeline_parallel_size=1))
+    with pytest.raises(RuntimeError, match="rank 1 needs GPU 1, but this process sees 1"):
+        GPUWorker(config=config, pm=None, rank=1).init_device()

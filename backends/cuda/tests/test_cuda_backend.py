@@ -182,3 +182,30 @@ def test_batch_of_one_equals_batch(model_dir, reference):
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512)
     one_by_one = [_token_ids(llm.generate(p, _greedy(32), use_tqdm=False))[0] for p in prompts[:4]]
     assert one_by_one == expected[:4]
+
+
+@pytest.mark.parametrize("options", [{}, {"num_gpu_blocks_override": 24, "block_size": 8}],
+                         ids=["roomy", "preempting"])
+def test_mp_executor_equals_in_process_in_bfloat16(model_dir, options):
+    """The tensor-parallel code path at TP=1: a worker process (the mp executor) with CUDA
+    graphs and async scheduling on, in bfloat16, gives the in-process engine's tokens and
+    logprobs."""
+    prompts = [p * 3 for p in PROMPTS] * 4
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    results = {}
+    for backend in ("uni", "mp"):
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16",
+                  distributed_executor_backend=backend, **{"num_gpu_blocks_override": 512,
+                                                          **options})
+        assert llm.llm_engine.engine_core.async_scheduling
+        assert not llm.llm_engine.config.model_config.enforce_eager  # CUDA graphs on
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[backend] = [(list(o.outputs[0].token_ids),
+                             [p[t].logprob for t, p in zip(o.outputs[0].token_ids,
+                                                            o.outputs[0].logprobs)])
+                            for o in outs]
+        assert _free_all(llm)
+        llm.llm_engine.shutdown()
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(results["mp"], results["uni"]):
+        assert ids == ref_ids
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-3)

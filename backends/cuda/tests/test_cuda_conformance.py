@@ -32,5 +32,7 @@ def test_cuda_backend_passes_the_conformance_suite():
     report = run_conformance("cuda", timeout_s=840)  # below the 900 s pytest-timeout
     assert report.ok, report.summary()
     assert not report.with_outcome("skipped"), report.summary()
-    assert report.modules == SUITE_MODULES, report.summary()
+    # test_parallel needs two GPUs; with one the plan leaves it out (and the header says so).
+    expected = SUITE_MODULES if torch.cuda.device_count() >= 2 else SUITE_MODULES - {"test_parallel"}
+    assert report.modules == expected, report.summary()
     assert "engines: float32 (exact greedy ids)" in report.output, report.summary()

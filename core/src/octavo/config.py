@@ -40,10 +40,24 @@ class ModelConfig:
     enforce_eager: bool = False
     # Most top logprobs a request may ask for per token (logprobs, prompt_logprobs).
     max_logprobs: int = 20
+    # Most completions one request may ask for (n).
+    max_n: int = 128
+    # "auto": the checkpoint's weights; "dummy": random weights of the config's shape, no
+    # checkpoint read (benchmarks of shapes whose weights are not at hand).
+    load_format: str = "auto"
+    # Folder of the tokenizer to use instead of the model's own (None: the model's).
+    tokenizer: Path | None = None
+    # Let transformers run code shipped in the model/tokenizer folder (custom config/tokenizer).
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if not isinstance(self.max_n, int) or self.max_n < 1:
+            raise ValueError(f"max_n must be a positive integer, got {self.max_n!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
 
     @property
     def architectures(self) -> list[str]:
@@ -83,6 +97,10 @@ class ModelConfig:
         return str(self.dtype).removeprefix("torch.")
 
 
+# Where the weights come from (see ModelConfig.load_format).
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """Paged KV cache: block size, prefix caching and how much memory it may take."""
@@ -93,8 +111,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Exact KV-cache size in bytes (wins over the fractions below).
     kv_cache_memory_bytes: int | None = None
-    # Fraction of available host memory the CPU backend gives the KV cache.
-    cpu_kv_cache_fraction: float = 0.25
+    # KV-cache size in GiB on the CPU backend (None: $OCTAVO_CPU_KVCACHE_SPACE, else 4 GiB,
+    # or half the host memory available if that is less; see octavo_cpu.memory).
+    cpu_kv_cache_space: float | None = None
+    # When set, the CPU backend gives the KV cache this share of the host memory available
+    # after loading instead of a fixed size (so its size varies from run to run).
+    cpu_kv_cache_fraction: float | None = None
     # Fraction of GPU memory the whole engine may use (GPU backends).
     gpu_memory_utilization: float = 0.9
     # Exact number of KV blocks (tests use it to force preemption); wins over memory sizing.
@@ -107,7 +129,11 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}"
             )
-        if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
+        if self.cpu_kv_cache_space is not None and not self.cpu_kv_cache_space > 0:
+            raise ValueError(
+                f"cpu_kv_cache_space must be > 0 (GiB), got {self.cpu_kv_cache_space!r}"
+            )
+        if self.cpu_kv_cache_fraction is not None and not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
             raise ValueError(
                 f"cpu_kv_cache_fraction must be in (0, 1], got {self.cpu_kv_cache_fraction!r}"
             )
@@ -147,16 +173,43 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    """How the model is split over devices."""
+    """How the model is split over devices, and what runs the ranks."""
 
-    # Number of devices a layer is split across (only 1 is implemented so far).
+    # Devices each layer is split across (tensor parallelism).
     tensor_parallel_size: int = 1
+    # Stages the layers are split into (pipeline parallelism).
+    pipeline_parallel_size: int = 1
+    # What runs the ranks: "uni" (one rank, in the engine core's process), "mp" (one worker
+    # process per rank, this host), "ray" (one Ray actor per rank, on a Ray cluster). None:
+    # "uni" for one rank, else "mp".
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        elif backend not in EXECUTOR_BACKENDS:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1"
-            )
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {backend!r}")
+        elif backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"the uni executor runs one rank, but tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size}: use --distributed-executor-backend "
+                "mp (this host) or ray")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (devices) the model runs on."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+# The executors that can run a model's ranks (see ParallelConfig.distributed_executor_backend).
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(slots=True)
@@ -171,5 +224,7 @@ class EngineConfig:
     backend: str = "cpu"
     # What the selected backend supports; requests are checked against it at admission.
     backend_capabilities: BackendCapabilities = field(default_factory=BackendCapabilities)
+    # The backend's torch.distributed process-group backend (Backend.dist_backend).
+    dist_backend: str = "gloo"
     # Extra fields kept for logs/benchmarks.
     extra: dict[str, Any] = field(default_factory=dict)

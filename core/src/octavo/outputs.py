@@ -51,6 +51,8 @@ class RequestMetrics:
 
     # When the request arrived.
     arrival_time: float
+    # When the scheduler first scheduled it (the end of its time in the queue).
+    first_scheduled_time: float | None = None
     # When its first token was produced.
     first_token_time: float | None = None
     # When it finished.

@@ -70,7 +70,8 @@ def pid_alive(pid: int) -> bool:
 class ServerProcess:
     """One ``octavo serve`` subprocess."""
 
-    def __init__(self, model: Path, *extra_args: str, api_key: str | None = API_KEY) -> None:
+    def __init__(self, model: Path, *extra_args: str, api_key: str | None = API_KEY,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -83,7 +84,8 @@ class ServerProcess:
         ]
         if api_key is not None:
             args += ["--api-key", api_key]
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self.descendant_pids: list[int] = []
         try:
             self.wait_healthy()

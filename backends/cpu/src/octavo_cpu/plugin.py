@@ -28,13 +28,13 @@ plugin = BackendPlugin(
         dist_backend="gloo",
         capabilities=BackendCapabilities(
             dtypes=("float32", "bfloat16", "float16"),
-            head_dims=None,  # torch attention: any head size
+            head_dims=None,  # any: C++ kernels for multiples of 16, torch for the others
             block_sizes=None,  # any block size
             cuda_graphs=False,
             # No limit of its own on max_num_seqs / max_model_len (host memory decides);
             # logprobs come from the core's sampler, so every count and prompt logprobs.
         ),
-        description="torch paged attention on the host CPU",
+        description="paged attention on the host CPU (C++ AVX2/AVX-512 kernels, torch fallback)",
     ),
     attention="octavo_cpu.attention:make_attention_backend",
     worker="octavo_cpu.worker:CPUWorker",

@@ -6,7 +6,6 @@ import logging
 import os
 
 import torch
-
 from octavo.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -17,5 +16,6 @@ class CPUWorker(Worker):
         self.device = torch.device("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if "OMP_NUM_THREADS" not in os.environ and cores:
-            torch.set_num_threads(cores)
+            # The ranks of a split model share the host's cores instead of each taking all.
+            torch.set_num_threads(max(1, cores // self.ranks.world_size))
         logger.debug("CPU worker: %d torch threads", torch.get_num_threads())

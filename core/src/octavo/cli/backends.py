@@ -78,8 +78,20 @@ def backend_row(backend: Backend) -> dict[str, Any]:
         "available": answer.available,
         "reason": answer.reason,
         "default": False,
+        "ranks_here": ranks_here(backend) if answer.available else 0,
         "capabilities": capabilities_dict(backend.capabilities),
     }
+
+
+def ranks_here(backend: Backend) -> int | None:
+    """How many ranks of a split model this host can run for ``backend`` (tensor x pipeline
+    parallel size with the mp executor): its GPUs on "cuda", ``None`` (processes, no fixed
+    limit) on the host."""
+    if backend.device_type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return None if backend.device_type == "cpu" else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,6 +133,11 @@ def _print_backend(backend: Backend, row: dict[str, Any]) -> None:
         print(f"{indent}{row['description']}")
     print(f"{indent}package {row['package']}, priority {row['priority']}, device type "
           f"{row['device_type']}, process group {row['dist_backend']}")
+    if row["available"]:
+        ranks = row["ranks_here"]
+        limit = "one process per rank" if ranks is None else f"up to {ranks} ranks"
+        print(f"{indent}split models here (mp executor): {limit}; more hosts with --distributed-"
+              "executor-backend ray")
     for line in capability_lines(backend.capabilities):
         print(f"{indent}{line}")
     print()

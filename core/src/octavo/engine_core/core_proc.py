@@ -161,7 +161,15 @@ class EngineCoreProc:
                 frame = self.input_socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return rejected
-            self._handle(self.decoder.decode(frame), rejected)
+            try:
+                message = self.decoder.decode(frame)
+            except msgspec.DecodeError as exc:
+                # Only another process writing to the socket can send one (the front end
+                # encodes typed structs): drop it, never fail the loop or other requests.
+                logger.error("dropped a malformed frame (%d bytes) on the input socket: %s",
+                             len(frame), exc)
+                continue
+            self._handle(message, rejected)
 
     def _handle(self, message: EngineCoreInput, rejected: dict[str, str]) -> None:
         core = self.engine_core

@@ -53,3 +53,20 @@ class Executor(Protocol):
     def shutdown(self) -> None:
         """Release every worker and its device; idempotent."""
         ...
+
+
+class StepWaiter(Protocol):
+    """An executor whose steps run in other processes and come back by number."""
+
+    def wait_step(self, step_id: int) -> ModelRunnerOutput: ...
+
+
+class LaunchedStep:
+    """A step launched on workers in other processes; ``result()`` waits for its answer."""
+
+    def __init__(self, executor: StepWaiter, step_id: int) -> None:
+        self._executor = executor
+        self.step_id = step_id
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor.wait_step(self.step_id)

@@ -23,6 +23,7 @@ class UniprocExecutor:
         self.config = config
         self.worker: Worker = create_worker(config, get_plugin_manager())
         self.worker.init_device()
+        self.worker.init_distributed()
         self.worker.load_model()
 
     def initialize_kv_cache(self) -> int:

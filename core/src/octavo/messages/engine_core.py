@@ -44,6 +44,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     new_prompt_logprobs: LogprobsLists | None = None
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
+    # time.time() when the scheduler first scheduled the request (for queue/prefill times).
+    first_scheduled_time: float | None = None
 
 
 # ---- the engine-core process protocol ---------------------------------------------------------
@@ -99,6 +101,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_hits: int
     # Preemptions since start.
     num_preemptions: int
+    # Tokens (prompt chunks and decodes) of the most recently scheduled step.
+    num_batched_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -78,6 +78,11 @@ class Request:
         self.num_output_placeholders = 0
         # Prompt tokens found in the prefix cache at first scheduling.
         self.num_cached_tokens = -1
+        # time.time() when the scheduler first scheduled it (None while it has only waited).
+        self.first_scheduled_time: float | None = None
+        # Tokens the workers know (under pipeline parallelism they learn new ones from the
+        # scheduler; see CachedRequestData.new_token_ids).
+        self.num_tokens_sent_to_workers = 0
         self.num_preemptions = 0
         # Prompt positions whose logprobs were sent to the front end (kept across preemption,
         # so recomputed positions are not sent twice).

@@ -41,6 +41,10 @@ class CachedRequestData:
     new_block_ids: list[int]
     # Tokens in the cache before this step.
     num_computed_tokens: int
+    # Tokens generated since the request was last scheduled. Only under pipeline parallelism,
+    # where no stage but the last sees the sampled tokens; otherwise every rank keeps the
+    # tokens it sampled itself and this stays empty.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

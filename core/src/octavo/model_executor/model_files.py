@@ -93,15 +93,32 @@ def resolve_model_path(model: str | Path | None) -> tuple[str, Path, Path | None
     )
 
 
-def load_hf_config(model_dir: Path, gguf_file: Path | None) -> Any:
-    """The model's ``transformers`` config, from config.json or from the GGUF metadata."""
+def load_hf_config(model_dir: Path, gguf_file: Path | None, trust_remote_code: bool = False) -> Any:
+    """The model's ``transformers`` config, from config.json or from the GGUF metadata.
+
+    ``trust_remote_code`` lets transformers run a custom config class shipped in the folder.
+    """
     if gguf_file is not None:
         from octavo.model_executor.loader.gguf_loader import load_gguf_config
 
         return load_gguf_config(gguf_file)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir)
+    return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+def resolve_tokenizer_path(tokenizer: str | Path | None) -> Path | None:
+    """The folder of a ``tokenizer`` option (``None``: the model's own tokenizer)."""
+    if tokenizer is None:
+        return None
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"Tokenizer folder {str(tokenizer)!r} does not exist or is not a folder. Octavo "
+            "loads local tokenizer folders (tokenizer.json / tokenizer_config.json ...); it does "
+            "not download from a hub."
+        )
+    return path
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -21,6 +21,7 @@ are resolved before every ``schedule`` and nothing changes.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from octavo.config import CacheConfig, SchedulerConfig
@@ -49,8 +50,13 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.config = scheduler_config
+        # Pipeline parallelism: up to one step per stage in flight, each of other requests (a
+        # request's next step needs its last token, which only the last stage sees), and the
+        # workers get the tokens from here (CachedRequestData.new_token_ids).
+        self.pipeline_parallel = pipeline_parallel_size > 1
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -66,6 +72,8 @@ class Scheduler:
         # Ids whose worker state must be dropped at the next step.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Tokens of the most recently scheduled step.
+        self.num_batched_tokens = 0
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -107,6 +115,7 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
+            num_batched_tokens=self.num_batched_tokens,
         )
 
     # ---- one step ----------------------------------------------------------------------
@@ -123,6 +132,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if out.is_empty:
             self.kv_cache_manager.cancel_empty_step()
+        else:
+            self.num_batched_tokens = out.total_num_scheduled_tokens
         return out
 
     @staticmethod
@@ -138,10 +149,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_output_placeholders and request.reached_length_limit(
-                self.max_model_len
+            if request.num_output_placeholders and (
+                self.pipeline_parallel or request.reached_length_limit(self.max_model_len)
             ):
-                index += 1  # its last token is being sampled: nothing more to run
+                # Its token is being sampled: under pipeline parallelism its next step waits
+                # for it; otherwise the token was its last allowed one.
+                index += 1
                 continue
             num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
@@ -155,15 +168,24 @@ class Scheduler:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
-            out.scheduled_cached_reqs.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                request.request_id, new_block_ids, request.num_computed_tokens,
+                self._tokens_new_to_workers(request),
+            ))
             out.num_scheduled_tokens[request.request_id] = num_new
             out.total_num_scheduled_tokens += num_new
             self._advance(request, num_new)
             budget -= num_new
             index += 1
         return preempted_any
+
+    def _tokens_new_to_workers(self, request: Request) -> list[int]:
+        """Under pipeline parallelism, the tokens the workers have not been sent yet."""
+        if not self.pipeline_parallel:
+            return []
+        new = request.all_token_ids[request.num_tokens_sent_to_workers:]
+        request.num_tokens_sent_to_workers = request.num_tokens
+        return new
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         manager = self.kv_cache_manager
@@ -184,8 +206,10 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            request.num_tokens_sent_to_workers = request.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
             out.scheduled_new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -277,6 +301,7 @@ class Scheduler:
                     new_logprobs=runner_output.logprobs.get(req_id),
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    first_scheduled_time=request.first_scheduled_time,
                 )
             )
             if finished:

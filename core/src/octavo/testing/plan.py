@@ -55,6 +55,9 @@ class ConformancePlan:
     prompt_logprobs: bool
     # Top logprobs asked per generated token.
     num_logprobs: int
+    # Tensor-parallel sizes the engines are checked at (two ranks where the backend can run
+    # them here: always on the host, with two visible GPUs on "cuda"; empty otherwise).
+    tensor_parallel_sizes: tuple[int, ...] = ()
 
     @property
     def exact(self) -> bool:
@@ -108,4 +111,16 @@ def plan_for(backend: Backend) -> ConformancePlan:
         max_model_len=min(MAX_MODEL_LEN, max_model_len or MAX_MODEL_LEN),
         prompt_logprobs=bool(getattr(caps, "prompt_logprobs", True)),
         num_logprobs=NUM_LOGPROBS if max_logprobs is None else min(NUM_LOGPROBS, max_logprobs),
+        tensor_parallel_sizes=(2,) if _devices_here(backend.device_type) >= 2 else (),
     )
+
+
+def _devices_here(device_type: str) -> int:
+    """How many ranks of this device type can run on this machine (processes on the host)."""
+    if device_type == "cpu":
+        return 2
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return 1  # a device type the kit cannot count: checked at one rank only

@@ -38,6 +38,7 @@ _PLAN_PARAMETERS = {
     "octavo_kernel_dtype": ("kernel_dtypes", ""),
     "octavo_kernel_head_dim": ("kernel_head_dims", "d"),
     "octavo_kernel_block_size": ("kernel_block_sizes", "bs"),
+    "octavo_tensor_parallel_size": ("tensor_parallel_sizes", "tp"),
 }
 
 
@@ -68,6 +69,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         (f"  engines: {plan.model_dtype} "
          f"({'exact greedy ids' if plan.exact else 'with tolerance'}), "
          f"head dim {plan.model_head_dim}, block size {plan.block_size}"),
+        (f"  tensor parallelism: {', '.join(map(str, plan.tensor_parallel_sizes))} ranks"
+         if plan.tensor_parallel_sizes else
+         "  tensor parallelism: not checked (fewer than two devices here)"),
     ]
 
 
@@ -97,6 +101,21 @@ def conformance_plan(config: pytest.Config) -> ConformancePlan:
     return plan
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Checks the plan has no configuration for (e.g. tensor parallelism with one device) are
+    deselected, not skipped: the header says they were not run."""
+    if config.getoption("octavo_backend", None) is None:
+        return
+    plan = conformance_plan(config)
+    dropped = []
+    for name, (attribute, _) in _PLAN_PARAMETERS.items():
+        if not getattr(plan, attribute):
+            dropped += [item for item in items if name in getattr(item, "fixturenames", ())]
+    if dropped:
+        items[:] = [item for item in items if item not in dropped]
+        config.hook.pytest_deselected(items=dropped)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize the kernel tests with the dtypes, head dims and block sizes of the plan."""
     wanted = [name for name in _PLAN_PARAMETERS if name in metafunc.fixturenames]
@@ -105,7 +124,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     plan = conformance_plan(metafunc.config)
     for name in wanted:
         attribute, prefix = _PLAN_PARAMETERS[name]
-        values = getattr(plan, attribute)
+        values = getattr(plan, attribute) or [None]  # None: deselected at collection
         metafunc.parametrize(name, values, ids=[f"{prefix}{v}" for v in values])
 
 

@@ -20,10 +20,15 @@ logger = logging.getLogger(__name__)
 
 
 class GPUWorker(Worker):
-    """One GPU per worker (device index 0 of what the process sees)."""
+    """One GPU per worker: device ``local_rank`` of those the process sees."""
 
     def init_device(self) -> None:
-        index = 0
+        index = self.local_rank
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"rank {self.ranks.rank} needs GPU {index}, but this process sees "
+                f"{torch.cuda.device_count()}: lower --tensor-parallel-size x "
+                "--pipeline-parallel-size, or make more GPUs visible")
         torch.cuda.set_device(index)
         self.device = torch.device("cuda", index)
         properties = torch.cuda.get_device_properties(index)
@@ -35,6 +40,9 @@ class GPUWorker(Worker):
 
     def make_graph_runner(self) -> GraphRunner | None:
         """Decode CUDA (or HIP) graphs, captured now, unless turned off."""
+        if self.ranks.pp_size > 1:
+            logger.info("pipeline parallelism: decode steps run eagerly (no graph capture)")
+            return None
         if not self.config.backend_capabilities.cuda_graphs:
             logger.info("backend %s: decode steps run eagerly (no graph capture declared)",
                         self.config.backend)

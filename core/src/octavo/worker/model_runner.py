@@ -23,8 +23,11 @@ import torch
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import EngineConfig
+from octavo.distributed.parallel_state import ParallelState
 from octavo.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from octavo.model_executor.layers.attention import Attention
 from octavo.model_executor.model_loader import load_model
+from octavo.model_executor.models.interfaces import IntermediateTensors
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput
@@ -33,6 +36,7 @@ from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import PendingStepOutput
 from octavo.worker.block_table import BlockTable
 from octavo.worker.graph_runner import GraphRunner
+from octavo.worker.pipeline import StageIO
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +101,19 @@ class ModelRunner:
         device: torch.device,
         attn_backend: AttentionBackend,
         pm: pluggy.PluginManager,
+        parallel: ParallelState | None = None,
     ) -> None:
         self.config = config
         self.device = device
         self.attn_backend = attn_backend
         self.pm = pm
+        # This rank's place in a split model (one rank: every collective is the identity).
+        self.parallel = parallel or ParallelState.single()
+        self.stage_io: StageIO | None = None
+        # With pipeline parallelism the last stage samples, but every stage needs the tokens:
+        # they all take them from the scheduler (CachedRequestData.new_token_ids) instead of
+        # appending what they sampled.
+        self.tokens_from_scheduler = self.parallel.ranks.pp_size > 1
         self.model_config = config.model_config
         self.block_size = config.cache_config.block_size
         self.model: torch.nn.Module | None = None
@@ -122,24 +134,49 @@ class ModelRunner:
     # ---- set-up ------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        self.model = load_model(self.model_config, self.attn_backend, self.device, self.pm)
+        self.model = load_model(self.model_config, self.attn_backend, self.device, self.pm,
+                                self.parallel)
+        if self.parallel.ranks.pp_size > 1:
+            self.stage_io = StageIO(self.parallel, self.model_config.hf_config.hidden_size,
+                                    self.model_config.dtype, self.device)
+
+    def _kv_cache_layout(self) -> tuple[int, int, int]:
+        """(attention layers, KV heads, head size) of this rank: its stage's layers and its
+        share of the KV heads."""
+        assert self.model is not None, "load_model() must run first"
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        assert layers, f"{type(self.model).__name__} has no attention layer"
+        return len(layers), layers[0].num_kv_heads, layers[0].head_dim
 
     def kv_cache_bytes_per_block(self) -> int:
-        mc = self.model_config
-        shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, mc.num_kv_heads, mc.head_dim)
-        element_size = torch.empty((), dtype=mc.dtype).element_size()
-        return int(np.prod(shape)) * element_size * mc.num_layers
+        num_layers, num_kv_heads, head_dim = self._kv_cache_layout()
+        shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, num_kv_heads, head_dim)
+        element_size = torch.empty((), dtype=self.model_config.dtype).element_size()
+        return int(np.prod(shape)) * element_size * num_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        mc = self.model_config
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim
-        )
+        num_layers, num_kv_heads, head_dim = self._kv_cache_layout()
+        shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, num_kv_heads,
+                                                     head_dim)
         # Uninitialised on purpose (zeroing gigabytes costs seconds): kernels never read a
         # slot that was not written (see octavo.attention.base).
+        dtype = self.model_config.dtype
         self.kv_caches = [
-            torch.empty(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)
+            torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata) -> torch.Tensor | None:
+        """This rank's part of the forward: the hidden states on the last pipeline stage,
+        ``None`` on the others (which hand their output to the next stage)."""
+        if self.stage_io is None:
+            return self.model(input_ids, positions, self.kv_caches, metadata)
+        intermediate = self.stage_io.receive(input_ids.shape[0])
+        out = self.model(input_ids, positions, self.kv_caches, metadata, intermediate)
+        if self.stage_io.is_last:
+            return out
+        self.stage_io.send(out)
+        return None
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -161,9 +198,19 @@ class ModelRunner:
                 block_tables=np.arange(num_blocks, dtype=np.int32)[None, :],
             )
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-            rows = min(sched.max_num_seqs, num_tokens)
-            self.model.compute_logits(hidden[:rows])
+            if self.stage_io is None:
+                hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            else:  # each stage alone: zeros stand in for the previous stage's output
+                hidden_size = self.model_config.hf_config.hidden_size
+                zeros = torch.zeros(num_tokens, hidden_size, dtype=self.model_config.dtype,
+                                    device=self.device)
+                intermediate = None if self.stage_io.is_first else IntermediateTensors(
+                    zeros, zeros.clone())
+                hidden = self.model(input_ids, positions, self.kv_caches, metadata,
+                                    intermediate)
+            if self.stage_io is None or self.stage_io.is_last:
+                rows = min(sched.max_num_seqs, num_tokens)
+                self.model.compute_logits(hidden[:rows])
         finally:
             self.kv_caches = saved
 
@@ -189,8 +236,12 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        pending = self._sample(hidden, inputs)
+            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
+        if hidden is None:  # a pipeline stage before the last: nothing sampled here
+            pending = PendingStepOutput.ready(ModelRunnerOutput(
+                req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
+        else:
+            pending = self._sample(hidden, inputs)
         self._last_step = pending
         return pending
 
@@ -219,6 +270,9 @@ class ModelRunner:
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            if self.tokens_from_scheduler and cached.new_token_ids:
+                state.token_ids.extend(cached.new_token_ids)
+                state.output_token_ids.extend(cached.new_token_ids)
             if cached.new_block_ids:
                 state.block_ids.extend(cached.new_block_ids)
                 self.block_table.append(state.block_table_row, cached.new_block_ids)
@@ -383,8 +437,9 @@ class ModelRunner:
             if sampled is not None:
                 token_ids = host[0].tolist()
                 for i, state, token_id in zip(step_rows, states, token_ids):
-                    state.token_ids.append(token_id)
-                    state.output_token_ids.append(token_id)
+                    if not self.tokens_from_scheduler:
+                        state.token_ids.append(token_id)
+                        state.output_token_ids.append(token_id)
                     output.sampled_token_ids[i] = [token_id]
                 host = host[1:]
             if sampler_output is not None and sampler_output.logprobs is not None:

@@ -15,6 +15,12 @@ import torch
 
 from octavo.backends.capabilities import check_head_dim
 from octavo.config import EngineConfig
+from octavo.distributed.parallel_state import (
+    ParallelRanks,
+    ParallelState,
+    destroy_parallel_state,
+    init_parallel_state,
+)
 from octavo.messages import ModelRunnerOutput, SchedulerOutput
 from octavo.worker.async_output import PendingStepOutput
 from octavo.worker.graph_runner import GraphRunner
@@ -23,8 +29,11 @@ from octavo.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-def create_worker(config: EngineConfig, pm: pluggy.PluginManager) -> Worker:
-    """The selected backend's worker (``octavo_worker_class``), constructed, not started."""
+def create_worker(config: EngineConfig, pm: pluggy.PluginManager, rank: int = 0,
+                  distributed_init_method: str | None = None,
+                  local_rank: int | None = None) -> Worker:
+    """The selected backend's worker (``octavo_worker_class``) for ``rank``, constructed, not
+    started (see ``Worker`` for the order of the calls that start it)."""
     worker_cls = pm.hook.octavo_worker_class(
         backend=config.backend, parallel_config=config.parallel_config
     )
@@ -38,15 +47,36 @@ def create_worker(config: EngineConfig, pm: pluggy.PluginManager) -> Worker:
             f"octavo_worker_class for backend {config.backend!r} returned {worker_cls!r}, "
             "which is not a subclass of octavo.worker.worker.Worker"
         )
-    return worker_cls(config, pm)
+    return worker_cls(config, pm, rank=rank, distributed_init_method=distributed_init_method,
+                      local_rank=local_rank)
 
 
 class Worker:
-    """One device's model runner, KV cache and profiling."""
+    """One device's model runner, KV cache and profiling: one rank of the model.
 
-    def __init__(self, config: EngineConfig, pm: pluggy.PluginManager) -> None:
+    The executor starts it in this order: ``init_device`` (the backend binds its device:
+    ``local_rank`` says which), ``init_distributed`` (joins the other ranks), ``load_model``
+    (this rank's part of the weights), ``determine_num_blocks`` and ``initialize_cache``
+    (with the smallest count over the ranks), then steps.
+
+    :param rank: this worker's global rank (0 for a model on one device).
+    :param distributed_init_method: the ranks' rendezvous (``tcp://host:port``); ``None`` for
+        one rank.
+    :param local_rank: the index of this rank's device among those its process sees (default:
+        ``rank``; a Ray actor that sees only its own GPU uses 0).
+    """
+
+    def __init__(self, config: EngineConfig, pm: pluggy.PluginManager, rank: int = 0,
+                 distributed_init_method: str | None = None,
+                 local_rank: int | None = None) -> None:
         self.config = config
         self.pm = pm
+        parallel = config.parallel_config
+        self.ranks = ParallelRanks(rank, parallel.tensor_parallel_size,
+                                   parallel.pipeline_parallel_size)
+        self.local_rank = rank if local_rank is None else local_rank
+        self.distributed_init_method = distributed_init_method
+        self.parallel = ParallelState.single()
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
 
@@ -61,6 +91,15 @@ class Worker:
         return None
 
     # ---- common logic ------------------------------------------------------------------
+
+    def init_distributed(self) -> None:
+        """Join the other ranks (after ``init_device``); a no-op for one rank."""
+        if self.ranks.world_size == 1:
+            return
+        if self.distributed_init_method is None:
+            raise RuntimeError("a worker of a split model needs distributed_init_method")
+        self.parallel = init_parallel_state(
+            self.ranks, self.config.dist_backend, self.distributed_init_method, self.device)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -84,7 +123,8 @@ class Worker:
         # replaced its kernels, so the implementation actually chosen is checked too.
         check_head_dim(config.backend, config.model_config.head_dim,
                        attn_backend.supported_head_dims(), kernel=attn_backend.name)
-        self.model_runner = ModelRunner(config, self.device, attn_backend, self.pm)
+        torch.manual_seed(config.model_config.seed)  # every rank draws the same samples
+        self.model_runner = ModelRunner(config, self.device, attn_backend, self.pm, self.parallel)
         self.model_runner.load_model()
 
     def profile_run(self) -> None:
@@ -159,3 +199,5 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self.ranks.world_size > 1:
+            destroy_parallel_state()

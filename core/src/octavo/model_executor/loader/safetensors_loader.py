@@ -33,8 +33,33 @@ _CONVERT_HINT = (
 )
 
 
-def iterate_safetensors_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class SafetensorsSlice:
+    """A tensor of an open safetensors file, read only when (and as much as) asked: a
+    ``CheckpointTensor`` (``octavo.model_executor.layers.weights``). Valid while the
+    iteration that yielded it has not moved on (the file stays open until then)."""
+
+    __slots__ = ("_slice", "shape")
+
+    def __init__(self, handle, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[tuple(slice(None) for _ in self.shape)]
+
+
+def iterate_safetensors_weights(
+    folder: str | Path, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | SafetensorsSlice]]:
     """Yield ``(name, tensor)`` for every weight stored in the checkpoint folder ``folder``.
+
+    With ``lazy``, each tensor is a ``SafetensorsSlice``: nothing is read until the consumer
+    narrows or loads it (a rank of a split model reads only its part).
 
     Names are the Hugging Face parameter names as saved (``model.layers.0.self_attn.q_proj.weight``;
     a tied ``lm_head.weight`` is usually absent). Tensors keep their stored dtype, on CPU; the
@@ -45,14 +70,14 @@ def iterate_safetensors_weights(folder: str | Path) -> Iterator[tuple[str, torch
     tensor: ``FileNotFoundError`` if the folder, a shard named by the index, or any safetensors
     file is missing; ``ValueError`` if the index has no ``weight_map``.
     """
-    return _iterate(_plan(Path(folder)))
+    return _iterate(_plan(Path(folder)), lazy)
 
 
-def _iterate(plan: _Plan) -> Iterator[tuple[str, torch.Tensor]]:
+def _iterate(plan: _Plan, lazy: bool) -> Iterator[tuple[str, torch.Tensor | SafetensorsSlice]]:
     for file, names in plan:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in names if names is not None else handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, SafetensorsSlice(handle, name) if lazy else handle.get_tensor(name)
 
 
 def _plan(folder: Path) -> _Plan:

@@ -2,8 +2,15 @@
 
 Pre-norm decoder layers (RMSNorm -> attention -> RMSNorm -> SiLU-gated MLP) with rotary
 positions. Q/K/V are one merged projection and gate/up another (one matmul each); the separate
-Hugging Face tensors are copied into row slices of them by ``load_weights``. The variants differ
-only through :class:`DecoderOptions` and ``sliding_window``, chosen by small subclasses.
+Hugging Face tensors are copied into their shards by each parameter's ``weight_loader``. The
+variants differ only through :class:`DecoderOptions` and ``sliding_window``, chosen by small
+subclasses.
+
+Split over devices (``octavo.distributed``): the projections are column-/row-parallel
+(``octavo.model_executor.layers.linear``), the embedding and LM head vocabulary-parallel, KV
+heads partitioned (or replicated when fewer than the ranks); with pipeline parallelism each
+stage builds only its own layers (the first the embedding, the last the norm and LM head) and
+hands hidden states on as ``IntermediateTensors``.
 
 Parameters are allocated uninitialised on the current default device and dtype (the runner
 sets both around construction); ``load_weights`` must fill every one of them before use.
@@ -11,16 +18,30 @@ sets both around construction); ``load_weights`` must fill every one of them bef
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata
+from octavo.distributed.parallel_state import ParallelState
 from octavo.model_executor.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
+from octavo.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    local_kv_heads,
+    merged_column_parallel,
+    qkv_parallel,
+)
+from octavo.model_executor.layers.vocab import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    compute_logits,
+)
+from octavo.model_executor.layers.weights import Loaded, weight_loader_of
+from octavo.model_executor.models.interfaces import IntermediateTensors
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,75 +66,51 @@ def uninitialized(module_cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.
     return nn.utils.skip_init(module_cls, *args, device=torch.get_default_device(), **kwargs)
 
 
-class MergedLinear(nn.Linear):
-    """Several projections of the same input stacked along the output dimension.
-
-    ``shard_names[i]`` (the checkpoint's name for projection ``i``, e.g. ``"k_proj"``) owns
-    ``output_sizes[i]`` consecutive output rows of ``weight`` and ``bias``.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        output_sizes: Sequence[int],
-        shard_names: Sequence[str],
-        bias: bool,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        assert len(output_sizes) == len(shard_names), "one output size per shard name"
-        super().__init__(in_features, sum(output_sizes), bias=bias, device=device, dtype=dtype)
-        self.output_sizes = tuple(output_sizes)
-        self.shard_names = tuple(shard_names)
-
-    def shard(self, param: torch.Tensor, shard_name: str) -> torch.Tensor:
-        """The rows of ``param`` (this layer's weight or bias) that ``shard_name`` owns."""
-        index = self.shard_names.index(shard_name)
-        start = sum(self.output_sizes[:index])
-        return param.narrow(0, start, self.output_sizes[index])
+def stage_layers(num_layers: int, parallel: ParallelState) -> range:
+    """The decoder layers of this rank's pipeline stage: an even split, the first stages taking
+    one more when it does not divide."""
+    pp, stage = parallel.ranks.pp_size, parallel.ranks.pp_rank
+    if num_layers < pp:
+        raise ValueError(f"{num_layers} layers cannot be split into {pp} pipeline stages")
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
 
 
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up merged into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 parallel: ParallelState) -> None:
         super().__init__()
-        self.gate_up_proj = uninitialized(
-            MergedLinear, hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias
-        )
-        self.down_proj = uninitialized(nn.Linear, intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = merged_column_parallel(
+            hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp]
         return self.down_proj(self.act(gate_up))  # [num_tokens, hidden_size]
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache (this rank's heads)."""
 
-    def __init__(
-        self,
-        config: Any,
-        options: DecoderOptions,
-        rotary_emb: RotaryEmbedding,
-        attn_backend: AttentionBackend,
-    ) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
+                 attn_backend: AttentionBackend, parallel: ParallelState) -> None:
         super().__init__()
-        hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
+        self.num_heads = total_heads // parallel.tp_size
+        self.num_kv_heads = local_kv_heads(total_kv_heads, parallel.tp_size)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = uninitialized(
-            MergedLinear,
-            hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
-            ["q_proj", "k_proj", "v_proj"],
-            options.qkv_bias,
-        )
-        self.o_proj = uninitialized(nn.Linear, self.q_size, hidden_size, bias=options.o_bias)
+        self.qkv_proj: ColumnParallelLinear = qkv_parallel(
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, options.qkv_bias,
+            parallel)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
+                                        options.o_bias, parallel)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -144,16 +141,12 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block; carries the residual stream separately so norms can fuse the add."""
 
-    def __init__(
-        self,
-        config: Any,
-        options: DecoderOptions,
-        rotary_emb: RotaryEmbedding,
-        attn_backend: AttentionBackend,
-    ) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
+                 attn_backend: AttentionBackend, parallel: ParallelState) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, options, rotary_emb, attn_backend)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias)
+        self.self_attn = LlamaAttention(config, options, rotary_emb, attn_backend, parallel)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias,
+                            parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -177,33 +170,52 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (the ``model.`` prefix of HF weight names)."""
+    """Embedding, decoder layers and final norm (the ``model.`` prefix of HF weight names);
+    under pipeline parallelism only this stage's part of them."""
 
-    def __init__(self, config: Any, options: DecoderOptions, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, attn_backend: AttentionBackend,
+                 parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = uninitialized(nn.Embedding, config.vocab_size, config.hidden_size)
+        self.parallel = parallel
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if parallel.ranks.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                       parallel)
         rotary_emb = get_rope(config, head_dim_of(config))  # shared by every layer
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, rotary_emb, attn_backend)
-            for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layer_range = stage_layers(config.num_hidden_layers, parallel)
+        # Indexed by the global layer number (HF names); layers of other stages are absent.
+        self.layers = nn.ModuleDict({
+            str(i): LlamaDecoderLayer(config, options, rotary_emb, attn_backend, parallel)
+            for i in self.layer_range
+        })
+        self.norm: RMSNorm | None = None
+        if parallel.ranks.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor],  # one per layer of this stage
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The last stage returns the normed hidden states ``[num_tokens, hidden_size]``, the
+        others what the next stage takes (``intermediate`` is the previous stage's)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        if self.embed_tokens is not None:
+            hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            residual = None
+        else:
+            assert intermediate is not None, "a later pipeline stage needs the previous one's"
+            hidden_states, residual = intermediate.hidden_states, intermediate.residual
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
+        if self.norm is None:
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -215,16 +227,29 @@ class LlamaForCausalLM(nn.Module):
     does not implement sliding windows, so the engine must cap ``max_model_len`` to it.
     """
 
-    def __init__(self, config: Any, attn_backend: AttentionBackend) -> None:
+    # The runner may hand load_weights lazy checkpoint tensors (octavo.model_executor.layers.
+    # weights.CheckpointTensor): each rank reads only its part of a weight.
+    lazy_weights = True
+    # Built for tensor and pipeline parallelism (a parallel= argument; IntermediateTensors).
+    supports_parallel = True
+
+    def __init__(self, config: Any, attn_backend: AttentionBackend,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelState.single()
         self.config = config
+        self.parallel = parallel
         self.options = self.decoder_options(config)
         self.sliding_window: int | None = self.sliding_window_of(config)
-        self.model = LlamaModel(config, self.options, attn_backend)
+        self.model = LlamaModel(config, self.options, attn_backend, parallel)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head: nn.Linear | None = None
-        if not self.tie_word_embeddings:
-            self.lm_head = uninitialized(nn.Linear, config.hidden_size, config.vocab_size, bias=False)
+        # The LM head: the embedding itself when tied and on this stage, else its own weight.
+        self.lm_head: VocabParallelEmbedding | None = None
+        if parallel.ranks.is_last_stage:
+            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head = self.model.embed_tokens
+            else:
+                self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
 
     @classmethod
     def decoder_options(cls, config: Any) -> DecoderOptions:
@@ -245,20 +270,40 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
-        kv_caches: list[torch.Tensor],  # one per layer, the backend's layout
+        kv_caches: list[torch.Tensor],  # one per layer of this stage, the backend's layout
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:  # [num_tokens, hidden_size], after the final norm
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> float32 ``[n, vocab_size]`` (matmul in the model dtype)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        return compute_logits(hidden_states, self.lm_head)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (see :func:`load_hf_weights`)."""
-        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        load_hf_weights(self, weights, skip_names=skip)
+        aliases: dict[str, str] = {}
+        skip: set[str] = set()
+        if self.tie_word_embeddings:
+            if self.lm_head is not None and self.lm_head is not self.model.embed_tokens:
+                aliases["model.embed_tokens.weight"] = "lm_head.weight"  # tied, another stage
+            skip.add("lm_head.weight")
+        load_hf_weights(self, weights, skip_names=skip, aliases=aliases,
+                        elsewhere=self._on_other_stage)
+
+    def _on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another pipeline stage."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) not in self.model.layer_range
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is None and not (
+                self.tie_word_embeddings and self.lm_head is not None)
+        if name.startswith("model.norm."):
+            return self.model.norm is None
+        if name.startswith("lm_head."):
+            return self.lm_head is None
+        return False
 
 
 # Checkpoint buffers that hold no learned weight (rope tables some exporters save).
@@ -269,58 +314,67 @@ _MAX_LISTED = 20
 
 def load_hf_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Loaded]],
     skip_names: Iterable[str] = (),
+    aliases: dict[str, str] | None = None,
+    elsewhere: Callable[[str], bool] | None = None,
 ) -> None:
     """Copy ``(name, tensor)`` pairs named as in the HF checkpoint into ``model``'s parameters.
 
     A name is either a parameter's own name, or ``<parent>.<shard>.<weight|bias>`` where
-    ``<parent>`` holds a :class:`MergedLinear` with that shard name (``...self_attn.k_proj.weight``
-    fills the ``k_proj`` rows of ``...self_attn.qkv_proj.weight``). Tensors are cast to the
-    parameter's dtype and device. Names in ``skip_names`` and rope buffers are ignored.
+    ``<parent>`` holds a ``ColumnParallelLinear`` with that shard name (``...self_attn.k_proj.
+    weight`` fills the ``k_proj`` shard of ``...self_attn.qkv_proj.weight``). Each parameter's
+    ``weight_loader`` copies the part this rank holds (cast to the parameter's dtype and
+    device); a tensor may be a lazy ``CheckpointTensor``. Names in ``skip_names`` and rope
+    buffers are ignored; then ``aliases`` renames checkpoint names (a tied head on its own stage);
+    ``elsewhere(name)`` says a tensor belongs to another pipeline stage (ignored here).
 
     Raises ``ValueError`` on a shape mismatch, and after the last tensor when any parameter
     (or merged shard) received no weight or any name matched nothing; the message lists them.
     """
-    params = dict(model.named_parameters())
-    shard_owner: dict[str, tuple[str, MergedLinear, str]] = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shard_owner: dict[str, tuple[str, str]] = {}  # "<parent>.<shard>" -> (layer path, shard)
     expected: set[tuple[str, str | None]] = set()
-    for path, module in model.named_modules():
-        if isinstance(module, MergedLinear):
+    for path, module in model.named_modules(remove_duplicate=False):
+        names = getattr(module, "shard_names", ())
+        if isinstance(module, ColumnParallelLinear) and names:
             parent = path.rpartition(".")[0]
-            for shard in module.shard_names:
-                shard_owner[f"{parent}.{shard}" if parent else shard] = (path, module, shard)
+            for shard in names:
+                shard_owner[f"{parent}.{shard}" if parent else shard] = (path, shard)
                 expected.update((f"{path}.{attr}", shard) for attr, _ in module.named_parameters())
     merged_params = {name for name, _ in expected}
-    expected.update((name, None) for name in params if name not in merged_params)
+    shared = _shared_parameter_names(model)
+    expected.update((name, None) for name in params if name not in merged_params | shared)
 
     skip = set(skip_names)
+    aliases = aliases or {}
     loaded: set[tuple[str, str | None]] = set()
     unknown: list[str] = []
-    with torch.no_grad():
-        for name, tensor in weights:
-            if name in skip or name.endswith(_IGNORED_SUFFIXES):
-                continue
-            prefix, _, attr = name.rpartition(".")
-            if prefix in shard_owner:
-                path, module, shard = shard_owner[prefix]
-                target = f"{path}.{attr}"
-                if target not in params:
-                    unknown.append(name)
-                    continue
-                dest, key = module.shard(params[target].data, shard), (target, shard)
-            elif name in params:
-                dest, key = params[name].data, (name, None)
-            else:
+    for name, tensor in weights:
+        if name in skip or name.endswith(_IGNORED_SUFFIXES):
+            continue
+        name = aliases.get(name, name)
+        if elsewhere is not None and elsewhere(name):
+            continue
+        prefix, _, attr = name.rpartition(".")
+        if prefix in shard_owner:
+            path, shard = shard_owner[prefix]
+            target = f"{path}.{attr}"
+            if target not in params:
                 unknown.append(name)
                 continue
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, but "
-                    f"{key[0]}{f'[{key[1]}]' if key[1] else ''} expects {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add(key)
+            key: tuple[str, str | None] = (target, shard)
+        elif name in params:
+            key = (name, None)
+        else:
+            unknown.append(name)
+            continue
+        param = params[key[0]]
+        try:
+            weight_loader_of(param)(param, tensor, key[1])
+        except ValueError as exc:
+            raise ValueError(f"checkpoint weight {name!r} into {key[0]}: {exc}") from None
+        loaded.add(key)
 
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
     problems = []
@@ -332,6 +386,18 @@ def load_hf_weights(
         raise ValueError(
             f"cannot load checkpoint into {type(model).__name__}: " + "; ".join(problems)
         )
+
+
+def _shared_parameter_names(model: nn.Module) -> set[str]:
+    """Names under which an already-named parameter appears again (a tied LM head)."""
+    seen: dict[int, str] = {}
+    shared = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            shared.add(name)
+        else:
+            seen[id(param)] = name
+    return shared
 
 
 def _listing(names: list[str]) -> str:

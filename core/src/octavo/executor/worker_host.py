@@ -1,0 +1,120 @@
+"""``WorkerHost``: one rank of a split model, answering the executor's typed messages.
+
+The multiprocess executor runs one host per worker process (messages over zmq), the Ray
+executor one per actor (messages as Ray call arguments); both speak
+``octavo.messages.executor``, encoded with msgspec.
+
+Steps are handled in the order they arrive. ``WorkerStep`` N launches step N and then finishes
+the steps before it, so with several steps in flight (async scheduling, pipeline stages) a
+rank's device runs step N while its host reads back step N-1. ``WorkerFlush`` finishes what is
+left when the executor has nothing new to launch. Every rank finishes every step (its own
+state needs the tokens); only the output rank sends results back.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import deque
+
+from octavo.config import EngineConfig
+from octavo.messages.executor import (
+    WorkerCall,
+    WorkerCallResult,
+    WorkerEvent,
+    WorkerFlush,
+    WorkerInput,
+    WorkerShutdown,
+    WorkerStep,
+    WorkerStepResult,
+)
+from octavo.plugins import get_plugin_manager
+from octavo.worker.async_output import PendingStepOutput
+from octavo.worker.worker import Worker, create_worker
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHost:
+    """Serves ``WorkerInput`` messages for one rank; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, rank: int, distributed_init_method: str | None,
+                 local_rank: int | None = None) -> None:
+        self.worker: Worker = create_worker(config, get_plugin_manager(), rank=rank,
+                                            distributed_init_method=distributed_init_method,
+                                            local_rank=local_rank)
+        self.rank = rank
+        self._pending: deque[tuple[int, PendingStepOutput]] = deque()
+        self.stopped = False
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.worker.ranks.is_output_rank
+
+    def handle(self, message: WorkerInput) -> list[WorkerEvent]:
+        """Act on one message; return what to send back (maybe nothing)."""
+        if isinstance(message, WorkerStep):
+            return self._step(message)
+        if isinstance(message, WorkerFlush):
+            return self._finish_until(message.step_id)
+        if isinstance(message, WorkerCall):
+            return [self._call(message)]
+        if isinstance(message, WorkerShutdown):
+            self.shutdown()
+            return []
+        raise AssertionError(f"unexpected worker message {message!r}")
+
+    def _call(self, call: WorkerCall) -> WorkerCallResult:
+        worker = self.worker
+        try:
+            value = None
+            if call.method == "start":
+                worker.init_device()
+                worker.init_distributed()
+                worker.load_model()
+            elif call.method == "determine_num_blocks":
+                value = worker.determine_num_blocks()
+            elif call.method == "initialize_cache":
+                assert call.arg is not None, "initialize_cache needs the number of blocks"
+                worker.initialize_cache(call.arg)
+            elif call.method != "check_health":
+                raise ValueError(f"unknown worker method {call.method!r}")
+            return WorkerCallResult(call_id=call.call_id, rank=self.rank, value=value)
+        except Exception as exc:
+            logger.exception("rank %d: %s failed", self.rank, call.method)
+            return WorkerCallResult(call_id=call.call_id, rank=self.rank,
+                                    error=f"{type(exc).__name__}: {exc}")
+
+    def _step(self, step: WorkerStep) -> list[WorkerEvent]:
+        try:
+            pending = self.worker.execute_model_async(step.scheduler_output)
+        except Exception as exc:
+            return [self._failed(step.step_id, exc)]
+        self._pending.append((step.step_id, pending))
+        return self._finish_until(step.step_id - 1)
+
+    def _finish_until(self, step_id: int) -> list[WorkerEvent]:
+        events: list[WorkerEvent] = []
+        while self._pending and self._pending[0][0] <= step_id:
+            done_id, pending = self._pending.popleft()
+            try:
+                output = pending.result()
+            except Exception as exc:
+                events.append(self._failed(done_id, exc))
+                break
+            if self.is_output_rank:
+                events.append(WorkerStepResult(step_id=done_id, rank=self.rank, output=output))
+        return events
+
+    def _failed(self, step_id: int, exc: Exception) -> WorkerStepResult:
+        logger.error("rank %d: step %d failed:\n%s", self.rank, step_id, traceback.format_exc())
+        self.stopped = True  # its state (and its peers') cannot be trusted: it stops serving
+        return WorkerStepResult(step_id=step_id, rank=self.rank,
+                                error=f"rank {self.rank}: {type(exc).__name__}: {exc}")
+
+    def shutdown(self) -> None:
+        if self.stopped and self.worker.model_runner is None:
+            return
+        self.stopped = True
+        self._pending.clear()
+        self.worker.shutdown()

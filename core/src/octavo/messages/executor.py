@@ -1,0 +1,78 @@
+"""Messages between an executor and the worker processes (or Ray actors) of a split model.
+
+msgspec Structs, encoded as msgpack (never pickle): the ``SchedulerOutput`` and
+``ModelRunnerOutput`` dataclasses travel as they are, so the request data crossing a process
+boundary is plain typed data.
+
+- executor -> every worker: ``WorkerCall`` (a lifecycle method), ``WorkerStep`` (run a step),
+  ``WorkerFlush`` (send the results of steps up to one), ``WorkerShutdown``.
+- worker -> executor: ``WorkerCallResult`` (every rank), ``WorkerStepResult`` (the output
+  rank only, or any rank whose step failed).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from octavo.messages.runner_output import ModelRunnerOutput
+from octavo.messages.scheduler_output import SchedulerOutput
+
+# The lifecycle methods a WorkerCall may name, in the order an executor calls them.
+WORKER_METHODS = ("start", "determine_num_blocks", "initialize_cache", "check_health")
+
+
+class WorkerCall(msgspec.Struct, tag="call", kw_only=True):
+    """Call one lifecycle method on every rank and collect every rank's answer."""
+
+    # Matches the answers to the call.
+    call_id: int
+    # One of WORKER_METHODS: "start" (bind the device, join the ranks, load this rank's
+    # weights), "determine_num_blocks", "initialize_cache" (arg: the number of blocks),
+    # "check_health".
+    method: str
+    # The method's one integer argument, if it takes one.
+    arg: int | None = None
+
+
+class WorkerStep(msgspec.Struct, tag="step", kw_only=True):
+    """Launch one step (steps are numbered from 1, in the order they are sent)."""
+
+    step_id: int
+    scheduler_output: SchedulerOutput
+
+
+class WorkerFlush(msgspec.Struct, tag="flush", kw_only=True):
+    """Finish every launched step up to ``step_id`` and send their results now (the executor
+    waits for one and has no later step to launch)."""
+
+    step_id: int
+
+
+class WorkerShutdown(msgspec.Struct, tag="shutdown"):
+    """Release the device and the process group, then exit 0."""
+
+
+WorkerInput = WorkerCall | WorkerStep | WorkerFlush | WorkerShutdown
+
+
+class WorkerCallResult(msgspec.Struct, tag="call_result", kw_only=True):
+    """One rank's answer to a ``WorkerCall``."""
+
+    call_id: int
+    rank: int
+    # The method's result (an integer for determine_num_blocks), None otherwise or on error.
+    value: int | None = None
+    # What went wrong (exception type and message), None on success.
+    error: str | None = None
+
+
+class WorkerStepResult(msgspec.Struct, tag="step_result", kw_only=True):
+    """A step's results from the output rank, or a failed step from any rank."""
+
+    step_id: int
+    rank: int
+    output: ModelRunnerOutput | None = None
+    error: str | None = None
+
+
+WorkerEvent = WorkerCallResult | WorkerStepResult

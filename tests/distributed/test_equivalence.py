@@ -1,0 +1,118 @@
+"""Split models give what one device gives: greedy tokens equal and logprobs within float32
+rounding, for tensor parallelism (2 ranks) and pipeline parallelism (2 stages) on the CPU
+(gloo), one worker process per rank.
+
+Each split engine runs with prefix caching, chunked prefill under an 8-token budget and a KV
+pool small enough to force preemption, all at once; the reference is one rank with none of
+that (a roomy pool, whole prompts). Qwen2 runs with 2 KV heads at TP=2 (one per rank) and with
+1 KV head (replicated on both ranks).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+from octavo import SamplingParams
+
+from tests.helpers.engine import assert_no_leaks, make_llm, prompts_of_lengths
+from tests.helpers.tiny import make_tiny_model
+
+NUM_TOKENS = 12
+NUM_LOGPROBS = 2
+# Prompts of 6..40 tokens; the last three share a 24-token prefix with the fifth.
+_BASE = prompts_of_lengths([6, 13, 21, 33, 40], seed=7)
+PROMPTS = _BASE + [_BASE[4][:24] + tail for tail in prompts_of_lengths([3, 9, 5], seed=8)]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                        logprobs=NUM_LOGPROBS)
+# What forces preemption, chunking and prefix hits in the split engines.
+STRESS = dict(enable_prefix_caching=True, max_num_batched_tokens=8, num_gpu_blocks_override=14,
+              block_size=4)
+
+MODELS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-1kv": ("qwen2", {"num_key_value_heads": 1}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folders: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in folders:
+            arch, overrides = MODELS[name]
+            folders[name] = make_tiny_model(tmp_path_factory.mktemp(name), arch, **overrides)
+        return folders[name]
+
+    return get
+
+
+def run(llm) -> list[tuple[list[int], list[float]]]:
+    """(token ids, chosen-token logprobs) of every prompt."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        chosen = [position[token].logprob
+                  for token, position in zip(completion.token_ids, completion.logprobs)]
+        results.append((list(completion.token_ids), chosen))
+    return results
+
+
+@cache
+def reference(folder: Path) -> tuple[tuple[list[int], list[float]], ...]:
+    llm = make_llm(folder, device="cpu")
+    try:
+        return tuple(run(llm))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def assert_same(got, expected) -> None:
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(got, expected, strict=True):
+        assert ids == ref_ids
+        assert logprobs == pytest.approx(ref_logprobs, abs=2e-4)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_tensor_parallel_2_equals_one_device(model_folder, name):
+    folder = model_folder(name)
+    llm = make_llm(folder, device="cpu", tensor_parallel_size=2, **STRESS)
+    try:
+        assert llm.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
+        assert_same(run(llm), reference(folder))
+        assert llm.llm_engine.stats().num_preemptions > 0
+        assert llm.llm_engine.stats().prefix_cache_hits > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_pipeline_parallel_2_equals_one_device(model_folder, name):
+    folder = model_folder(name)
+    llm = make_llm(folder, device="cpu", pipeline_parallel_size=2, **STRESS)
+    try:
+        assert llm.llm_engine.engine_core.max_in_flight == 2  # a batch per stage
+        assert_same(run(llm), reference(folder))
+        assert llm.llm_engine.stats().num_preemptions > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tensor_parallel_with_async_scheduling(model_folder):
+    folder = model_folder("llama")
+    llm = make_llm(folder, device="cpu", tensor_parallel_size=2, async_scheduling=True,
+                   **STRESS)
+    try:
+        assert llm.llm_engine.engine_core.async_scheduling
+        assert_same(run(llm), reference(folder))
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()
