@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
-#                                    [bench-offline-sync] [bench-async] [latency]
-#                                    [latency-sync] [profile] [profile-sync]
+#                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
+#                                    [latency] [latency-sync] [latency-mp] [profile] [profile-sync]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -45,7 +45,7 @@ for stage in "${stages[@]}"; do
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
-        --max-num-seqs 256 2>"$OUT/bench-offline.err" | tee "$OUT/bench-offline.log"
+        --max-num-seqs 256 2>>"$OUT/bench-offline.err" | tee -a "$OUT/bench-offline.log"
       tail -3 "$OUT/bench-offline.err"
       ;;
     bench-offline-sync)
@@ -56,6 +56,15 @@ for stage in "${stages[@]}"; do
         --max-num-seqs 256 --no-async-scheduling 2>"$OUT/bench-offline-sync.err" \
         | tee "$OUT/bench-offline-sync.log"
       tail -3 "$OUT/bench-offline-sync.err"
+      ;;
+    bench-offline-mp)
+      # As bench-offline, with the one rank in a worker process (the mp executor of -tp/-pp).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 --distributed-executor-backend mp 2>>"$OUT/bench-offline-mp.err" \
+        | tee -a "$OUT/bench-offline-mp.log"
+      tail -3 "$OUT/bench-offline-mp.err"
       ;;
     bench-async)
       # W1 through AsyncLLM, Octavo only.
@@ -78,6 +87,14 @@ for stage in "${stages[@]}"; do
         --num-iters 3 --no-async-scheduling 2>"$OUT/bench-latency-sync.err" \
         | tee "$OUT/bench-latency-sync.log"
       tail -3 "$OUT/bench-latency-sync.err"
+      ;;
+    latency-mp)
+      # As latency, with the one rank in a worker process (the mp executor).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      octavo bench latency --model $MODEL --dtype bfloat16 --input-len 128 --output-len 256 \
+        --num-iters 3 --distributed-executor-backend mp 2>"$OUT/bench-latency-mp.err" \
+        | tee "$OUT/bench-latency-mp.log"
+      tail -3 "$OUT/bench-latency-mp.err"
       ;;
     profile)
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
