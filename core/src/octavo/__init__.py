@@ -6,10 +6,10 @@
 """
 
 from octavo.outputs import CompletionOutput, Logprob, RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.version import __version__
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -11,6 +12,85 @@ _GREEDY_EPS = 1e-5
 # Every integer field fits a signed 64-bit integer (what msgpack and torch carry); larger values
 # are refused here, never left to fail deep inside the engine.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+# Longest constraint text (a JSON schema, regex, grammar or all choices together) a request
+# may carry: compiling a grammar costs time and memory in proportion to it.
+MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
+# Most alternatives a ``choice`` constraint may list.
+MAX_CHOICES = 1024
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the text a request generates (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice``
+    (the output is one of these strings), ``grammar`` (EBNF, GBNF dialect) or
+    ``json_object=True`` (any JSON object) must be set. The engine compiles it with a grammar
+    library and masks every token that cannot continue a valid output. Errors raise
+    ``InvalidRequestError`` with ``param`` naming the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON outputs without whitespace between tokens (compact, and fewer tokens).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in self.kinds() if getattr(self, name) not in (None, False)]
+        if len(set_fields) != 1:
+            found = ", ".join(set_fields) if set_fields else "none"
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar or "
+                f"json_object (got {found})", param="structured_outputs")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestTypeError(
+                f"structured_outputs.json must be a JSON schema (object or string), got "
+                f"{type(self.json).__name__}", param="structured_outputs.json")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestTypeError(
+                    f"structured_outputs.{name} must be a non-empty string",
+                    param=f"structured_outputs.{name}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise InvalidRequestTypeError(
+                    "structured_outputs.choice must be a non-empty list of strings",
+                    param="structured_outputs.choice")
+            if len(self.choice) > MAX_CHOICES:
+                raise InvalidRequestError(
+                    f"structured_outputs.choice may list at most {MAX_CHOICES} strings, got "
+                    f"{len(self.choice)}", param="structured_outputs.choice")
+            self.choice = list(self.choice)
+        kind, text = self.key()
+        if len(text) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise InvalidRequestError(
+                f"structured_outputs.{kind} is {len(text)} characters; at most "
+                f"{MAX_STRUCTURED_OUTPUT_CHARS} are accepted", param=f"structured_outputs.{kind}")
+
+    @staticmethod
+    def kinds() -> tuple[str, ...]:
+        return ("json", "regex", "choice", "grammar", "json_object")
+
+    def key(self) -> tuple[str, str]:
+        """``(kind, text)``: what the grammar is compiled from, and its cache key."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json.dumps(
+                self.json, sort_keys=True, separators=(",", ":"))
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice, separators=(",", ":"))
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
 
 
 @dataclass(slots=True)
@@ -59,6 +139,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Drop special tokens from the returned text.
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: EOS token ids of the model (not user-settable).
     all_stop_token_ids: set[int] = field(default_factory=set)
 
@@ -127,6 +209,11 @@ class SamplingParams:
                 _check_float("logit_bias", value, low=-100.0, high=100.0)
                 bias[token_id] = float(value)
             self.logit_bias = bias
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestTypeError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}", param="structured_outputs")
 
     @property
     def greedy(self) -> bool:
@@ -153,6 +240,7 @@ class SamplingParams:
             and not self.logit_bias
             and self.min_tokens == 0
             and self.logprobs is None
+            and self.structured_outputs is None
         )
 
     @property
