@@ -116,3 +116,31 @@ def test_tensor_parallel_with_async_scheduling(model_folder):
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2, "async_scheduling": True},
+                                      {"pipeline_parallel_size": 2}], ids=["tp2-async", "pp2"])
+def test_structured_outputs_when_split(model_folder, parallel):
+    """Grammar masks reach every rank (with async scheduling, in a deferred sample message):
+    constrained greedy outputs equal one device's."""
+    from octavo import StructuredOutputsParams
+
+    folder = model_folder("llama")
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=constraint)
+              for constraint in (StructuredOutputsParams(regex=r"[a-z]{3}-\d{2,3}"),
+                                 StructuredOutputsParams(choice=["alpha", "beta", "gamma"]))]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+
+    def texts(llm) -> list[str]:
+        return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    one = make_llm(folder, device="cpu")
+    want = texts(one)
+    one.llm_engine.shutdown()
+    llm = make_llm(folder, device="cpu", **parallel)
+    try:
+        assert texts(llm) == want
+        assert want[1] in ("alpha", "beta", "gamma")
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()

@@ -33,6 +33,7 @@ from octavo.errors import (
 )
 from octavo.messages import EngineCoreRequest
 from octavo.sampling_params import SamplingParams
+from octavo.structured_output.grammar import validate as validate_structured_outputs
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -198,6 +199,10 @@ class Processor:
             if value is not None and value > limit:
                 raise InvalidRequestError(
                     f"{name} must be at most {limit} (max_logprobs), got {value}", param=name)
+        if params.structured_outputs is not None:
+            kind, text = params.structured_outputs.key()
+            check_text(text, f"structured_outputs.{kind}")
+            validate_structured_outputs(params.structured_outputs)
         if self.capabilities is not None:
             assert self.backend is not None, "checked in __init__"
             check_request(self.backend, self.capabilities, params)

@@ -11,6 +11,13 @@ being sampled reads it on the device, a request whose last allowed token is in f
 scheduled again, and one that stops on a sampled token (EOS, stop id) had one more token
 computed that is thrown away. Each ``step()`` returns the outputs of the step before.
 
+Structured outputs (``octavo.structured_output``): a constrained request waits, outside the
+scheduler, until its grammar is compiled on a background thread; then every step it samples in
+carries its token bitmask. When that mask needs the token its previous step is still sampling
+(async scheduling), the step's forward pass is launched at once and its sampling once the
+previous step is recorded and the mask computed (``Executor.sample_tokens``): the device runs
+the forward pass while the host computes the masks, for every request of the batch.
+
 With pipeline parallelism up to one step per stage is in flight (vLLM's "virtual engines"): a
 new batch enters the first stage while earlier ones are still in later stages, so no stage
 idles; a request is in at most one of them (its next step needs the token its last one
@@ -35,6 +42,7 @@ from octavo.messages import (
     SchedulerStats,
 )
 from octavo.scheduler.scheduler import Scheduler
+from octavo.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +79,10 @@ class EngineCore:
         # Steps launched and not recorded yet, oldest first, and how many may be.
         self._in_flight: deque[_InFlightStep] = deque()
         self.max_in_flight = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
+        # Constrained requests (structured outputs) whose grammar is being compiled.
+        self._awaiting_grammar: dict[str, Request] = {}
+        self.structured_outputs = StructuredOutputManager(
+            self._load_tokenizer, config.model_config.vocab_size)
         if pp_size > 1:
             logger.info("pipeline parallelism: up to %d steps in flight", self.max_in_flight)
         elif self.max_in_flight > 1:
@@ -82,51 +94,71 @@ class EngineCore:
         return self.max_in_flight > 1
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request validated by the front end (``octavo.engine.processor``)."""
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
-                block_hasher=self._block_hasher,
-                arrival_time=request.arrival_time,
-            )
+        """Queue a request validated by the front end (``octavo.engine.processor``); a
+        constrained one waits for its grammar first."""
+        core_request = Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_hasher=self._block_hasher,
+            arrival_time=request.arrival_time,
         )
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(core_request)
+            return
+        self._awaiting_grammar[request.request_id] = core_request
+        self.structured_outputs.submit(request.request_id, constraint)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self._forget_grammars(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests_stopped(self, request_ids: list[str]) -> None:
         """End requests the front end stopped (stop strings): their blocks are freed."""
+        self._forget_grammars(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether ``step()`` has work: requests to run, or a launched step to record."""
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        """Whether ``step()`` has work: requests to run or waiting for their grammar, or a
+        launched step to record."""
+        return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+                or bool(self._awaiting_grammar))
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one batch and return what each request produced (with several steps in flight,
         launch the next batch and return what the oldest one produced, once there is one)."""
+        failed = self._admit_compiled_grammars()
         if self.max_in_flight > 1:
-            return self._step_pipelined()
+            return failed + self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids:
                 self.executor.execute_model(scheduler_output)  # lets the worker drop state
-            return []
+            return failed
         try:
+            rows, _ = self._constrained_rows(scheduler_output)
+            if rows:
+                scheduler_output.grammar_bitmask = self.structured_outputs.bitmask(rows)
             runner_output = self.executor.execute_model(scheduler_output)
         except BaseException:
             # KeyboardInterrupt or a failed forward: the step's KV writes cannot be trusted.
             self.scheduler.discard_steps([scheduler_output])
             raise
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return failed + self._record(scheduler_output, runner_output)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         launched = False
+        deferred_rows: list[str] = []
         try:
             if not scheduler_output.is_empty:
+                rows, deferred = self._constrained_rows(scheduler_output)
+                if deferred:
+                    scheduler_output.sampling_deferred = True
+                    deferred_rows = rows
+                elif rows:
+                    scheduler_output.grammar_bitmask = self.structured_outputs.bitmask(rows)
                 pending = self.executor.execute_model_async(scheduler_output)
                 self._in_flight.append(_InFlightStep(scheduler_output, pending))
                 launched = True
@@ -136,6 +168,11 @@ class EngineCore:
                 return []  # the pipeline is still filling
             oldest = self._in_flight[0]
             runner_output = oldest.pending.result()
+            self._in_flight.popleft()
+            outputs = self._record(oldest.scheduler_output, runner_output)
+            if deferred_rows:
+                # The masks of the step just launched needed the tokens recorded above.
+                self.executor.sample_tokens(self.structured_outputs.bitmask(deferred_rows))
         except BaseException:
             # The steps not recorded cannot be trusted (KV writes, tokens in flight).
             unrecorded = [step.scheduler_output for step in self._in_flight]
@@ -145,13 +182,88 @@ class EngineCore:
             self.scheduler.discard_steps(unrecorded)
             self.executor.discard_in_flight()
             raise
-        self._in_flight.popleft()
-        return self.scheduler.update_from_output(oldest.scheduler_output, runner_output)
+        return outputs
+
+    # ---- structured outputs ----------------------------------------------------------------
+
+    def _load_tokenizer(self) -> tuple[object, set[int]]:
+        """The tokenizer grammars compile against and its EOS ids (on the compile thread)."""
+        from octavo.transformers_utils.tokenizer import eos_token_ids, load_tokenizer
+
+        tokenizer = load_tokenizer(self.config.model_config)
+        return tokenizer, eos_token_ids(self.config.model_config, tokenizer)
+
+    def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Hand requests whose grammar compiled to the scheduler; end those whose grammar
+        failed. With nothing else to run, wait a little for a compilation instead of
+        spinning."""
+        manager = self.structured_outputs
+        if not self._awaiting_grammar:
+            return []
+        if not self.scheduler.has_unfinished_requests() and not self._in_flight:
+            manager.wait(timeout_s=0.05)
+        failed = []
+        for compiled in manager.take_ready():
+            request = self._awaiting_grammar.pop(compiled.request_id, None)
+            if request is None:
+                continue
+            if compiled.error is None:
+                self.scheduler.add_request(request)
+                continue
+            request.status = RequestStatus.FINISHED_ABORTED
+            failed.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                           finish_reason=request.status.finish_reason))
+        return failed
+
+    def _constrained_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[str], bool]:
+        """Constrained requests that sample in this step, and whether any of their masks
+        needs a token still in flight (then the step's sampling is deferred)."""
+        manager = self.structured_outputs
+        rows: list[str] = []
+        deferred = False
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if not manager.is_constrained(req_id):
+                continue
+            request = self.scheduler.requests[req_id]
+            # Scheduling counted the token this step samples as a placeholder; a step that
+            # does not sample (a prompt chunk short of the end) added none.
+            placeholders = request.num_output_placeholders
+            if placeholders == 0 or (
+                    request.num_computed_tokens + 1 != request.num_tokens_with_placeholders):
+                continue
+            rows.append(req_id)
+            deferred = deferred or placeholders > 1
+        return rows, deferred
+
+    def _record(self, scheduler_output: SchedulerOutput, runner_output) -> list[EngineCoreOutput]:
+        """Record a step's results, advancing the grammars of constrained requests; a
+        request whose token its grammar refuses is ended (aborted)."""
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        manager = self.structured_outputs
+        for output in outputs:
+            if not manager.is_constrained(output.request_id):
+                continue
+            error = manager.accept(output.request_id, output.new_token_ids)
+            if error is not None and output.finish_reason is None:
+                logger.error("request %s: sampled a token its grammar refuses (%s); aborting",
+                             output.request_id, error)
+                self.scheduler.finish_requests([output.request_id],
+                                               RequestStatus.FINISHED_ABORTED)
+                output.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
+            if output.finish_reason is not None:
+                manager.remove(output.request_id)
+        return outputs
+
+    def _forget_grammars(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._awaiting_grammar.pop(request_id, None)
+            self.structured_outputs.remove(request_id)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         try:
             while self._in_flight:  # let the devices finish before tearing down
                 self._in_flight.popleft().pending.result()

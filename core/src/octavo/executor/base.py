@@ -3,15 +3,16 @@
 An executor owns every worker of the model (one today; one per rank once the model is split
 over devices) and hides where they run. The engine core calls exactly these methods, in this
 order: ``initialize_kv_cache`` once, then ``execute_model`` / ``execute_model_async`` once
-per step (``discard_in_flight`` after a failed step), ``check_health`` whenever asked, and
-``shutdown`` last.
+per step (followed by ``sample_tokens`` for a step launched with ``sampling_deferred``;
+``discard_in_flight`` after a failed step), ``check_health`` whenever asked, and ``shutdown``
+last.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from octavo.messages import ModelRunnerOutput, SchedulerOutput
+from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
 class PendingOutput(Protocol):
@@ -40,6 +41,12 @@ class Executor(Protocol):
         Steps are launched in schedule order, and step N's result is taken before step N+2 is
         launched (at most one step in flight behind the one being launched).
         """
+        ...
+
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        """Launch the sampling of the last step launched, which had ``sampling_deferred``,
+        masked by ``grammar_bitmask`` (structured outputs under async scheduling). Called
+        before that step's result is taken and before the next step is launched."""
         ...
 
     def discard_in_flight(self) -> None:

@@ -34,13 +34,14 @@ import zmq
 
 from octavo.config import EngineConfig
 from octavo.executor.base import LaunchedStep
-from octavo.messages import ModelRunnerOutput, SchedulerOutput
+from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.messages.executor import (
     WorkerCall,
     WorkerCallResult,
     WorkerEvent,
     WorkerFlush,
     WorkerInput,
+    WorkerSample,
     WorkerShutdown,
     WorkerStep,
     WorkerStepResult,
@@ -137,6 +138,10 @@ class MultiprocExecutor:
         self._broadcast(WorkerStep(step_id=step_id, scheduler_output=scheduler_output))
         self._last_step_sent = step_id
         return LaunchedStep(self, step_id)
+
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        self._broadcast(WorkerSample(step_id=self._last_step_sent,
+                                     grammar_bitmask=grammar_bitmask))
 
     def discard_in_flight(self) -> None:
         self._results.clear()

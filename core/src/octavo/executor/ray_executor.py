@@ -27,13 +27,14 @@ import msgspec
 from octavo.config import EngineConfig
 from octavo.executor.base import LaunchedStep
 from octavo.executor.multiproc import WorkerDiedError, free_tcp_port
-from octavo.messages import ModelRunnerOutput, SchedulerOutput
+from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.messages.executor import (
     WorkerCall,
     WorkerCallResult,
     WorkerEvent,
     WorkerFlush,
     WorkerInput,
+    WorkerSample,
     WorkerShutdown,
     WorkerStep,
     WorkerStepResult,
@@ -219,6 +220,9 @@ class RayExecutor:
                     assert event.output is not None
                     self._results[event.step_id] = event.output
         return self._results.pop(step_id)
+
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        self._send(WorkerSample(step_id=self._last_step_sent, grammar_bitmask=grammar_bitmask))
 
     def discard_in_flight(self) -> None:
         self._results.clear()

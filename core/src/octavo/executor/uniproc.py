@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from octavo.config import EngineConfig
-from octavo.messages import ModelRunnerOutput, SchedulerOutput
+from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.plugins import get_plugin_manager
-from octavo.worker.async_output import PendingStepOutput
+from octavo.worker.async_output import StepOutput
 from octavo.worker.worker import Worker, create_worker
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,11 @@ class UniprocExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStepOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepOutput:
         return self.worker.execute_model_async(scheduler_output)
+
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        self.worker.sample_tokens(grammar_bitmask)
 
     def discard_in_flight(self) -> None:
         self.worker.discard_in_flight()

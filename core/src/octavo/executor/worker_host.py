@@ -24,12 +24,13 @@ from octavo.messages.executor import (
     WorkerEvent,
     WorkerFlush,
     WorkerInput,
+    WorkerSample,
     WorkerShutdown,
     WorkerStep,
     WorkerStepResult,
 )
 from octavo.plugins import get_plugin_manager
-from octavo.worker.async_output import PendingStepOutput
+from octavo.worker.async_output import StepOutput
 from octavo.worker.worker import Worker, create_worker
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class WorkerHost:
                                             distributed_init_method=distributed_init_method,
                                             local_rank=local_rank)
         self.rank = rank
-        self._pending: deque[tuple[int, PendingStepOutput]] = deque()
+        self._pending: deque[tuple[int, StepOutput]] = deque()
         self.stopped = False
 
     @property
@@ -55,6 +56,8 @@ class WorkerHost:
         """Act on one message; return what to send back (maybe nothing)."""
         if isinstance(message, WorkerStep):
             return self._step(message)
+        if isinstance(message, WorkerSample):
+            return self._sample(message)
         if isinstance(message, WorkerFlush):
             return self._finish_until(message.step_id)
         if isinstance(message, WorkerCall):
@@ -92,6 +95,13 @@ class WorkerHost:
             return [self._failed(step.step_id, exc)]
         self._pending.append((step.step_id, pending))
         return self._finish_until(step.step_id - 1)
+
+    def _sample(self, sample: WorkerSample) -> list[WorkerEvent]:
+        try:
+            self.worker.sample_tokens(sample.grammar_bitmask)
+        except Exception as exc:
+            return [self._failed(sample.step_id, exc)]
+        return []
 
     def _finish_until(self, step_id: int) -> list[WorkerEvent]:
         events: list[WorkerEvent] = []

@@ -7,7 +7,8 @@ Every layer may import from here; nothing here imports a layer above it (only
   identifier types ``RequestId`` and ``BlockHash``.
 - ``engine_core``: front end <-> engine core: ``EngineCoreRequest``, ``EngineCoreOutput``,
   ``SchedulerStats`` and the process protocol (msgspec Structs, msgpack on the wire).
-- ``scheduler_output``: scheduler -> workers: ``SchedulerOutput`` and its per-request parts.
+- ``scheduler_output``: scheduler -> workers: ``SchedulerOutput`` and its per-request parts,
+  ``GrammarBitmask`` (the token masks of a step's constrained requests).
 - ``runner_output``: workers -> scheduler: ``ModelRunnerOutput``.
 - ``logprobs``: ``LogprobsLists``, the logprobs of consecutive positions.
 """
@@ -16,13 +17,19 @@ from octavo.messages.engine_core import EngineCoreOutput, EngineCoreRequest, Sch
 from octavo.messages.logprobs import LogprobsLists
 from octavo.messages.request import BlockHash, Request, RequestId, RequestStatus
 from octavo.messages.runner_output import ModelRunnerOutput
-from octavo.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from octavo.messages.scheduler_output import (
+    CachedRequestData,
+    GrammarBitmask,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 __all__ = [
     "BlockHash",
     "CachedRequestData",
     "EngineCoreOutput",
     "EngineCoreRequest",
+    "GrammarBitmask",
     "LogprobsLists",
     "ModelRunnerOutput",
     "NewRequestData",

@@ -5,7 +5,8 @@ msgspec Structs, encoded as msgpack (never pickle): the ``SchedulerOutput`` and
 boundary is plain typed data.
 
 - executor -> every worker: ``WorkerCall`` (a lifecycle method), ``WorkerStep`` (run a step),
-  ``WorkerFlush`` (send the results of steps up to one), ``WorkerShutdown``.
+  ``WorkerSample`` (sample the last step, launched with ``sampling_deferred``, with its grammar
+  bitmask), ``WorkerFlush`` (send the results of steps up to one), ``WorkerShutdown``.
 - worker -> executor: ``WorkerCallResult`` (every rank), ``WorkerStepResult`` (the output
   rank only, or any rank whose step failed).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from octavo.messages.runner_output import ModelRunnerOutput
-from octavo.messages.scheduler_output import SchedulerOutput
+from octavo.messages.scheduler_output import GrammarBitmask, SchedulerOutput
 
 # The lifecycle methods a WorkerCall may name, in the order an executor calls them.
 WORKER_METHODS = ("start", "determine_num_blocks", "initialize_cache", "check_health")
@@ -41,6 +42,13 @@ class WorkerStep(msgspec.Struct, tag="step", kw_only=True):
     scheduler_output: SchedulerOutput
 
 
+class WorkerSample(msgspec.Struct, tag="sample", kw_only=True):
+    """Sample step ``step_id`` (the last one sent, launched with ``sampling_deferred``)."""
+
+    step_id: int
+    grammar_bitmask: GrammarBitmask | None = None
+
+
 class WorkerFlush(msgspec.Struct, tag="flush", kw_only=True):
     """Finish every launched step up to ``step_id`` and send their results now (the executor
     waits for one and has no later step to launch)."""
@@ -52,7 +60,7 @@ class WorkerShutdown(msgspec.Struct, tag="shutdown"):
     """Release the device and the process group, then exit 0."""
 
 
-WorkerInput = WorkerCall | WorkerStep | WorkerFlush | WorkerShutdown
+WorkerInput = WorkerCall | WorkerStep | WorkerSample | WorkerFlush | WorkerShutdown
 
 
 class WorkerCallResult(msgspec.Struct, tag="call_result", kw_only=True):

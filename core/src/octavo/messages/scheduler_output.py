@@ -48,6 +48,20 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """Which tokens each constrained request of a step may sample (structured outputs).
+
+    Row ``i`` belongs to ``req_ids[i]``; bit ``t % 32`` of its int32 word ``t // 32`` is set
+    when token ``t`` is allowed. ``data`` holds the rows as little-endian int32,
+    ``len(req_ids) * num_words`` of them.
+    """
+
+    req_ids: list[str]
+    num_words: int
+    data: bytes
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step's work."""
 
@@ -61,6 +75,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # Requests finished, aborted or preempted since the last step: drop their worker state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Token masks of the constrained requests that sample in this step (None: no such row).
+    grammar_bitmask: GrammarBitmask | None = None
+    # The masks depend on a token still in flight: the step's forward pass runs now and its
+    # sampling waits for ``Executor.sample_tokens`` (async scheduling with structured outputs).
+    sampling_deferred: bool = False
 
     @property
     def is_empty(self) -> bool:

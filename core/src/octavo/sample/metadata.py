@@ -44,6 +44,16 @@ class SamplingRow:
 
 
 @dataclass(slots=True)
+class GrammarRows:
+    """Token bitmasks of the constrained rows of a step, on the host."""
+
+    # Logits rows the masks apply to.
+    row_ids: list[int]
+    # [len(row_ids), words] int32, bit t % 32 of word t // 32 set: token t allowed.
+    bitmask: torch.Tensor
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     """Batched sampling settings of one step; every tensor lives on the logits' device.
 
@@ -89,6 +99,11 @@ class SamplingMetadata:
     seeded_rows: list[tuple[int, int]]
     # Most top logprobs any row asked for (k); None when no row asked for logprobs.
     max_num_logprobs: int | None
+    # Structured outputs: [num_constrained] int64 rows and their [num_constrained, words]
+    # int32 token bitmasks (bit t % 32 of word t // 32: token t allowed); None when no row is
+    # constrained.
+    grammar_row_ids: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -97,9 +112,14 @@ class SamplingMetadata:
 
     @classmethod
     def from_rows(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+        cls,
+        rows: list[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str,
+        grammar: GrammarRows | None = None,
     ) -> SamplingMetadata:
         """Batch ``rows`` into tensors on ``device``; row ``i`` describes logits row ``i``.
+        ``grammar`` gives the token bitmasks of the constrained rows (structured outputs).
 
         Raises ``ValueError`` when ``vocab_size`` is not positive.
         """
@@ -185,6 +205,8 @@ class SamplingMetadata:
             min_tokens_token_ids=longs(mask_tokens) if mask_rows else None,
             seeded_rows=seeded_rows,
             max_num_logprobs=max(asked) if asked else None,
+            grammar_row_ids=None if grammar is None else longs(grammar.row_ids),
+            grammar_bitmask=None if grammar is None else host_to_device(grammar.bitmask, device),
         )
 
 

@@ -2,6 +2,8 @@
 
 Per step, on the logits' device, in float32 (a copy: the caller's logits are never modified):
 
+0. structured outputs: tokens a constrained row's grammar does not allow get ``-inf`` (its
+   bitmask, unpacked on the device: no loop over rows or the vocabulary);
 1. ``logit_bias`` is added;
 2. ``min_tokens``: until a row has generated ``min_tokens`` tokens, its stop tokens
    (``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS ids) get ``-inf``;
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
-from octavo.sample.metadata import SamplingMetadata, SamplingRow
+from octavo.sample.metadata import GrammarRows, SamplingMetadata, SamplingRow
 
 # Smallest exponential draw used: keeps probs / q finite and never 0 / 0.
 _MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
@@ -44,8 +46,11 @@ class SamplerOutput:
 class Sampler:
     """Stateless batched sampler; see the module docstring for the exact pipeline."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample one token per row; ``logits`` is ``[batch, vocab]`` with ``batch == len(rows)``.
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarRows | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row; ``logits`` is ``[batch, vocab]`` with ``batch == len(rows)``;
+        ``grammar``: bitmasks of the constrained rows.
 
         Raises ``ValueError`` when the logits are not 2-D or their batch size differs from
         ``len(rows)``.
@@ -56,7 +61,7 @@ class Sampler:
             raise ValueError(
                 f"logits have {logits.shape[0]} rows but {len(rows)} sampling rows were given"
             )
-        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device)
+        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device, grammar)
         return self.sample(logits, metadata)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
@@ -71,6 +76,7 @@ class Sampler:
             and metadata.no_penalties
             and metadata.bias_row_ids is None
             and metadata.min_tokens_row_ids is None
+            and metadata.grammar_row_ids is None
         ):
             # Fast path of the common greedy batch: nothing to process, no float32 copy.
             sampled = logits.argmax(dim=-1)
@@ -93,8 +99,10 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Steps 1-3 (bias, min_tokens, penalties) on a float32 copy: what greedy rows argmax."""
+        """Steps 0-3 (grammar, bias, min_tokens, penalties) on a float32 copy: what greedy rows
+        argmax."""
         out = logits.to(torch.float32, copy=True)  # [batch, vocab]
+        apply_grammar_bitmask(out, metadata)
         apply_logit_bias(out, metadata)
         apply_min_tokens(out, metadata)
         apply_penalties(out, metadata)
@@ -113,6 +121,31 @@ class Sampler:
             apply_min_p(logits, metadata.min_p)
         probs = logits.softmax(dim=-1)  # [batch, vocab]
         return exponential_race(probs, metadata.seeded_rows)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Set the tokens each constrained row's grammar forbids to ``-inf``, in place."""
+    if metadata.grammar_row_ids is None:
+        return
+    assert metadata.grammar_bitmask is not None
+    allowed = unpack_bitmask(metadata.grammar_bitmask, logits.shape[1])  # [k, vocab] bool
+    rows = metadata.grammar_row_ids
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[k, words]`` int32 bitmask -> ``[k, vocab_size]`` bool (True: allowed). Tokens past
+    the bitmask's ``32 * words`` are not allowed."""
+    k, words = bitmask.shape
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [k, 4 * words], little-endian
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = as_bytes.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)  # [k, 4w, 8]
+    allowed = bits.view(k, 32 * words).bool()
+    if 32 * words >= vocab_size:
+        return allowed[:, :vocab_size]
+    padded = allowed.new_zeros(k, vocab_size)
+    padded[:, : 32 * words] = allowed
+    return padded
 
 
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

@@ -12,7 +12,8 @@ from octavo.sampling_params import SamplingParams
 
 
 def assert_no_leaks(llm: Any) -> None:
-    """Every KV block is back in the pool and nothing still tracks a request.
+    """Every KV block is back in the pool and nothing still tracks a request (nor its
+    grammar).
 
     ``llm`` is an ``octavo.LLM``; call this when no request should be left.
     """
@@ -27,6 +28,8 @@ def assert_no_leaks(llm: Any) -> None:
     assert not engine.has_unfinished_requests(), "the output processor still tracks requests"
     for block in scheduler.kv_cache_manager.block_pool.blocks:
         assert block.ref_cnt == 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+    structured = engine.engine_core.structured_outputs
+    assert structured.num_active == 0, f"{structured.num_active} grammars are still held"
 
 
 def greedy(max_tokens: int = 16, **kwargs: Any) -> SamplingParams:

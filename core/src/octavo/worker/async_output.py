@@ -33,7 +33,7 @@ class PendingStepOutput:
         self,
         copies: DeviceToHostCopy | None,
         finalize: Callable[[list[torch.Tensor]], ModelRunnerOutput],
-        previous: PendingStepOutput | None,
+        previous: StepOutput | None,
         sampled_token_ids: torch.Tensor | None,
     ) -> None:
         self._copies = copies
@@ -71,3 +71,44 @@ class PendingStepOutput:
             self._finalize = None
             self._copies = None
         return self._output
+
+
+class DeferredStepOutput:
+    """A launched step whose sampling is launched later (``ModelRunner.sample_tokens``), once
+    the engine core has its grammar bitmasks; it stands for the ``PendingStepOutput`` attached
+    then."""
+
+    def __init__(self, previous: StepOutput | None) -> None:
+        # The step launched before this one (its sampling resolves it first).
+        self.previous = previous
+        self._inner: PendingStepOutput | None = None
+
+    def attach(self, inner: PendingStepOutput) -> None:
+        self._inner = inner
+        self.previous = None
+
+    def _attached(self) -> PendingStepOutput:
+        if self._inner is None:
+            raise RuntimeError("the step's sampling was never launched (sample_tokens)")
+        return self._inner
+
+    @property
+    def sampled_token_ids(self) -> torch.Tensor | None:
+        return self._attached().sampled_token_ids
+
+    @property
+    def is_resolved(self) -> bool:
+        return self._inner is not None and self._inner.is_resolved
+
+    def wait_previous(self) -> None:
+        if self._inner is not None:
+            self._inner.wait_previous()
+        elif self.previous is not None:
+            self.previous.result()
+
+    def result(self) -> ModelRunnerOutput:
+        return self._attached().result()
+
+
+# What ModelRunner.execute_model_async returns.
+StepOutput = PendingStepOutput | DeferredStepOutput

@@ -10,6 +10,12 @@ whole batch in one call.
 step may then take a request's next input straight from the device tensor of tokens the
 previous step sampled (see ``octavo.worker.async_output``). ``execute_model`` is the same,
 waited for.
+
+Structured outputs: a step's ``grammar_bitmask`` masks the logits of its constrained rows
+before sampling. When the masks need a token still in flight (async scheduling), the step
+comes with ``sampling_deferred``: its forward pass is launched at once and its sampling by
+``sample_tokens`` once the engine core has the masks, so the device runs the forward pass while
+the host computes them.
 """
 
 from __future__ import annotations
@@ -24,16 +30,16 @@ import torch
 from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import EngineConfig
 from octavo.distributed.parallel_state import ParallelState
-from octavo.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from octavo.messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from octavo.model_executor.layers.attention import Attention
 from octavo.model_executor.model_loader import load_model
 from octavo.model_executor.models.interfaces import IntermediateTensors
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
-from octavo.sample.metadata import SamplingRow
+from octavo.sample.metadata import GrammarRows, SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.sampling_params import SamplingParams
 from octavo.transfer import DeviceToHostCopy, host_to_device
-from octavo.worker.async_output import PendingStepOutput
+from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.pipeline import StageIO
@@ -126,7 +132,9 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         # The last launched step; its sampled tokens may not be on the host yet.
-        self._last_step: PendingStepOutput | None = None
+        self._last_step: StepOutput | None = None
+        # A launched step waiting for sample_tokens: its output, hidden states and inputs.
+        self._deferred: tuple[DeferredStepOutput, torch.Tensor, _StepInputs] | None = None
         # Replays captured steps where it can (set by the worker once the KV cache exists;
         # see Worker.make_graph_runner); None: every step runs eagerly.
         self.graph_runner: GraphRunner | None = None
@@ -221,12 +229,15 @@ class ModelRunner:
         return self.execute_model_async(scheduler_output).result()
 
     @torch.inference_mode()
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStepOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Launch one step; its results are read back when ``result()`` is called.
 
         Contract: steps are launched in schedule order, and step N's result is taken before
-        step N+2 is launched (at most one step in flight behind the one being launched).
+        step N+2 is launched (at most one step in flight behind the one being launched). A
+        step with ``sampling_deferred`` samples when ``sample_tokens`` is called, which must
+        come before its result is taken and before the next step is launched.
         """
+        assert self._deferred is None, "the previous step's sample_tokens was never called"
         if self._last_step is not None:
             self._last_step.wait_previous()  # keeps at most one step in flight behind this one
         self._update_states(scheduler_output)
@@ -237,18 +248,35 @@ class ModelRunner:
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
+        step: StepOutput
         if hidden is None:  # a pipeline stage before the last: nothing sampled here
-            pending = PendingStepOutput.ready(ModelRunnerOutput(
+            step = PendingStepOutput.ready(ModelRunnerOutput(
                 req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
+        elif scheduler_output.sampling_deferred:
+            step = DeferredStepOutput(self._last_step)
+            self._deferred = (step, hidden, inputs)
         else:
-            pending = self._sample(hidden, inputs)
-        self._last_step = pending
-        return pending
+            step = self._sample(hidden, inputs, self._last_step,
+                                scheduler_output.grammar_bitmask)
+        self._last_step = step
+        return step
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        """Launch the sampling of the step launched with ``sampling_deferred``, masked by
+        ``grammar_bitmask``. Without such a step (a pipeline stage that does not sample, or an
+        empty step) it does nothing."""
+        if self._deferred is None:
+            return
+        step, hidden, inputs = self._deferred
+        self._deferred = None
+        step.attach(self._sample(hidden, inputs, step.previous, grammar_bitmask))
 
     def discard_in_flight(self) -> None:
         """Forget launched steps whose results will never be taken (the engine discarded
         them after an error); their requests' states are dropped by the next step."""
         self._last_step = None
+        self._deferred = None
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -397,9 +425,15 @@ class ModelRunner:
             seq_lens_cpu=list(seq_lens),
         )
 
-    def _sample(self, hidden: torch.Tensor, inputs: _StepInputs) -> PendingStepOutput:
-        """Launch sampling (and prompt logprobs) and the copies of their results to the host."""
-        previous = self._last_step
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        inputs: _StepInputs,
+        previous: StepOutput | None,
+        grammar_bitmask: GrammarBitmask | None,
+    ) -> PendingStepOutput:
+        """Launch sampling (and prompt logprobs) and the copies of their results to the host;
+        ``previous`` is the step launched before this one."""
         if previous is not None and previous.is_resolved:
             previous = None
         output = ModelRunnerOutput(
@@ -416,7 +450,8 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
             rows = self._sampling_rows(states, inputs.num_tokens_before_sample, previous)
-            sampler_output = self.sampler(logits, rows)
+            grammar = _grammar_rows(grammar_bitmask, states)
+            sampler_output = self.sampler(logits, rows, grammar)
             sampled = sampler_output.sampled_token_ids
         for row, state in enumerate(states):
             state.sampled_row = row
@@ -460,7 +495,7 @@ class ModelRunner:
         self,
         states: list[CachedRequestState],
         num_tokens_before_sample: list[int],
-        previous: PendingStepOutput | None,
+        previous: StepOutput | None,
     ) -> list[SamplingRow]:
         """One ``SamplingRow`` per sampling request, counting tokens still in flight.
 
@@ -493,6 +528,23 @@ class ModelRunner:
         both = host_to_device(torch.tensor(flat + targets, dtype=torch.long), self.device)
         logits = self.model.compute_logits(hidden[both[: len(flat)]])
         return compute_logprobs(logits, both[len(flat) :], num)
+
+
+def _grammar_rows(
+    bitmask: GrammarBitmask | None, states: list[CachedRequestState]
+) -> GrammarRows | None:
+    """The bitmask rows of the step's constrained requests, by their row among ``states``."""
+    if bitmask is None or not bitmask.req_ids:
+        return None
+    row_of = {state.req_id: row for row, state in enumerate(states)}
+    data = np.frombuffer(bitmask.data, dtype="<i4").reshape(len(bitmask.req_ids),
+                                                            bitmask.num_words)
+    keep = [i for i, req_id in enumerate(bitmask.req_ids) if req_id in row_of]
+    if not keep:
+        return None
+    rows = [row_of[bitmask.req_ids[i]] for i in keep]
+    masks = torch.from_numpy(data[keep] if len(keep) < len(bitmask.req_ids) else data.copy())
+    return GrammarRows(row_ids=rows, bitmask=masks)
 
 
 def _to_lists(tensors: LogprobsTensors, start: int, end: int, num_top: int) -> LogprobsLists:

@@ -21,8 +21,8 @@ from octavo.distributed.parallel_state import (
     destroy_parallel_state,
     init_parallel_state,
 )
-from octavo.messages import ModelRunnerOutput, SchedulerOutput
-from octavo.worker.async_output import PendingStepOutput
+from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from octavo.worker.async_output import StepOutput
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.model_runner import ModelRunner
 
@@ -187,10 +187,15 @@ class Worker:
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStepOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Launch a step; see ``ModelRunner.execute_model_async`` for the contract."""
         assert self.model_runner is not None
         return self.model_runner.execute_model_async(scheduler_output)
+
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        """Launch the sampling of a step launched with ``sampling_deferred``."""
+        assert self.model_runner is not None
+        self.model_runner.sample_tokens(grammar_bitmask)
 
     def discard_in_flight(self) -> None:
         """Forget launched steps whose results will never be taken."""

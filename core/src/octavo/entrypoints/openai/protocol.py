@@ -48,6 +48,33 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIRequest):
+    # OpenAI requires a name; it only labels the schema here.
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # Accepted for compatibility: the schema is always enforced exactly.
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    # "text": no constraint; "json_object": any JSON object; "json_schema": json_schema.schema.
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIRequest):
+    """vLLM's ``structured_outputs`` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    # EBNF: GBNF (llama.cpp's dialect) or Lark.
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(OpenAIRequest):
     """Sampling fields shared by completions and chat (those of ``octavo.SamplingParams``)."""
 
@@ -71,6 +98,9 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Constrained output: OpenAI's response_format, or vLLM's structured_outputs (one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     # Accepted for compatibility; not used.
     user: str | None = None
 

@@ -28,7 +28,8 @@ from octavo.entrypoints.openai.errors import OpenAIError, engine_dead_error
 from octavo.entrypoints.openai.protocol import SamplingFields, unsupported_fields
 from octavo.errors import InvalidRequestError
 from octavo.outputs import PositionLogprobs, RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import SamplingParams, StructuredOutputsParams
+from octavo.structured_output.grammar import validate as validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +144,15 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options is only allowed with stream=true", 400,
                               param="stream_options", code="invalid_value")
+        renamed = dict(params_renamed or {})
         try:
+            structured = structured_outputs_params(request, renamed)
+            if structured is not None:
+                validate_structured_outputs(structured)
+                kwargs["structured_outputs"] = structured
             return SamplingParams(**kwargs)
         except InvalidRequestError as exc:
-            raise invalid_request(exc, params_renamed) from None
+            raise invalid_request(exc, renamed) from None
 
     # ---- running requests -----------------------------------------------------------------
 
@@ -271,6 +277,40 @@ def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
     ranked = [(tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= num]
     ranked.sort(key=lambda item: item[1].rank)
     return ranked[:num]
+
+
+def structured_outputs_params(
+    request: SamplingFields, renamed: dict[str, str]
+) -> StructuredOutputsParams | None:
+    """The constraint of ``response_format`` or ``structured_outputs`` (not both), or None.
+
+    Adds to ``renamed`` the request's names of the engine's fields, so an error about the
+    schema of a ``response_format`` names ``response_format.json_schema.schema``.
+    """
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "text":
+        response_format = None
+    fields = request.structured_outputs
+    if response_format is not None and fields is not None:
+        raise InvalidRequestError("give response_format or structured_outputs, not both",
+                                  param="structured_outputs")
+    if fields is not None:
+        return StructuredOutputsParams(
+            json=fields.json_, regex=fields.regex, choice=fields.choice, grammar=fields.grammar,
+            json_object=fields.json_object, disable_any_whitespace=fields.disable_any_whitespace)
+    if response_format is None:
+        return None
+    if response_format.type == "json_object":
+        renamed["structured_outputs.json_object"] = "response_format"
+        return StructuredOutputsParams(json_object=True)
+    renamed["structured_outputs.json"] = "response_format.json_schema.schema"
+    renamed["structured_outputs"] = "response_format"
+    json_schema = response_format.json_schema
+    if json_schema is None or json_schema.json_schema is None:
+        raise InvalidRequestError(
+            'response_format of type "json_schema" needs json_schema.schema',
+            param="response_format.json_schema")
+    return StructuredOutputsParams(json=json_schema.json_schema)
 
 
 def invalid_request(exc: InvalidRequestError, renamed: dict[str, str] | None = None) -> OpenAIError:

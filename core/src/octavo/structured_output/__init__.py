@@ -1,0 +1,8 @@
+"""Structured outputs: constrained decoding with a grammar engine (llguidance).
+
+- ``grammar``: a request's ``StructuredOutputsParams`` as a grammar, validated in the front end;
+- ``manager``: the engine core's grammars: compiled off the engine loop, one matcher per
+  request, the token bitmask of every constrained request of a step, advanced with each
+  sampled token. The bitmask is applied by the core's sampler (``octavo.sample``) on the
+  device, whatever the backend.
+"""

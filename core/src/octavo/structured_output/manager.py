@@ -1,0 +1,198 @@
+"""``StructuredOutputManager``: the engine core's grammars, one matcher per constrained request.
+
+Lifecycle of a constrained request in the engine core (``octavo.engine_core.core``):
+
+1. ``submit``: its grammar is compiled on a background thread (llguidance releases the GIL
+   while it builds a grammar), so one slow schema never stalls the steps of other requests.
+   Compiled grammars are cached by their text: a request whose constraint was seen before gets
+   a copy of the cached matcher, which costs microseconds.
+2. ``take_ready``: once compiled, the request is handed to the scheduler.
+3. Every step it samples in, ``bitmask`` gives its row of the token bitmask (bit ``t`` of the
+   row set = token ``t`` may come next), filled for all constrained rows of the step in one
+   call on llguidance's thread pool.
+4. ``accept`` advances its matcher with each token the step sampled.
+5. ``remove`` when it finishes, is aborted or fails: nothing is kept.
+
+The tokenizer the grammars are compiled against is built once, lazily, on the background
+thread (about a second for a 150k-token vocabulary).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from octavo.messages import GrammarBitmask
+from octavo.sampling_params import StructuredOutputsParams
+from octavo.structured_output.grammar import grammar_text, parser_limits
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse (each holds its lexer tables: tens of kB to a few MB).
+_CACHE_SIZE = 256
+
+
+@dataclass(slots=True)
+class CompiledRequest:
+    """A request whose grammar finished compiling: ``error`` is None when it compiled."""
+
+    request_id: str
+    error: str | None
+
+
+class StructuredOutputManager:
+    """See the module docstring. Not thread-safe: the engine core calls it from one thread."""
+
+    def __init__(
+        self,
+        tokenizer_factory: Callable[[], tuple[Any, set[int]]],
+        vocab_size: int,
+        num_threads: int | None = None,
+    ) -> None:
+        """``tokenizer_factory`` returns the model's ``transformers`` tokenizer and its EOS
+        ids (called once, on the compile thread); ``vocab_size`` is the model's (the logits'
+        width, which may exceed the tokenizer's)."""
+        self._tokenizer_factory = tokenizer_factory
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._num_threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._compiler = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="octavo-grammar")
+        self._compiling: dict[str, concurrent.futures.Future[Any]] = {}
+        self._matchers: dict[str, Any] = {}
+        # Guarded by _lock: the compile thread fills it, the engine thread never touches it.
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._tokenizer: Any = None
+        self._executor: Any = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Start compiling ``request_id``'s grammar; ``take_ready`` returns it when done."""
+        self._compiling[request_id] = self._compiler.submit(self._compile, params)
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding a matcher or a compilation (0 once every request is done)."""
+        return len(self._matchers) + len(self._compiling)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a compilation finishes or ``timeout_s`` passes."""
+        if self._compiling:
+            concurrent.futures.wait(list(self._compiling.values()), timeout=timeout_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def take_ready(self) -> list[CompiledRequest]:
+        """Requests whose compilation finished since the last call."""
+        ready = []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                self._matchers[request_id] = future.result()
+                ready.append(CompiledRequest(request_id, None))
+            except Exception as exc:  # noqa: BLE001 - reported on the request, never raised
+                logger.error("request %s: its grammar did not compile: %s", request_id, exc)
+                ready.append(CompiledRequest(request_id, str(exc)))
+        return ready
+
+    def remove(self, request_id: str) -> None:
+        """Forget ``request_id`` (finished, aborted, failed); a compilation still running is
+        left to finish and dropped."""
+        self._matchers.pop(request_id, None)
+        future = self._compiling.pop(request_id, None)
+        if future is not None:
+            future.cancel()
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def shutdown(self) -> None:
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self._compiling.clear()
+        self._matchers.clear()
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def accept(self, request_id: str, token_ids: list[int]) -> str | None:
+        """Advance ``request_id``'s matcher with the tokens it sampled; the matcher's error
+        when one was not allowed (the request must then end), else None."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return None
+        for token_id in token_ids:
+            if matcher.is_stopped():
+                # The grammar ended on the previous token (an EOS the model may not have
+                # sampled yet cannot come after it): the request stops through its stop rules.
+                break
+            if not matcher.consume_token(token_id) or matcher.is_error():
+                return matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+        return None
+
+    def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
+        """The token bitmask of ``request_ids`` (one row each, in order). A request without a
+        matcher (it finished while its step was in flight) gets a row allowing everything:
+        what it samples is thrown away."""
+        import llguidance.torch as llg_torch
+        import torch
+
+        rows = torch.full((len(request_ids), self.num_words), -1, dtype=torch.int32)
+        pairs = [(self._matchers[r], i) for i, r in enumerate(request_ids) if r in self._matchers]
+        if pairs:
+            llg_torch.fill_next_token_bitmask_par(self._mask_executor(), pairs, rows)
+        data: np.ndarray = rows.numpy()
+        return GrammarBitmask(req_ids=list(request_ids), num_words=self.num_words,
+                              data=data.tobytes())
+
+    # ---- compile thread ------------------------------------------------------------------
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        import llguidance
+
+        tokenizer = self._llg_tokenizer()
+        grammar = grammar_text(params)
+        with self._lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+                return cached.deep_copy()
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        with self._lock:
+            self._cache[grammar] = matcher
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher.deep_copy()
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            tokenizer, eos_ids = self._tokenizer_factory()
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=self.vocab_size, eos_token=sorted(eos_ids) or None)
+            logger.info("structured outputs: grammars compile against a %d-token vocabulary",
+                        self.vocab_size)
+        return self._tokenizer
+
+    def _mask_executor(self) -> Any:
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
+        return self._executor

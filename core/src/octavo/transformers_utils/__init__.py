@@ -1,0 +1,1 @@
+"""Loading what ``transformers`` provides for a model besides its weights (the tokenizer)."""

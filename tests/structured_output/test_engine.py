@@ -1,0 +1,208 @@
+"""Structured outputs through ``octavo.LLM`` on a tiny random-weight model.
+
+Random weights make any output possible, so these tests show the constraint is what decides:
+every output satisfies its regex, choice, grammar or schema. The constrained outputs are then
+compared with themselves under every engine feature that changes how steps are cut (async
+scheduling, chunked prefill, preemption, prefix caching, mixed batches): greedy outputs must
+be identical.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from octavo.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.helpers.engine import assert_no_leaks, make_llm, prompts_of_lengths
+
+PROMPTS = prompts_of_lengths([3, 9, 17, 30, 41], seed=5)
+
+# Schemas whose every output is short on a random model (bounded strings, enums, numbers).
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "kind": {"enum": ["a", "bb", "ccc"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["id", "kind", "ok", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,4}-\d{3}"
+CHOICES = ["Paris", "Tokyo", "neither of them"]
+# GBNF with a rule reference and bounded repetition (a random model would loop on "+" forever).
+GRAMMAR = 'root ::= "(" term ("+" term)? ("+" term)? ")"\nterm ::= [0-9]'
+
+
+def constrained(kind: str, **kwargs) -> SamplingParams:
+    structured = {
+        "json": StructuredOutputsParams(json=BOUNDED_SCHEMA, disable_any_whitespace=True),
+        "regex": StructuredOutputsParams(regex=REGEX),
+        "choice": StructuredOutputsParams(choice=CHOICES),
+        "grammar": StructuredOutputsParams(grammar=GRAMMAR),
+    }[kind]
+    kwargs.setdefault("temperature", 0.0)
+    kwargs.setdefault("max_tokens", 64)
+    return SamplingParams(structured_outputs=structured, **kwargs)
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), BOUNDED_SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"\([0-9](\+[0-9]){0,2}\)", text), text
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path):
+    return make_llm(tiny_llama)
+
+
+def run(llm, params, prompts=PROMPTS):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_output_satisfies_its_constraint(llm, kind: str, temperature: float) -> None:
+    outputs = run(llm, constrained(kind, temperature=temperature, seed=11))
+    for out in outputs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        check(kind, completion.text)
+    assert_no_leaks(llm)
+
+
+def test_unconstrained_requests_beside_constrained_ones_are_unchanged(llm) -> None:
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in run(llm, free)]
+    mixed_params = [free if i % 2 else constrained(["json", "regex"][i % 4 // 2])
+                    for i in range(len(PROMPTS))]
+    mixed = run(llm, mixed_params)
+    for i, out in enumerate(mixed):
+        if i % 2:
+            assert out.outputs[0].token_ids == alone[i]
+        else:
+            check(["json", "regex"][i % 4 // 2], out.outputs[0].text)
+    assert_no_leaks(llm)
+
+
+def test_n_completions_each_satisfy_the_constraint(llm) -> None:
+    out = run(llm, constrained("regex", temperature=1.0, n=4, seed=3), PROMPTS[:2])
+    for request in out:
+        assert len(request.outputs) == 4
+        for completion in request.outputs:
+            check("regex", completion.text)
+        assert len({c.text for c in request.outputs}) > 1
+    assert_no_leaks(llm)
+
+
+def test_with_logprobs_and_stop_strings(llm) -> None:
+    params = constrained("grammar", logprobs=2, stop=["+"], include_stop_str_in_output=False)
+    for out in run(llm, params):
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        assert len(completion.logprobs) == len(completion.token_ids)
+        # The text stops before the first "+", or is a whole one-digit expression.
+        assert re.fullmatch(r"\([0-9](\))?", completion.text), completion.text
+    assert_no_leaks(llm)
+
+
+# Engine settings under which constrained greedy outputs must not change.
+SETTINGS = {
+    "async": {"async_scheduling": True},
+    "chunked": {"max_num_batched_tokens": 8, "max_model_len": 128},
+    "preempting": {"block_size": 4, "num_gpu_blocks_override": 34, "max_num_batched_tokens": 16},
+    "async-preempting": {"async_scheduling": True, "block_size": 4,
+                         "num_gpu_blocks_override": 34, "max_num_batched_tokens": 16},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_same_outputs_under_every_engine_setting(tiny_llama: Path, llm, setting: str) -> None:
+    params = [constrained(["json", "regex", "choice", "grammar", "json"][i])
+              for i in range(len(PROMPTS))]
+    want = [o.outputs[0].token_ids for o in run(llm, params)]
+    other = make_llm(tiny_llama, **SETTINGS[setting])
+    got = [o.outputs[0].token_ids for o in run(other, params)]
+    assert got == want
+    if "preempting" in setting:
+        assert other.llm_engine.stats().num_preemptions > 0
+    assert_no_leaks(other)
+
+
+def test_async_scheduling_defers_only_the_sampling(tiny_llama: Path) -> None:
+    """Under async scheduling a constrained decode's mask needs the token in flight: its step
+    is launched with sampling deferred, and sampled once the mask is known."""
+    llm = make_llm(tiny_llama, async_scheduling=True)
+    core = llm.llm_engine.engine_core
+    deferred = []
+    original = core.executor.sample_tokens
+
+    def spy(bitmask):
+        deferred.append(list(bitmask.req_ids) if bitmask is not None else [])
+        return original(bitmask)
+
+    core.executor.sample_tokens = spy
+    run(llm, constrained("regex"))
+    assert deferred, "no step deferred its sampling"
+    assert all(rows for rows in deferred)
+    assert_no_leaks(llm)
+
+
+def test_a_slow_grammar_does_not_stall_other_requests(tiny_llama: Path) -> None:
+    llm = make_llm(tiny_llama)
+    engine = llm.llm_engine
+    manager = engine.engine_core.structured_outputs
+    release = threading.Event()
+    original = manager._compile
+
+    def slow_compile(params):
+        release.wait(30)
+        return original(params)
+
+    manager._compile = slow_compile
+    slow = engine.add_request("slow", {"prompt_token_ids": PROMPTS[0]}, constrained("regex"))
+    del slow
+    engine.add_request("free", {"prompt_token_ids": PROMPTS[1]},
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finished: list[str] = []
+    start = time.monotonic()
+    while "free" not in finished:
+        finished += [o.request_id for o in engine.step() if o.finished]
+        assert time.monotonic() - start < 20
+    assert "slow" not in finished  # still compiling, and it did not hold the other back
+    release.set()
+    while "slow" not in finished:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert_no_leaks(llm)
+
+
+def test_abort_while_compiling_and_while_running_leaks_nothing(tiny_llama: Path) -> None:
+    llm = make_llm(tiny_llama)
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, constrained("json"))
+    engine.abort_request(["a"])  # most likely still compiling
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]},
+                       constrained("regex", max_tokens=64))
+    for _ in range(200):
+        engine.step()
+        if engine.engine_core.structured_outputs.is_constrained("b"):
+            break
+    engine.step()
+    engine.abort_request(["b"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(llm)

@@ -1,0 +1,107 @@
+"""``StructuredOutputManager``: compile off the caller's thread, masks per step, matchers
+advanced by sampled tokens, nothing kept after a request ends."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from octavo.sampling_params import StructuredOutputsParams
+from octavo.structured_output.manager import StructuredOutputManager
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+@pytest.fixture
+def manager(tokenizer):
+    vocab = 400  # wider than the tokenizer's 384 tokens, as padded embeddings are
+    m = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), vocab)
+    yield m
+    m.shutdown()
+
+
+def compile_all(manager: StructuredOutputManager, requests: dict[str, StructuredOutputsParams]):
+    for request_id, params in requests.items():
+        manager.submit(request_id, params)
+    ready = []
+    deadline = time.monotonic() + 60
+    while len(ready) < len(requests) and time.monotonic() < deadline:
+        manager.wait(1.0)
+        ready += manager.take_ready()
+    assert sorted(r.request_id for r in ready) == sorted(requests)
+    assert all(r.error is None for r in ready)
+
+
+def allowed(manager: StructuredOutputManager, request_id: str) -> set[int]:
+    bitmask = manager.bitmask([request_id])
+    words = np.frombuffer(bitmask.data, dtype="<u4").reshape(1, bitmask.num_words)[0]
+    return {w * 32 + b for w, word in enumerate(words) for b in range(32) if word >> b & 1}
+
+
+def walk(manager, tokenizer, request_id: str, text: str) -> None:
+    """Feed ``text`` token by token, checking each token is in the mask first."""
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        assert token in allowed(manager, request_id), tokenizer.decode([token])
+        assert manager.accept(request_id, [token]) is None
+
+
+def test_a_regex_walk_ends_with_eos_only(manager, tokenizer) -> None:
+    compile_all(manager, {"r": StructuredOutputsParams(regex=r"\d{3}-\d{2}")})
+    assert manager.is_constrained("r")
+    walk(manager, tokenizer, "r", "123-45")
+    assert allowed(manager, "r") == {tokenizer.eos_token_id}
+
+
+def test_a_refused_token_is_an_error(manager, tokenizer) -> None:
+    compile_all(manager, {"c": StructuredOutputsParams(choice=["yes", "no"])})
+    letter_z = tokenizer.encode("z", add_special_tokens=False)[0]
+    assert letter_z not in allowed(manager, "c")
+    assert manager.accept("c", [letter_z]) is not None
+
+
+def test_masks_of_several_requests_in_one_call(manager, tokenizer) -> None:
+    compile_all(manager, {
+        "digits": StructuredOutputsParams(regex=r"[0-9]+"),
+        "json": StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True),
+    })
+    bitmask = manager.bitmask(["digits", "json", "gone"])
+    rows = np.frombuffer(bitmask.data, dtype="<u4").reshape(3, bitmask.num_words)
+    assert bitmask.num_words == (400 + 31) // 32
+    digit_ids = {tokenizer.convert_tokens_to_ids(d) for d in "0123456789"}
+    first = {w * 32 + b for w, word in enumerate(rows[0]) for b in range(32) if word >> b & 1}
+    assert digit_ids <= first and all(tokenizer.decode([t]).isdigit() for t in first)
+    brace = tokenizer.convert_tokens_to_ids("{")
+    assert rows[1][brace // 32] >> (brace % 32) & 1
+    assert (rows[2] == 0xFFFFFFFF).all()  # no matcher (finished meanwhile): unconstrained
+    # Tokens past the tokenizer's vocabulary are never allowed.
+    assert not any(rows[0][t // 32] >> (t % 32) & 1 for t in range(len(tokenizer), 400))
+
+
+def test_json_walk_and_cache_hits(manager, tokenizer) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    compile_all(manager, {"one": StructuredOutputsParams(json=schema)})
+    start = time.perf_counter()
+    compile_all(manager, {"two": StructuredOutputsParams(json=json.dumps(schema))})
+    assert time.perf_counter() - start < 5
+    walk(manager, tokenizer, "one", '{"a": 12}')
+    # "two" is a copy of the cached matcher, not the same one: it still expects "{".
+    assert tokenizer.convert_tokens_to_ids("{") in allowed(manager, "two")
+
+
+def test_nothing_is_kept_after_remove(manager) -> None:
+    compile_all(manager, {"a": StructuredOutputsParams(regex="a+"),
+                          "b": StructuredOutputsParams(regex="b+")})
+    manager.submit("c", StructuredOutputsParams(regex="c+"))
+    for request_id in ("a", "b", "c"):
+        manager.remove(request_id)
+    assert manager.num_active == 0
+    assert not manager.is_constrained("a")
