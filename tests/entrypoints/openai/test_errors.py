@@ -53,9 +53,9 @@ def test_unsupported_fields_are_named(http, fields, param) -> None:
 
 def test_unsupported_chat_fields_are_named(http) -> None:
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"type": "function"}], "response_format": {"type": "json_object"}}
-    error = assert_error(http.post("/v1/chat/completions", json=body), 400, param="tools")
-    assert "tools" in error["message"] and "response_format" in error["message"]
+            "audio": {"voice": "alloy"}, "prediction": {"type": "content", "content": "x"}}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, param="audio")
+    assert "audio" in error["message"] and "prediction" in error["message"]
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     assert_error(http.post("/v1/chat/completions", json=body), 400, contains="image_url")
     body = {"model": SERVED_NAME, "messages": [{"role": "tool", "content": "x"}]}

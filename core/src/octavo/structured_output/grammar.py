@@ -38,7 +38,9 @@ def _grammar_text(kind: str, text: str, disable_any_whitespace: bool) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = text if kind == "json" else '{"type": "object"}'
-            options = {"whitespace_flexible": not disable_any_whitespace}
+            # Whitespace is free between JSON tokens unless the request turns it off, or the
+            # schema does through llguidance's own "x-guidance" options.
+            options = {"whitespace_flexible": False} if disable_any_whitespace else None
             return matcher.grammar_from_json_schema(schema, overrides=options)
         if kind == "regex":
             return matcher.grammar_from_regex(text)

@@ -62,8 +62,12 @@ SCHEMA_CASES: tuple[SchemaCase, ...] = (
         {
             "type": "object",
             "properties": {
-                "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                         "maxItems": 4},
+                "tags": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "minItems": 1,
+                    "maxItems": 4,
+                },
             },
             "required": ["tags"],
             "additionalProperties": False,
@@ -196,3 +200,39 @@ SCHEMA_CASES: tuple[SchemaCase, ...] = (
         {"version": 1, "matrix": [[1, 2], [3]]},
     ),
 )
+
+
+def bounded(schema: Any) -> Any:
+    """``schema`` with every output made finite, for models with random weights.
+
+    A random model picks among all allowed tokens, so an unbounded string, array or number
+    may fill ``max_tokens``; this adds ``maxLength`` 6 to strings without a length, pattern,
+    enum or const, ``maxItems`` 3 to arrays, a ``maximum`` to integers and numbers, and
+    ``multipleOf`` 0.25 to numbers. With ``without_whitespace`` too, whatever the model picks
+    is short and complete, and still valid against the original schema.
+    """
+    if isinstance(schema, list):
+        return [bounded(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bounded(value) for key, value in schema.items()}
+    kind = schema.get("type")
+    kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
+    if (
+        "string" in kinds
+        and not {"maxLength", "pattern", "enum", "const", "format"} & schema.keys()
+    ):
+        out["maxLength"] = 6
+    if "array" in kinds and "maxItems" not in schema:
+        out["maxItems"] = 3
+    if kinds & {"integer", "number"} and "maximum" not in schema:
+        out.setdefault("minimum", 0)
+        out["maximum"] = out["minimum"] + 999
+    if "number" in kinds and "multipleOf" not in schema:
+        out["multipleOf"] = 0.25  # finitely many fraction digits
+    return out
+
+
+def without_whitespace(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` telling llguidance to allow no whitespace between JSON tokens."""
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}

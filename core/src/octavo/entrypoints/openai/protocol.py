@@ -101,6 +101,11 @@ class SamplingFields(OpenAIRequest):
     # Constrained output: OpenAI's response_format, or vLLM's structured_outputs (one of them).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # vLLM's older names of the structured_outputs fields (still in many clients' scripts).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted for compatibility; not used.
     user: str | None = None
 

@@ -279,10 +279,15 @@ def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
     return ranked[:num]
 
 
+# vLLM's older request fields ``guided_<name>``, each one ``structured_outputs.<name>``.
+LEGACY_GUIDED_FIELDS = ("json", "regex", "choice", "grammar")
+
+
 def structured_outputs_params(
     request: SamplingFields, renamed: dict[str, str]
 ) -> StructuredOutputsParams | None:
-    """The constraint of ``response_format`` or ``structured_outputs`` (not both), or None.
+    """The constraint of ``response_format``, ``structured_outputs`` or a ``guided_*`` field
+    (at most one of them), or None.
 
     Adds to ``renamed`` the request's names of the engine's fields, so an error about the
     schema of a ``response_format`` names ``response_format.json_schema.schema``.
@@ -291,9 +296,19 @@ def structured_outputs_params(
     if response_format is not None and response_format.type == "text":
         response_format = None
     fields = request.structured_outputs
-    if response_format is not None and fields is not None:
-        raise InvalidRequestError("give response_format or structured_outputs, not both",
-                                  param="structured_outputs")
+    guided = {name: getattr(request, f"guided_{name}") for name in LEGACY_GUIDED_FIELDS}
+    guided = {name: value for name, value in guided.items() if value is not None}
+    given = [name for name, present in (("response_format", response_format is not None),
+                                        ("structured_outputs", fields is not None),
+                                        *((f"guided_{n}", True) for n in guided)) if present]
+    if len(given) > 1:
+        raise InvalidRequestError(f"give one of {', '.join(given)}, not several",
+                                  param=given[-1])
+    if guided:
+        (name, value), = guided.items()
+        renamed[f"structured_outputs.{name}"] = f"guided_{name}"
+        renamed["structured_outputs"] = f"guided_{name}"
+        return StructuredOutputsParams(**{name: value})
     if fields is not None:
         return StructuredOutputsParams(
             json=fields.json_, regex=fields.regex, choice=fields.choice, grammar=fields.grammar,
