@@ -117,18 +117,18 @@ def tiny_config(arch: str, **overrides):
         cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     # Mixtures of experts: 8 experts, top 2 (Qwen3-MoE top 4). Mixtral's experts are of
     # intermediate_size; Qwen's of moe_intermediate_size, intermediate_size serving the dense
-    # layers (mlp_only_layers).
+    # layers (mlp_only_layers). Sizes and tying chosen so greedy output is not degenerate.
     elif arch == "mixtral":
         cfg = MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2,
                             sliding_window=None)
     elif arch == "qwen2_moe":
         cfg = Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
-                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                             moe_intermediate_size=64, shared_expert_intermediate_size=32,
                              norm_topk_prob=False, tie_word_embeddings=False)
     elif arch == "qwen3_moe":
         cfg = Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=4,
                              moe_intermediate_size=32, norm_topk_prob=True,
-                             tie_word_embeddings=True)
+                             tie_word_embeddings=False)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     for key, value in overrides.items():
