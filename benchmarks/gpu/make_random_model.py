@@ -1,6 +1,11 @@
 """Save a random-weight model of a real shape, loadable by Octavo's normal loader.
 
     python benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out /tmp/qwen05b
+    python benchmarks/gpu/make_random_model.py --shape qwen3-30b-a3b --config-only --out /tmp/q3moe
+
+``--config-only`` writes the config and tokenizer without weights: run it with
+``--load-format dummy`` (random weights made on the device; Qwen3-30B-A3B's 61 GB of bf16
+weights need not be written to disk and read back).
 
 The tokenizer is a word-level one with one token per id ("t0", "t1", ...), so every id of
 the model's vocabulary detokenizes (benchmarks use random token-id prompts).
@@ -22,7 +27,18 @@ SHAPES = {
         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0,
         rms_norm_eps=1e-6,
     ),
+    # Qwen3-30B-A3B: hidden 2048, 48 layers, 32 heads, 4 KV heads of 128, 128 experts of
+    # intermediate 768 with top-8 renormalised routing in every layer, vocab 151936, untied;
+    # 30.5B parameters, 3.3B active per token.
+    "qwen3-30b-a3b": dict(
+        arch="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
 }
+CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3_moe": "Qwen3MoeConfig"}
 
 
 def make_word_tokenizer(vocab_size: int, out: Path) -> None:
@@ -42,14 +58,23 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--config-only", action="store_true",
+                        help="write config.json and the tokenizer only (use --load-format dummy)")
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     shape = dict(SHAPES[args.shape])
-    arch = shape.pop("arch")
-    assert arch == "qwen2"
-    config = Qwen2Config(**shape, bos_token_id=1, eos_token_id=1)
+    config_cls = getattr(transformers, CONFIG_CLASSES[shape.pop("arch")])
+    config = config_cls(**shape, bos_token_id=1, eos_token_id=1)
     dtype = getattr(torch, args.dtype)
+    if args.config_only:
+        config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
+        config.dtype = dtype
+        config.save_pretrained(args.out)
+        make_word_tokenizer(config.vocab_size, args.out)
+        print(f"saved the {args.shape} config and tokenizer (no weights) to {args.out}")
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):

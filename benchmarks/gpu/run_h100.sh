@@ -3,12 +3,14 @@
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-sync]
+#                                    [bench-moe] [moe-kernel] [moe-kernel-sweep]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MODEL=/tmp/qwen2.5-0.5b-random
+MOE_MODEL=/tmp/qwen3-30b-a3b-config  # config + tokenizer only: --load-format dummy
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(setup tests bench latency)
 
@@ -109,6 +111,27 @@ for stage in "${stages[@]}"; do
         | tee "$OUT/profile-sync.log" | tail -12
       python3 benchmarks/gpu/profile_steps.py --model $MODEL --num-requests 1 \
         --no-async-scheduling 2>&1 | tee "$OUT/profile-batch1-sync.log" | tail -12
+      ;;
+    bench-moe)
+      # W1 on a Qwen3-30B-A3B-shaped MoE (61 GB of bf16 weights, random, made on the GPU by
+      # --load-format dummy), through AsyncLLM like `bench`; no HF comparison (no 30B HF model
+      # fits beside it).
+      [ -d $MOE_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen3-30b-a3b \
+        --config-only --out $MOE_MODEL
+      octavo bench throughput --model $MOE_MODEL --load-format dummy --dtype bfloat16 \
+        --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 --gpu-memory-utilization 0.92 --async-engine \
+        2>"$OUT/bench-moe.err" | tee "$OUT/bench-moe.log"
+      tail -3 "$OUT/bench-moe.err"
+      ;;
+    moe-kernel)
+      # The fused MoE kernel alone at Qwen3-30B-A3B's layer shape against its weight-read floor.
+      python3 benchmarks/kernels/bench_fused_moe.py 2>&1 | tee "$OUT/moe-kernel.log" | tail -14
+      ;;
+    moe-kernel-sweep)
+      # As moe-kernel, plus a search over launch configs (to tune default_moe_config).
+      python3 benchmarks/kernels/bench_fused_moe.py --sweep --skip-native \
+        2>"$OUT/moe-kernel-sweep.err" | tee "$OUT/moe-kernel-sweep.log" | tail -14
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

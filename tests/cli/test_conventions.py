@@ -244,7 +244,7 @@ def test_tokenizer_folder_replaces_the_models(tiny_llama, tmp_path):
     missing = octavo_cmd("generate", "hi", "--model", str(tiny_llama),
                          "--tokenizer", str(tmp_path / "nope"))
     assert missing.returncode == 1
-    assert "Tokenizer folder" in one_line_error(missing.stderr, "generate")
+    assert "neither a local folder" in one_line_error(missing.stderr, "generate")
 
 
 def test_trust_remote_code_lets_a_custom_config_class_load(tiny_llama, tmp_path):

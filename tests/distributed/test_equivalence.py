@@ -36,6 +36,11 @@ MODELS = {
     "qwen2-1kv": ("qwen2", {"num_key_value_heads": 1}),
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", {}),
+    # Mixtures of experts: every expert's intermediate dim split over the ranks; Qwen2-MoE's
+    # shared expert summed with the routed ones before the one all-reduce. (Mixtral differs
+    # only in checkpoint names: tests/distributed/test_sharded_loading.py.)
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 
 

@@ -100,3 +100,31 @@ def test_dummy_weights_need_no_checkpoint(config_only):
         assert len(out.token_ids) == 6
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_each_rank_loads_its_slice_of_every_expert(tiny_model_factory, arch):
+    """Every rank holds every expert, cut along the intermediate dim: gate and up rows, down
+    columns (and the shared expert likewise); the router is whole on each rank."""
+    folder = tiny_model_factory(arch)
+    model_config, full = build(folder)
+    full.load_weights(model_loader.iterate_weights(model_config))
+    full_params = dict(full.named_parameters())
+    ranks = []
+    for rank in range(2):
+        model_config, model = build(folder, rank=rank, tp=2)
+        model.load_weights(model_loader.iterate_weights(model_config, lazy=True))
+        ranks.append(dict(model.named_parameters()))
+    w13, w2 = "model.layers.1.mlp.experts.w13_weight", "model.layers.1.mlp.experts.w2_weight"
+    full_gate, full_up = full_params[w13].chunk(2, dim=1)  # [E, I, H] each
+    local = full_gate.shape[1] // 2
+    for rank, params in enumerate(ranks):
+        gate, up = params[w13].chunk(2, dim=1)
+        assert torch.equal(gate, full_gate[:, rank * local:(rank + 1) * local])
+        assert torch.equal(up, full_up[:, rank * local:(rank + 1) * local])
+        assert torch.equal(params["model.layers.1.mlp.gate.weight"],
+                           full_params["model.layers.1.mlp.gate.weight"])
+    assert torch.equal(torch.cat([ranks[0][w2], ranks[1][w2]], dim=2), full_params[w2])
+    if arch == "qwen2_moe":
+        down = "model.layers.0.mlp.shared_expert.down_proj.weight"
+        assert torch.equal(torch.cat([ranks[0][down], ranks[1][down]], dim=1), full_params[down])

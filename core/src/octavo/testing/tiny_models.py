@@ -29,7 +29,7 @@ _CORPUS = [
     "Hello world! hello World? HELLO, world; 12345 67890",
 ] * 20
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def train_tokenizer(folder: Path) -> None:
@@ -66,7 +66,15 @@ def tiny_config(arch: str, **overrides):
 
     ``overrides`` replace config fields (e.g. ``head_dim=64``, ``num_hidden_layers=1``).
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     overrides = dict(overrides)
     common = dict(
@@ -107,6 +115,20 @@ def tiny_config(arch: str, **overrides):
         cfg = Qwen2Config(**common, tie_word_embeddings=True)
     elif arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    # Mixtures of experts: 8 experts, top 2 (Qwen3-MoE top 4). Mixtral's experts are of
+    # intermediate_size; Qwen's of moe_intermediate_size, intermediate_size serving the dense
+    # layers (mlp_only_layers). Sizes and tying chosen so greedy output is not degenerate.
+    elif arch == "mixtral":
+        cfg = MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2,
+                            sliding_window=None)
+    elif arch == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=64, shared_expert_intermediate_size=32,
+                             norm_topk_prob=False, tie_word_embeddings=False)
+    elif arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=4,
+                             moe_intermediate_size=32, norm_topk_prob=True,
+                             tie_word_embeddings=False)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     for key, value in overrides.items():

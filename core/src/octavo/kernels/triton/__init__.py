@@ -13,9 +13,11 @@ serves NVIDIA and AMD GPUs; device-specific tuning goes through ``TritonLaunchCo
 | ``rmsnorm`` | ``rms_norm``, ``fused_add_rms_norm`` | ``RMSNorm.forward_native`` |
 | ``rotary`` | ``apply_rotary``: query and key, one launch | ``RotaryEmbedding.forward_native`` |
 | ``activation`` | ``silu_and_mul`` | ``SiluAndMul.forward_native`` |
+| ``fused_moe`` | ``fused_moe``: top-k experts, grouped GEMMs | ``fused_moe_reference`` |
 
-The last three are the fused elementwise kernels the model layers
-(``octavo.model_executor.layers``) dispatch to on CUDA tensors.
+``rmsnorm``, ``rotary`` and ``activation`` are the fused elementwise kernels and ``fused_moe``
+the mixture-of-experts kernel that the model layers (``octavo.model_executor.layers``)
+dispatch to on CUDA tensors (``fused_moe`` is imported from its module, not re-exported here).
 
 Under ``TRITON_INTERPRET=1`` (read by Triton itself when a kernel is defined, so it must be set
 before this package is imported) every kernel runs on CPU tensors, which is how CI tests them.

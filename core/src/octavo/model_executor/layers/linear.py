@@ -89,6 +89,22 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, shards={self.shard_names or None}"
 
 
+class ReplicatedLinear(nn.Module):
+    """``y = x W^T`` with the whole weight on every rank (small layers such as MoE routers)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = _parameter(output_size, input_size)  # loaded whole (load_whole)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, output_size]
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}"
+
+
 def column_parallel(input_size: int, output_size: int, bias: bool,
                     parallel: ParallelState, name: str | None = None) -> ColumnParallelLinear:
     """One projection whose output features are split evenly over the TP ranks."""
@@ -132,12 +148,20 @@ def qkv_parallel(hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: 
 
 
 class RowParallelLinear(nn.Module):
-    """``y = sum over ranks (x_r W_r^T) + b``: the input features are split over the ranks."""
+    """``y = sum over ranks (x_r W_r^T) + b``: the input features are split over the ranks.
+
+    With ``reduce_results=False`` (no bias) a split layer returns this rank's partial product
+    and the caller all-reduces it, e.g. once for the sum of several such layers' outputs.
+    """
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
-                 parallel: ParallelState) -> None:
+                 parallel: ParallelState, reduce_results: bool = True) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel layer that leaves the reduction to its caller "
+                             "cannot add a bias")
         self.parallel = parallel
+        self.reduce_results = reduce_results
         self.input_size = input_size
         self.local_input_size = divide(input_size, parallel.tp_size, "input size of the layer")
         self.output_size = output_size
@@ -151,6 +175,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, output_size]
         if self.parallel.tp_size == 1:
             return F.linear(x, self.weight, self.bias)  # the bias fused, as nn.Linear does
+        if not self.reduce_results:
+            return F.linear(x, self.weight)  # this rank's part; the caller all-reduces
         out = self.parallel.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 

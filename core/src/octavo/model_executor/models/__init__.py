@@ -2,8 +2,11 @@
 
 from octavo.model_executor.models.llama import LlamaForCausalLM
 from octavo.model_executor.models.mistral import MistralForCausalLM
+from octavo.model_executor.models.mixtral import MixtralForCausalLM
 from octavo.model_executor.models.qwen2 import Qwen2ForCausalLM
+from octavo.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 from octavo.model_executor.models.qwen3 import Qwen3ForCausalLM
+from octavo.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from octavo.model_executor.models.registry import (
     ModelRegistry,
     builtin_registry,
@@ -13,9 +16,12 @@ from octavo.model_executor.models.registry import (
 __all__ = [
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "ModelRegistry",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "builtin_registry",
     "register_builtin_models",
 ]

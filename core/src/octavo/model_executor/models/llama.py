@@ -81,11 +81,13 @@ class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up merged into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 parallel: ParallelState) -> None:
+                 parallel: ParallelState, reduce_results: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = merged_column_parallel(
             hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, parallel)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel)
+        # reduce_results=False: a split MLP returns this rank's partial sum (MoE shared experts).
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel,
+                                           reduce_results)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
@@ -139,14 +141,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block; carries the residual stream separately so norms can fuse the add."""
+    """One pre-norm block; carries the residual stream separately so norms can fuse the add.
+
+    ``mlp`` is the feed-forward block (``[num_tokens, hidden_size]`` in and out): a
+    ``LlamaMLP``, or a mixture of experts.
+    """
 
     def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
-                 attn_backend: AttentionBackend, parallel: ParallelState) -> None:
+                 attn_backend: AttentionBackend, parallel: ParallelState,
+                 mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, options, rotary_emb, attn_backend, parallel)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias,
-                            parallel)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -169,12 +175,24 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+# (config, global layer index, parallel state) -> the layer's feed-forward block.
+MakeMLP = Callable[[Any, int, ParallelState], nn.Module]
+
+
+def make_llama_mlp(config: Any, options: DecoderOptions, parallel: ParallelState) -> LlamaMLP:
+    """The dense SiLU-gated MLP of ``config.intermediate_size``."""
+    return LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias, parallel)
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the ``model.`` prefix of HF weight names);
-    under pipeline parallelism only this stage's part of them."""
+    under pipeline parallelism only this stage's part of them.
+
+    ``make_mlp`` builds each layer's feed-forward block (default: ``LlamaMLP``).
+    """
 
     def __init__(self, config: Any, options: DecoderOptions, attn_backend: AttentionBackend,
-                 parallel: ParallelState) -> None:
+                 parallel: ParallelState, make_mlp: MakeMLP | None = None) -> None:
         super().__init__()
         self.parallel = parallel
         self.embed_tokens: VocabParallelEmbedding | None = None
@@ -184,8 +202,12 @@ class LlamaModel(nn.Module):
         rotary_emb = get_rope(config, head_dim_of(config))  # shared by every layer
         self.layer_range = stage_layers(config.num_hidden_layers, parallel)
         # Indexed by the global layer number (HF names); layers of other stages are absent.
+        if make_mlp is None:
+            def make_mlp(config: Any, index: int, parallel: ParallelState) -> nn.Module:
+                return make_llama_mlp(config, options, parallel)
         self.layers = nn.ModuleDict({
-            str(i): LlamaDecoderLayer(config, options, rotary_emb, attn_backend, parallel)
+            str(i): LlamaDecoderLayer(config, options, rotary_emb, attn_backend, parallel,
+                                      make_mlp(config, i, parallel))
             for i in self.layer_range
         })
         self.norm: RMSNorm | None = None
@@ -241,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         self.options = self.decoder_options(config)
         self.sliding_window: int | None = self.sliding_window_of(config)
-        self.model = LlamaModel(config, self.options, attn_backend, parallel)
+        self.model = LlamaModel(config, self.options, attn_backend, parallel, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # The LM head: the embedding itself when tied and on this stage, else its own weight.
         self.lm_head: VocabParallelEmbedding | None = None
@@ -265,6 +287,10 @@ class LlamaForCausalLM(nn.Module):
     def sliding_window_of(cls, config: Any) -> int | None:
         """The attention window the checkpoint was trained with (``None``: none)."""
         return None
+
+    def make_mlp(self, config: Any, layer_index: int, parallel: ParallelState) -> nn.Module:
+        """Layer ``layer_index``'s feed-forward block; mixture-of-experts subclasses override."""
+        return make_llama_mlp(config, self.options, parallel)
 
     def forward(
         self,
@@ -323,7 +349,9 @@ def load_hf_weights(
 
     A name is either a parameter's own name, or ``<parent>.<shard>.<weight|bias>`` where
     ``<parent>`` holds a ``ColumnParallelLinear`` with that shard name (``...self_attn.k_proj.
-    weight`` fills the ``k_proj`` shard of ``...self_attn.qkv_proj.weight``). Each parameter's
+    weight`` fills the ``k_proj`` shard of ``...self_attn.qkv_proj.weight``), or a name a module
+    declares through ``checkpoint_weights()`` (checkpoint names relative to the module ->
+    ``(parameter, shard)``: a ``FusedMoE``'s per-expert tensors). Each parameter's
     ``weight_loader`` copies the part this rank holds (cast to the parameter's dtype and
     device); a tensor may be a lazy ``CheckpointTensor``. Names in ``skip_names`` and rope
     buffers are ignored; then ``aliases`` renames checkpoint names (a tied head on its own stage);
@@ -334,8 +362,13 @@ def load_hf_weights(
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_owner: dict[str, tuple[str, str]] = {}  # "<parent>.<shard>" -> (layer path, shard)
+    declared: dict[str, tuple[str, str]] = {}  # checkpoint name -> (parameter, shard)
     expected: set[tuple[str, str | None]] = set()
     for path, module in model.named_modules(remove_duplicate=False):
+        if callable(getattr(module, "checkpoint_weights", None)):
+            for relative, (attr, shard) in module.checkpoint_weights().items():
+                declared[f"{path}.{relative}"] = (f"{path}.{attr}", shard)
+                expected.add((f"{path}.{attr}", shard))
         names = getattr(module, "shard_names", ())
         if isinstance(module, ColumnParallelLinear) and names:
             parent = path.rpartition(".")[0]
@@ -357,7 +390,9 @@ def load_hf_weights(
         if elsewhere is not None and elsewhere(name):
             continue
         prefix, _, attr = name.rpartition(".")
-        if prefix in shard_owner:
+        if name in declared:
+            key = declared[name]
+        elif prefix in shard_owner:
             path, shard = shard_owner[prefix]
             target = f"{path}.{attr}"
             if target not in params:

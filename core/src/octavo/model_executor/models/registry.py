@@ -57,13 +57,19 @@ def register_builtin_models(register: RegisterModel) -> None:
     """Register Octavo's own model implementations through ``register(architecture, cls)``."""
     from octavo.model_executor.models.llama import LlamaForCausalLM
     from octavo.model_executor.models.mistral import MistralForCausalLM
+    from octavo.model_executor.models.mixtral import MixtralForCausalLM
     from octavo.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from octavo.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
     from octavo.model_executor.models.qwen3 import Qwen3ForCausalLM
+    from octavo.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
     register("LlamaForCausalLM", LlamaForCausalLM)
     register("MistralForCausalLM", MistralForCausalLM)
     register("Qwen2ForCausalLM", Qwen2ForCausalLM)
     register("Qwen3ForCausalLM", Qwen3ForCausalLM)
+    register("MixtralForCausalLM", MixtralForCausalLM)
+    register("Qwen2MoeForCausalLM", Qwen2MoeForCausalLM)
+    register("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
 
 
 def builtin_registry() -> ModelRegistry:
