@@ -8,7 +8,13 @@
 weights need not be written to disk and read back).
 
 The tokenizer is a word-level one with one token per id ("t0", "t1", ...), so every id of
-the model's vocabulary detokenizes (benchmarks use random token-id prompts).
+the model's vocabulary detokenizes (benchmarks use random token-id prompts). ``--tokenizer DIR``
+copies a real tokenizer instead (one that can spell JSON, for ``--structured json``) and sizes
+the vocabulary to it:
+
+    python benchmarks/gpu/export_tokenizer.py --out .bench-assets/smollm2-tokenizer   # here
+    python benchmarks/gpu/make_random_model.py --tokenizer .bench-assets/smollm2-tokenizer \
+        --out /tmp/qwen05b-smollm2-vocab
 """
 
 from __future__ import annotations
@@ -53,11 +59,20 @@ def make_word_tokenizer(vocab_size: int, out: Path) -> None:
     fast.save_pretrained(out)
 
 
+def save_tokenizer(tokenizer, vocab_size: int, out: Path) -> None:
+    if tokenizer is None:
+        make_word_tokenizer(vocab_size, out)
+    else:
+        tokenizer.save_pretrained(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a saved Hugging Face tokenizer folder to use (vocabulary sized to it)")
     parser.add_argument("--config-only", action="store_true",
                         help="write config.json and the tokenizer only (use --load-format dummy)")
     args = parser.parse_args()
@@ -65,14 +80,22 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     shape = dict(SHAPES[args.shape])
+    tokenizer = None
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        shape["vocab_size"] = -(-len(tokenizer) // 64) * 64
     config_cls = getattr(transformers, CONFIG_CLASSES[shape.pop("arch")])
-    config = config_cls(**shape, bos_token_id=1, eos_token_id=1)
+    special = ({"bos_token_id": 1, "eos_token_id": 1} if tokenizer is None else
+               {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id})
+    config = config_cls(**shape, **special)
     dtype = getattr(torch, args.dtype)
     if args.config_only:
         config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
         config.dtype = dtype
         config.save_pretrained(args.out)
-        make_word_tokenizer(config.vocab_size, args.out)
+        save_tokenizer(tokenizer, config.vocab_size, args.out)
         print(f"saved the {args.shape} config and tokenizer (no weights) to {args.out}")
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,7 +103,7 @@ def main() -> None:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(args.out, safe_serialization=True)
-    make_word_tokenizer(config.vocab_size, args.out)
+    save_tokenizer(tokenizer, config.vocab_size, args.out)
     print(f"saved {args.shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params) to {args.out}")
 
 

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-sync]
-#                                    [bench-moe] [moe-kernel] [moe-kernel-sweep]
+#                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -11,6 +11,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MODEL=/tmp/qwen2.5-0.5b-random
 MOE_MODEL=/tmp/qwen3-30b-a3b-config  # config + tokenizer only: --load-format dummy
+# Qwen2.5-0.5B's shape with SmolLM2's tokenizer (a vocabulary that spells JSON), from
+# .bench-assets/smollm2-tokenizer (benchmarks/gpu/export_tokenizer.py, carried from here).
+JSON_MODEL=/tmp/qwen2.5-0.5b-smollm2-vocab
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(setup tests bench latency)
 
@@ -132,6 +135,17 @@ for stage in "${stages[@]}"; do
       # As moe-kernel, plus a search over launch configs (to tune default_moe_config).
       python3 benchmarks/kernels/bench_fused_moe.py --sweep --skip-native \
         2>"$OUT/moe-kernel-sweep.err" | tee "$OUT/moe-kernel-sweep.log" | tail -14
+      ;;
+    bench-structured)
+      # W1 with every request constrained to a JSON schema (octavo.testing.json_schemas), then
+      # the same requests unconstrained with the same output lengths, same engine, one run.
+      [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
+        --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 --async-engine --structured json \
+        2>"$OUT/bench-structured.err" | tee "$OUT/bench-structured.log"
+      tail -3 "$OUT/bench-structured.err"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -107,6 +107,27 @@ def test_bench_throughput_async_engine_matches_the_workload(tiny_llama):
     assert result["output_tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("engine", [[], ["--async-engine"]])
+def test_bench_throughput_structured_json(tiny_llama, engine):
+    done = octavo_cmd("bench", "throughput", "--model", str(tiny_llama), "--device", "cpu",
+                      "--num-prompts", "12", "--input-len", "8:16", "--output-len", "8:24",
+                      "--num-gpu-blocks-override", "64", "--structured", "json", *engine)
+    assert done.returncode == 0, done.stderr
+    result = last_json_line(done.stdout)
+    assert result["structured"] == "json" and result["num_requests"] == 12
+    assert 12 <= result["output_tokens"] <= 12 * 24
+    assert result["unconstrained_output_tokens_per_s"] > 0
+    assert result["structured_vs_unconstrained"] == pytest.approx(
+        result["output_tokens_per_s"] / result["unconstrained_output_tokens_per_s"], rel=0.01)
+    assert "json / unconstrained" in done.stdout
+
+
+def test_bench_structured_refuses_compare_hf(tiny_llama):
+    done = octavo_cmd("bench", "throughput", "--model", str(tiny_llama), "--structured", "json",
+                      "--compare-hf")
+    assert done.returncode == 2 and "drop --compare-hf" in done.stderr
+
+
 # ---- in process --------------------------------------------------------------------------------
 
 

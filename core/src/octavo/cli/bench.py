@@ -19,6 +19,7 @@ import platform
 import random
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 from octavo.cli.options import RawDescriptionHelpFormatter, add_engine_options
@@ -108,6 +109,11 @@ def add_parser(sub) -> None:
     tp.add_argument("--async-engine", action="store_true",
                     help="run through AsyncLLM (engine core in a background process, as "
                          "`octavo serve` does) instead of LLM.generate")
+    tp.add_argument("--structured", choices=("none", "json"), default="none",
+                    help="json: constrain request i to JSON schema i mod 12 of "
+                         "octavo.testing.json_schemas (nested objects, arrays, enums, anyOf, "
+                         "...), then run the same requests unconstrained with the same output "
+                         "lengths on the same engine and print the ratio of output tok/s")
     tp.add_argument("--compare-hf", action="store_true",
                     help="also run HF transformers generate on the same token ids and print the ratio")
     tp.add_argument("--hf-batch-size", type=int, default=None,
@@ -137,25 +143,39 @@ class _OctavoRun:
     num_output_tokens: int
     # Requests preempted (recomputed) during the run.
     num_preemptions: int
+    # Output tokens of each request, in workload order.
+    output_lens: list[int]
 
 
-def _throughput_params(workload: Workload, ignore_eos: bool):
+def _throughput_params(output_lens: list[int], ignore_eos: bool):
     from octavo import SamplingParams
 
-    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
-            for n in workload.output_lens]
+    return [SamplingParams(temperature=0.0, max_tokens=max(n, 1), ignore_eos=ignore_eos)
+            for n in output_lens]
 
 
-def _run_offline(llm, workload: Workload, ignore_eos: bool) -> _OctavoRun:
-    params = _throughput_params(workload, ignore_eos)
+def _json_schema_params(output_lens: list[int]):
+    """Request i constrained to shared schema i mod 12; EOS ends it when its JSON is complete
+    (an ignored EOS would leave the grammar nothing to accept)."""
+    from octavo import SamplingParams, StructuredOutputsParams
+    from octavo.testing.json_schemas import SCHEMA_CASES
+
+    return [SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=StructuredOutputsParams(
+                json=SCHEMA_CASES[i % len(SCHEMA_CASES)].schema))
+            for i, n in enumerate(output_lens)]
+
+
+def _run_offline(llm, workload: Workload, params) -> _OctavoRun:
+    preempted_before = llm.llm_engine.stats().num_preemptions
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
-    num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return _OctavoRun(elapsed, num_out, llm.llm_engine.stats().num_preemptions)
+    lens = [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
+    return _OctavoRun(elapsed, sum(lens), llm.llm_engine.stats().num_preemptions - preempted_before,
+                      lens)
 
 
-async def _run_async(engine, workload: Workload, ignore_eos: bool) -> _OctavoRun:
+async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     from octavo.engine.output_processor import RequestOutputKind
 
     async def one(request_id: str, prompt: list[int], params) -> int:
@@ -167,7 +187,8 @@ async def _run_async(engine, workload: Workload, ignore_eos: bool) -> _OctavoRun
 
     from tqdm.auto import tqdm
 
-    params = _throughput_params(workload, ignore_eos)
+    preempted_before = engine.scheduler_stats.num_preemptions
+    run_id = uuid.uuid4().hex[:8]  # request ids unique across runs on one engine
     bar = tqdm(total=len(workload.prompts), desc="octavo (async engine)", unit="req",
                dynamic_ncols=True)
 
@@ -179,12 +200,14 @@ async def _run_async(engine, workload: Workload, ignore_eos: bool) -> _OctavoRun
     start = time.perf_counter()
     try:
         counts = await asyncio.gather(
-            *(counted(str(i), p, sp) for i, (p, sp) in enumerate(zip(workload.prompts, params)))
+            *(counted(f"{run_id}-{i}", p, sp)
+              for i, (p, sp) in enumerate(zip(workload.prompts, params)))
         )
     finally:
         bar.close()
     elapsed = time.perf_counter() - start
-    return _OctavoRun(elapsed, sum(counts), engine.scheduler_stats.num_preemptions)
+    return _OctavoRun(elapsed, sum(counts),
+                      engine.scheduler_stats.num_preemptions - preempted_before, list(counts))
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
@@ -213,7 +236,14 @@ def estimate_hf_seconds(workload: Workload, batch_size: int | None, octavo_secon
 
 
 def run_throughput(args: argparse.Namespace) -> int:
+    if args.structured != "none" and args.compare_hf:
+        print("error: --structured compares with unconstrained Octavo on the same engine; drop "
+              "--compare-hf (run it separately without --structured)", file=sys.stderr)
+        return 2
     engine_args = EngineArgs.from_cli_args(args)
+    structured = args.structured == "json"
+    # With --structured json: the constrained run, then the same requests unconstrained.
+    runs: list[_OctavoRun] = []
     if args.async_engine:
         from octavo.engine.async_llm import AsyncLLM
 
@@ -221,24 +251,36 @@ def run_throughput(args: argparse.Namespace) -> int:
         config = engine.config
         workload = _make_workload(args, engine.tokenizer, config.model_config)
 
-        async def run_async() -> _OctavoRun:
+        async def run_async() -> None:
             try:
                 await engine.start()
-                return await _run_async(engine, workload, args.ignore_eos)
+                if structured:
+                    runs.append(await _run_async(engine, workload, _json_schema_params(workload.output_lens)))
+                    lens = runs[0].output_lens
+                    runs.append(await _run_async(engine, workload, _throughput_params(lens, True)))
+                else:
+                    runs.append(await _run_async(engine, workload, _throughput_params(
+                        workload.output_lens, args.ignore_eos)))
             finally:
                 await engine.shutdown()  # frees the device before HF runs
 
-        run = asyncio.run(run_async())
+        asyncio.run(run_async())
     else:
         from octavo import LLM
 
         llm = LLM(**asdict(engine_args))
         config = llm.llm_engine.config
         workload = _make_workload(args, llm.llm_engine.tokenizer, config.model_config)
-        run = _run_offline(llm, workload, args.ignore_eos)
+        if structured:
+            runs.append(_run_offline(llm, workload, _json_schema_params(workload.output_lens)))
+            runs.append(_run_offline(llm, workload, _throughput_params(runs[0].output_lens, True)))
+        else:
+            runs.append(_run_offline(llm, workload, _throughput_params(workload.output_lens,
+                                                                       args.ignore_eos)))
         llm.llm_engine.shutdown()
         del llm
         gc.collect()
+    run = runs[0]
     elapsed, num_out = run.elapsed_s, run.num_output_tokens
     result = {
         "bench": "throughput",
@@ -257,9 +299,20 @@ def run_throughput(args: argparse.Namespace) -> int:
         "preemptions": run.num_preemptions,
         "host": platform.node(),
     }
-    print(f"octavo  : {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} "
+    label = "json    " if structured else "octavo  "
+    print(f"{label}: {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} "
           f"output tok/s, {result['total_tokens_per_s']:.1f} total tok/s "
           f"({len(workload.prompts)} requests, {elapsed:.1f} s)")
+    if structured:
+        free = runs[1]
+        free_tok_s = free.num_output_tokens / free.elapsed_s
+        result["structured"] = "json"
+        result["unconstrained_output_tokens_per_s"] = round(free_tok_s, 2)
+        result["unconstrained_elapsed_s"] = round(free.elapsed_s, 3)
+        result["structured_vs_unconstrained"] = round(result["output_tokens_per_s"] / free_tok_s, 3)
+        print(f"free    : {free_tok_s:.1f} output tok/s (the same requests and output lengths, "
+              f"unconstrained, {free.elapsed_s:.1f} s)")
+        print(f"ratio   : json / unconstrained = {result['structured_vs_unconstrained']:.2f}x")
     if args.compare_hf:
         from octavo.benchmarks.hf_baseline import run_hf_generate
 
