@@ -12,6 +12,19 @@ chunks). Attention is causal: new token ``i`` of a sequence sees cache positions
 ``< seq_len - query_len + i + 1``. The cache is allocated uninitialised: a kernel must never
 let a slot at or past ``seq_len`` influence its result (mask loads, or zero padded values
 before a matmul: 0 * NaN is NaN).
+
+Two per-layer options change what a new token sees and how its scores are formed:
+
+- ``sliding_window = W``: the token at position ``p`` sees only the ``W`` positions
+  ``p - W + 1 .. p`` (Hugging Face's ``kv_idx > q_idx - sliding_window``). Kernels must not
+  read cache positions before a sequence's window: the KV cache manager may have given those
+  blocks to another request (their ids stay in the block table).
+- ``logits_soft_cap = c``: every score becomes ``c * tanh(scale * q.k / c)`` before the
+  causal/window mask and the softmax (Gemma 2).
+
+A backend declares which it implements (``AttentionBackend.supports_sliding_window`` /
+``supports_logits_soft_cap``, and the same in its ``BackendCapabilities``); the model layer
+refuses a backend that lacks one it needs (``check_attention_options``).
 """
 
 from __future__ import annotations
@@ -104,7 +117,15 @@ class AttentionImpl(ABC):
     cache: a sequence may use prefix blocks that another sequence in the same step fills.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -113,6 +134,15 @@ class AttentionImpl(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        if sliding_window is not None and (
+                not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap!r}")
+        # Keys a new token sees (itself included); None: every earlier position.
+        self.sliding_window = sliding_window
+        # Scores become cap * tanh(score / cap); None: no cap.
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def forward(
@@ -131,6 +161,10 @@ class AttentionBackend(ABC):
 
     #: Short name shown in logs, e.g. ``"cpu-torch"`` or ``"triton"``.
     name: str = "unnamed"
+    #: Whether ``make_impl`` takes ``sliding_window`` (and the kernels honour it).
+    supports_sliding_window: bool = False
+    #: Whether ``make_impl`` takes ``logits_soft_cap`` (and the kernels honour it).
+    supports_logits_soft_cap: bool = False
 
     def get_kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -144,6 +178,43 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def make_impl(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> AttentionImpl:
-        """Build the kernel object for one attention layer."""
+        """Build the kernel object for one attention layer.
+
+        ``sliding_window`` and ``logits_soft_cap`` (see the module docstring) are passed only
+        when set, and only to backends that declare support for them, so a backend that
+        supports neither may take just the four positional arguments.
+        """
+
+
+def check_attention_options(
+    backend: AttentionBackend, sliding_window: int | None, logits_soft_cap: float | None
+) -> dict[str, int | float]:
+    """The options to pass ``backend.make_impl``; raises ``ValueError`` (one line saying what
+    to do) when the backend lacks one the layer needs."""
+    options: dict[str, int | float] = {}
+    if sliding_window is not None:
+        if not backend.supports_sliding_window:
+            raise ValueError(
+                f"attention backend {backend.name!r} does not implement sliding-window attention "
+                f"(window {sliding_window}), which this model uses beyond its window: lower "
+                f"--max-model-len to {sliding_window} or use a backend that supports it"
+            )
+        options["sliding_window"] = sliding_window
+    if logits_soft_cap is not None:
+        if not backend.supports_logits_soft_cap:
+            raise ValueError(
+                f"attention backend {backend.name!r} does not implement attention logit "
+                f"soft-capping (cap {logits_soft_cap}), which this model needs: use a backend "
+                "that supports it"
+            )
+        options["logits_soft_cap"] = logits_soft_cap
+    return options

@@ -28,15 +28,31 @@ def write_kv_reference(
 
 
 def gather_context(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[seq_len, num_kv_heads, head_dim]`` of one sequence, in token order."""
+    """Keys and values ``[seq_len - start, num_kv_heads, head_dim]`` of positions
+    ``start .. seq_len - 1`` of one sequence, in token order (blocks before ``start``'s are not
+    read: under a sliding window they may belong to another request by now)."""
     block_size = kv_cache.shape[2]
+    first_block = start // block_size
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
-    values = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    blocks = block_table[first_block:num_blocks].long()
+    first, end = start - first_block * block_size, seq_len - first_block * block_size
+    keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[first:end]
+    values = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[first:end]
     return keys, values
+
+
+def window_start(seq_len: int, query_len: int, sliding_window: int | None) -> int:
+    """First cache position any of a sequence's new tokens sees (0 without a window)."""
+    if sliding_window is None:
+        return 0
+    return max(0, seq_len - query_len - sliding_window + 1)
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(scores / cap)`` (the identity for ``cap=None``)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def paged_attention_reference(
@@ -44,8 +60,11 @@ def paged_attention_reference(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of every new token over its sequence's cached context."""
+    """Causal attention of every new token over its sequence's cached context (the last
+    ``sliding_window`` positions of it when set; scores soft-capped by ``logits_soft_cap``)."""
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -57,16 +76,21 @@ def paged_attention_reference(
         if query_len == 0:
             continue
         seq_len = metadata.seq_lens_cpu[i]
-        keys, values = gather_context(kv_cache, metadata.block_tables[i], seq_len)
+        start = window_start(seq_len, query_len, sliding_window)
+        keys, values = gather_context(kv_cache, metadata.block_tables[i], seq_len, start)
         # [num_heads, seq_len, head_dim] with K/V heads repeated for grouped-query attention
         keys = keys.to(torch.float32).repeat_interleave(group, dim=1).transpose(0, 1)
         values = values.to(torch.float32).repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[q_start:q_end].to(torch.float32).transpose(0, 1)  # [heads, query_len, dim]
-        scores = torch.matmul(q, keys.transpose(1, 2)) * scale  # [heads, query_len, seq_len]
+        # [heads, query_len, seq_len - start]
+        scores = soft_cap(torch.matmul(q, keys.transpose(1, 2)) * scale, logits_soft_cap)
         context_len = seq_len - query_len
         q_pos = torch.arange(query_len, device=query.device).unsqueeze(1) + context_len
-        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        k_pos = torch.arange(start, seq_len, device=query.device).unsqueeze(0)
+        invisible = k_pos > q_pos
+        if sliding_window is not None:
+            invisible |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(invisible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1).to(query.dtype)
     return out
@@ -77,15 +101,20 @@ class ReferenceAttentionImpl(AttentionImpl):
 
     def forward(self, query, key, value, kv_cache, metadata):
         write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
-        return paged_attention_reference(query, kv_cache, metadata, self.scale)
+        return paged_attention_reference(query, kv_cache, metadata, self.scale,
+                                         self.sliding_window, self.logits_soft_cap)
 
 
 class ReferenceAttentionBackend(AttentionBackend):
     """Backend whose every layer uses :class:`ReferenceAttentionImpl` (default KV layout)."""
 
     name = "torch-reference"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def make_impl(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+        sliding_window: int | None = None, logits_soft_cap: float | None = None,
     ) -> AttentionImpl:
-        return ReferenceAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
+        return ReferenceAttentionImpl(num_heads, num_kv_heads, head_dim, scale, sliding_window,
+                                      logits_soft_cap)

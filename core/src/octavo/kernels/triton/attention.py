@@ -105,8 +105,11 @@ class TritonAttentionImpl(AttentionImpl):
         head_dim: int,
         scale: float,
         config: TritonLaunchConfig | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
+                         logits_soft_cap)
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(
                 f"head_dim {head_dim} is not supported by the triton backend; "
@@ -141,6 +144,8 @@ class TritonAttentionImpl(AttentionImpl):
                 metadata.query_start_loc,
                 metadata.max_seq_len,
                 self.scale,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
                 block_n=cfg.decode_block_n,
                 partition_size=cfg.decode_partition_size,
                 unsplit_min_programs=cfg.decode_unsplit_min_programs,
@@ -156,6 +161,8 @@ class TritonAttentionImpl(AttentionImpl):
             metadata.query_start_loc,
             metadata.max_query_len,
             self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
             block_m=cfg.prefill_block_m,
             block_n=cfg.prefill_block_n,
             num_warps=cfg.prefill_num_warps,
@@ -171,6 +178,8 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def __init__(self, config: TritonLaunchConfig | None = None) -> None:
         self.config = config or TritonLaunchConfig()
@@ -179,9 +188,11 @@ class TritonAttentionBackend(AttentionBackend):
         return SUPPORTED_HEAD_DIMS
 
     def make_impl(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+        sliding_window: int | None = None, logits_soft_cap: float | None = None,
     ) -> TritonAttentionImpl:
-        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, self.config)
+        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, self.config,
+                                   sliding_window, logits_soft_cap)
 
     def __repr__(self) -> str:
         return f"TritonAttentionBackend({asdict(self.config)})"

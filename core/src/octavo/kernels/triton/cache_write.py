@@ -1,7 +1,8 @@
 """Writing new K/V into the paged cache, plus the paged-cache helpers the attention kernels share.
 
 Shared helpers: ``paged_token_offsets`` (block table -> cache addresses), ``dot_fp32`` and
-``upcast_dot`` (``tl.dot`` with an interpreter workaround), ``check_attention_inputs``.
+``upcast_dot`` (``tl.dot`` with an interpreter workaround), ``scaled_scores`` (softmax scale
+and logit soft-capping), ``check_attention_inputs``.
 
 Cache layout (``octavo.attention.base``): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
@@ -82,6 +83,21 @@ def dot_fp32(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def scaled_scores(dots, scale_log2, soft_cap, SOFT_CAP: tl.constexpr):
+    """Base-2 softmax scores of raw ``q.k`` dots: ``dots * scale * log2(e)``, or with
+    ``SOFT_CAP`` ``cap * tanh(dots * scale / cap) * log2(e)`` (``scale_log2`` is
+    ``scale * log2(e)``)."""
+    if SOFT_CAP:
+        LOG2E: tl.constexpr = 1.4426950408889634
+        x = dots * (scale_log2 / LOG2E) / soft_cap
+        # tanh from one exp of a non-positive argument: no overflow for any |x|.
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x >= 0, t, -t) * (soft_cap * LOG2E)
+    return dots * scale_log2
 
 
 @triton.jit

@@ -15,7 +15,9 @@ When the longest context fits in one partition, step 1 normalizes and writes the
 itself and step 2 is skipped. So does a batch wide enough to fill the GPU on its own
 (``num_seqs * num_kv_heads >= unsplit_min_programs``): splitting it would only add programs
 and the reduce pass, since the bytes of K/V read are the same either way. The token's own K/V must already be in the cache
-(``write_kv_cache``). Reference: ``octavo.attention.reference.paged_attention_reference``.
+(``write_kv_cache``). With a sliding window ``W`` only positions ``>= seq_len - W`` are read:
+partitions wholly before them exit at once and the reduce kernel starts after them. With a
+logit soft cap ``c`` every score is ``c * tanh(score / c)``. Reference: ``octavo.attention.reference.paged_attention_reference``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from octavo.kernels.triton.cache_write import (
     check_attention_inputs,
     dot_fp32,
     paged_token_offsets,
+    scaled_scores,
     upcast_dot,
 )
 
@@ -54,6 +57,8 @@ def _decode_partition_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     scale_log2,  # softmax scale * log2(e)
+    sliding_window,  # keys the token sees (itself included); read when SLIDING
+    soft_cap,  # logit soft cap; read when SOFT_CAP
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -75,6 +80,8 @@ def _decode_partition_kernel(
     SINGLE_PARTITION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,6 +94,12 @@ def _decode_partition_kernel(
     if part_start >= seq_len:  # the reduce kernel only reads partitions < seq_len
         return
     part_end = tl.minimum(seq_len, part_start + PARTITION_SIZE)
+    kv_start = part_start
+    if SLIDING:
+        window_start = tl.maximum(seq_len - sliding_window, 0)
+        if part_end <= window_start:  # the reduce kernel skips partitions before the window
+            return
+        kv_start = tl.maximum(part_start, window_start)
 
     rows = tl.arange(0, ROWS)
     row_valid = rows < GROUP
@@ -104,7 +117,7 @@ def _decode_partition_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = cache_ptr + kv_head.to(tl.int64) * stride_cache_head
     v_base = k_base + stride_cache_kv
-    for start in range(part_start, part_end, BLOCK_N):
+    for start in range(kv_start, part_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         pos_valid = positions < part_end
         token_offsets = paged_token_offsets(
@@ -116,7 +129,8 @@ def _decode_partition_kernel(
         k = tl.load(k_base + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
         v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
 
-        scores = dot_fp32(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * scale_log2  # [ROWS, N]
+        dots = dot_fp32(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)  # [ROWS, N]
+        scores = scaled_scores(dots, scale_log2, soft_cap, SOFT_CAP)
         scores = tl.where(pos_valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])  # [ROWS, N]
@@ -148,6 +162,7 @@ def _decode_reduce_kernel(
     part_sum_ptr,  # [num_seqs, num_heads, num_partitions] float32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    sliding_window,  # read when SLIDING
     stride_o_token,
     stride_o_head,
     stride_part_seq,
@@ -156,20 +171,25 @@ def _decode_reduce_kernel(
     PARTITION_SIZE: tl.constexpr,
     BLOCK_P: tl.constexpr,  # partitions per loop step
     HEAD_DIM_PADDED: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == token:
         return
-    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION_SIZE)  # partitions written
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_parts = tl.cdiv(seq_len, PARTITION_SIZE)  # partitions written: [first_part, num_parts)
+    first_part = 0
+    if SLIDING:
+        first_part = tl.maximum(seq_len - sliding_window, 0) // PARTITION_SIZE
     base = seq.to(tl.int64) * stride_part_seq + head * stride_part_head
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < head_dim
 
     # Pass 1: the largest partition max.
     max_vec = tl.full([BLOCK_P], NEG_LARGE, tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
+    for p0 in range(first_part, num_parts, BLOCK_P):
         parts = p0 + tl.arange(0, BLOCK_P)
         m_p = tl.load(part_max_ptr + base + parts, mask=parts < num_parts, other=NEG_LARGE)
         max_vec = tl.maximum(max_vec, m_p)
@@ -178,7 +198,7 @@ def _decode_reduce_kernel(
     # Pass 2: rescale every partition to the global max and add up.
     sum_vec = tl.zeros([BLOCK_P], tl.float32)
     acc = tl.zeros([HEAD_DIM_PADDED], tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
+    for p0 in range(first_part, num_parts, BLOCK_P):
         parts = p0 + tl.arange(0, BLOCK_P)
         part_valid = parts < num_parts
         m_p = tl.load(part_max_ptr + base + parts, mask=part_valid, other=NEG_LARGE)
@@ -204,6 +224,8 @@ def decode_attention(
     max_seq_len: int,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_n: int = 64,
     partition_size: int = 512,
@@ -212,7 +234,8 @@ def decode_attention(
     num_stages: int = 2,
     fp32_dot_precision: str = "ieee",
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of each sequence's single new token over its whole cached context.
+    """Attention of each sequence's single new token over its whole cached context (its last
+    ``sliding_window`` positions when set; scores soft-capped at ``logits_soft_cap``).
 
     Every sequence must have query length 1 (or 0: skipped, its ``out`` rows untouched);
     ``max_seq_len`` must be >= every ``seq_lens`` entry (it sizes the partition grid).
@@ -261,6 +284,8 @@ def decode_attention(
         seq_lens,
         query_start_loc,
         scale * math.log2(math.e),
+        sliding_window or 0,
+        float(logits_soft_cap or 0.0),
         *query.stride()[:2],
         *out.stride()[:2],
         *kv_cache.stride()[:4],  # [K/V, block, offset, head]
@@ -277,6 +302,8 @@ def decode_attention(
         SINGLE_PARTITION=single,
         UPCAST_DOT=upcast_dot(query.dtype),
         DOT_PRECISION=fp32_dot_precision,
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -289,6 +316,7 @@ def decode_attention(
         part_sum,
         seq_lens,
         query_start_loc,
+        sliding_window or 0,
         *out.stride()[:2],
         stride_part_seq,
         stride_part_head,
@@ -296,6 +324,7 @@ def decode_attention(
         PARTITION_SIZE=partition_size,
         BLOCK_P=min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions)),
         HEAD_DIM_PADDED=head_dim_padded,
+        SLIDING=sliding_window is not None,
         num_warps=num_warps,
     )
     return out

@@ -3,7 +3,10 @@
 Each sequence adds ``query_len`` tokens after ``context_len = seq_len - query_len`` tokens
 already cached; new token ``i`` sees cache positions ``< context_len + i + 1``. The new tokens'
 K/V must already be in the cache (``write_kv_cache``), so the kernel reads every key from the
-cache alone, whether it is from a cached prefix, an earlier chunk or this step.
+cache alone, whether it is from a cached prefix, an earlier chunk or this step. With a
+sliding window ``W`` token ``i`` sees only positions ``> context_len + i - W``, and a tile
+starts its key loop at the first position its first token sees (earlier blocks are never
+read); with a logit soft cap ``c`` every score is ``c * tanh(score / c)`` before masking.
 
 Work split: one program per (sequence, KV head, tile of ``tokens_per_tile`` query tokens). A
 tile's rows are its tokens times the ``group = num_heads // num_kv_heads`` query heads that share
@@ -28,6 +31,7 @@ from octavo.kernels.triton.cache_write import (
     check_attention_inputs,
     dot_fp32,
     paged_token_offsets,
+    scaled_scores,
     upcast_dot,
 )
 
@@ -45,6 +49,8 @@ def _prefill_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     scale_log2,  # softmax scale * log2(e): scores are kept in base 2
+    sliding_window,  # keys a token sees (itself included); read when SLIDING
+    soft_cap,  # logit soft cap; read when SOFT_CAP
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -63,6 +69,8 @@ def _prefill_kernel(
     CACHE_BLOCK_SIZE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,10 +105,14 @@ def _prefill_kernel(
 
     # Keys past the tile's last token are invisible to every row of the tile.
     kv_end = tl.minimum(seq_len, context_len + tile_start + TOKENS_PER_TILE)
+    # Keys before the window of the tile's first token are invisible to every row of it.
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(context_len + tile_start - sliding_window + 1, 0)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = cache_ptr + kv_head.to(tl.int64) * stride_cache_head
     v_base = k_base + stride_cache_kv
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         pos_valid = positions < kv_end
         token_offsets = paged_token_offsets(
@@ -113,8 +125,11 @@ def _prefill_kernel(
         k = tl.load(k_base + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
 
-        scores = dot_fp32(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * scale_log2  # [ROWS, N]
+        dots = dot_fp32(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)  # [ROWS, N]
+        scores = scaled_scores(dots, scale_log2, soft_cap, SOFT_CAP)
         visible = (positions[None, :] <= row_pos[:, None]) & pos_valid[None, :]
+        if SLIDING:
+            visible = visible & (positions[None, :] > row_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [ROWS]
@@ -142,6 +157,8 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_m: int = 64,
     block_n: int = 64,
@@ -149,7 +166,8 @@ def prefill_attention(
     num_stages: int = 2,
     fp32_dot_precision: str = "ieee",
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its whole cached context.
+    """Causal attention of each sequence's new tokens over its whole cached context (the last
+    ``sliding_window`` positions of it when set; scores soft-capped at ``logits_soft_cap``).
 
     Any query lengths (including 1 and 0) may be mixed in one call; tokens outside every
     ``query_start_loc`` range are left unwritten in ``out``. ``block_m`` is the number of tile
@@ -183,6 +201,8 @@ def prefill_attention(
         seq_lens,
         query_start_loc,
         scale * math.log2(math.e),
+        sliding_window or 0,
+        float(logits_soft_cap or 0.0),
         *query.stride()[:2],
         *out.stride()[:2],
         *kv_cache.stride()[:4],  # [K/V, block, offset, head]
@@ -196,6 +216,8 @@ def prefill_attention(
         CACHE_BLOCK_SIZE=kv_cache.shape[2],
         UPCAST_DOT=upcast_dot(query.dtype),
         DOT_PRECISION=fp32_dot_precision,
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from octavo.attention.base import AttentionBackend, AttentionMetadata
+from octavo.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    check_attention_options,
+)
 
 
 class Attention(nn.Module):
@@ -13,7 +17,9 @@ class Attention(nn.Module):
 
     The kernel comes from ``attn_backend.make_impl`` at construction. ``forward`` writes the new
     tokens' K/V into ``kv_cache`` (the backend's layout) and attends over each sequence's cached
-    context as described by ``attn_metadata``.
+    context as described by ``attn_metadata``: its last ``sliding_window`` positions when set,
+    with scores soft-capped at ``logits_soft_cap`` when set. A backend that does not implement
+    an option the layer needs is refused here with a ``ValueError`` saying what to do.
     """
 
     def __init__(
@@ -23,12 +29,17 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         attn_backend: AttentionBackend,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.impl = attn_backend.make_impl(num_heads, num_kv_heads, head_dim, scale)
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        options = check_attention_options(attn_backend, sliding_window, logits_soft_cap)
+        self.impl = attn_backend.make_impl(num_heads, num_kv_heads, head_dim, scale, **options)
 
     def forward(
         self,
