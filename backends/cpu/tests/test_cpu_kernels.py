@@ -99,8 +99,11 @@ def test_the_library_detects_the_instruction_sets_the_cpu_reports(kernels):
     assert list(kernels.isas) == CPU_ISAS
 
 
-def make_step(seqs, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """A NaN cache holding each sequence's cached prefix, and the step's new Q/K/V."""
+def make_step(seqs, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0,
+              window=None):
+    """A NaN cache holding each sequence's cached prefix, and the step's new Q/K/V. With a
+    sliding ``window``, positions before the window of a sequence's first new token stay NaN
+    (their blocks may belong to another request by then: a kernel must not read them)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_needed = [-(-(cached + new) // block_size) for cached, new in seqs]
@@ -116,9 +119,10 @@ def make_step(seqs, *, num_heads, num_kv_heads, head_dim, block_size, dtype, see
         positions = torch.arange(cached + new)
         seq_slots = (torch.tensor(blocks)[positions // block_size] * block_size
                      + positions % block_size)
-        if cached:  # written by earlier steps
-            flat[:, seq_slots[:cached]] = torch.randn(
-                2, cached, num_kv_heads, head_dim, generator=gen).to(dtype)
+        first = 0 if window is None else max(0, cached - window + 1)
+        if cached > first:  # written by earlier steps
+            flat[:, seq_slots[first:cached]] = torch.randn(
+                2, cached - first, num_kv_heads, head_dim, generator=gen).to(dtype)
         slots += seq_slots[cached:].tolist()
         tables.append(blocks)
         starts.append(starts[-1] + new)
@@ -131,25 +135,27 @@ def make_step(seqs, *, num_heads, num_kv_heads, head_dim, block_size, dtype, see
     return query, key, value, kv_cache, metadata
 
 
-def reference(query, key, value, kv_cache, metadata, scale):
+def reference(query, key, value, kv_cache, metadata, scale, window=None, cap=None):
     """The reference on float32 copies of the (already rounded) inputs: (out, cache)."""
     ref_cache = kv_cache.float()
     write_kv_reference(key.float(), value.float(), ref_cache, metadata.slot_mapping)
-    return paged_attention_reference(query.float(), ref_cache, metadata, scale), ref_cache
+    out = paged_attention_reference(query.float(), ref_cache, metadata, scale, window, cap)
+    return out, ref_cache
 
 
 def check_kernels(kernels, seqs, *, dtype, num_heads, num_kv_heads, head_dim, block_size,
-                  isa="", part_size=0, what=""):
+                  isa="", part_size=0, what="", window=None, cap=None):
     query, key, value, kv_cache, metadata = make_step(
         seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=DTYPES[dtype])
+        block_size=block_size, dtype=DTYPES[dtype], window=window)
     scale = head_dim**-0.5
-    expected, ref_cache = reference(query, key, value, kv_cache, metadata, scale)
+    expected, ref_cache = reference(query, key, value, kv_cache, metadata, scale, window, cap)
     kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
     # Exactly the reference's values at the written slots, and NaN wherever nothing was written.
     torch.testing.assert_close(kv_cache.float(), ref_cache, equal_nan=True, atol=0, rtol=0)
     assert torch.isnan(kv_cache).any(), "the test must leave unwritten slots as NaN"
-    out = kernels.paged_attention(query, kv_cache, metadata, scale, isa=isa, part_size=part_size)
+    out = kernels.paged_attention(query, kv_cache, metadata, scale, isa=isa, part_size=part_size,
+                                  sliding_window=window, logits_soft_cap=cap)
     assert out.shape == query.shape and out.dtype == query.dtype
     assert_kernel_close(out, expected, dtype, what or f"{isa} {dtype}")
     return out
@@ -174,6 +180,54 @@ def test_keys_split_into_parts_match_reference(kernels, isa, dtype, part_size):
     check_kernels(kernels, MIXED, dtype=dtype, num_heads=8, num_kv_heads=1, head_dim=64,
                   block_size=16, isa=isa, part_size=part_size,
                   what=f"{isa} {dtype} parts of {part_size}")
+
+
+# (window, soft cap): a window smaller than a block, one of a few chunks, a cap, both.
+WINDOW_OPTIONS = [(5, None), (150, None), (None, 2.0), (70, 1.5)]
+
+
+@pytest.mark.parametrize(("window", "cap"), WINDOW_OPTIONS,
+                         ids=["window5", "window150", "cap2", "window70-cap1.5"])
+@pytest.mark.parametrize("part_size", [0, 64])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_sliding_window_and_soft_cap_match_reference(kernels, isa, dtype, part_size, window,
+                                                     cap):
+    """Positions before each sequence's window are NaN in the cache: never read. Split keys
+    (``part_size``) start at the window too."""
+    check_kernels(kernels, MIXED, dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64,
+                  block_size=16, isa=isa, part_size=part_size, window=window, cap=cap,
+                  what=f"{isa} {dtype} window {window} cap {cap} parts {part_size}")
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["cpp", "torch"])
+def test_window_and_soft_cap_through_the_backend(kernels, use_kernels):
+    """``CPUAttentionBackend`` (C++ kernels, and its torch fallback) declares and applies a
+    window and a soft cap; head dim 80 and block size 4."""
+    backend = CPUAttentionBackend(use_kernels=use_kernels)
+    assert backend.supports_sliding_window and backend.supports_logits_soft_cap
+    window, cap, head_dim = 11, 3.0, 80
+    impl = backend.make_impl(8, 2, head_dim, head_dim**-0.5, sliding_window=window,
+                             logits_soft_cap=cap)
+    for dtype in ("float32", "bfloat16"):
+        query, key, value, kv_cache, metadata = make_step(
+            MIXED, num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=4,
+            dtype=DTYPES[dtype], window=window)
+        expected, _ = reference(query, key, value, kv_cache, metadata, impl.scale, window, cap)
+        out = impl.forward(query, key, value, kv_cache, metadata)
+        assert_kernel_close(out, expected, dtype, f"backend {dtype} kernels={use_kernels}")
+
+
+def test_soft_cap_saturates_without_overflow(kernels):
+    query, key, value, kv_cache, metadata = make_step(
+        [(0, 20), (40, 1)], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
+        dtype=torch.float32)
+    query = query * 1e4
+    expected, _ = reference(query, key, value, kv_cache, metadata, 0.125, None, 1.0)
+    kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    out = kernels.paged_attention(query, kv_cache, metadata, 0.125, logits_soft_cap=1.0)
+    assert torch.isfinite(out).all()
+    assert_kernel_close(out, expected, "float32", "saturated soft cap")
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])

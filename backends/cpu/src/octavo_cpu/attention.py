@@ -8,8 +8,9 @@ torch's threads. They take float32, bfloat16 and float16 with head dims that are
 Torch path: decode rows (one new token) of a step are batched: their context blocks are
 gathered with the block table into one padded tensor and attended in a single masked matmul.
 Prefill rows (prompts, chunks after a cached prefix) use ``scaled_dot_product_attention`` one
-sequence at a time with a causal mask shifted by the cached context. Both paths are checked
-against ``octavo.attention.reference``.
+sequence at a time with a causal mask shifted by the cached context, or, with a logit soft
+cap, the reference's masked softmax (SDPA has no soft cap). Both paths read only each
+sequence's window under a sliding window, and are checked against ``octavo.attention.reference``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import logging
 import torch
 import torch.nn.functional as F
 from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
-from octavo.attention.reference import gather_context, write_kv_reference
+from octavo.attention.reference import (
+    gather_context,
+    soft_cap,
+    window_start,
+    write_kv_reference,
+)
 from octavo.config import CacheConfig, ModelConfig
 
 from octavo_cpu.kernels import CPUKernels, load_kernels
@@ -41,25 +47,33 @@ def make_attention_backend(
 
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu-torch"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def __init__(self, use_kernels: bool = True) -> None:
         # Built (first use) or loaded here, when the backend is chosen; None = torch only.
         self.kernels: CPUKernels | None = load_kernels() if use_kernels else None
 
-    def make_impl(self, num_heads, num_kv_heads, head_dim, scale):
-        return CPUAttentionImpl(num_heads, num_kv_heads, head_dim, scale, kernels=self.kernels)
+    def make_impl(self, num_heads, num_kv_heads, head_dim, scale, *, sliding_window=None,
+                  logits_soft_cap=None):
+        return CPUAttentionImpl(num_heads, num_kv_heads, head_dim, scale, kernels=self.kernels,
+                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 class CPUAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kernels: CPUKernels | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+                 kernels: CPUKernels | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
+                         logits_soft_cap)
         self.kernels = kernels
 
     def forward(self, query, key, value, kv_cache, metadata):
         if self.kernels is not None and self.kernels.covers(query, kv_cache):
             self.kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-            return self.kernels.paged_attention(query, kv_cache, metadata, self.scale)
+            return self.kernels.paged_attention(
+                query, kv_cache, metadata, self.scale, sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap)
         write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
@@ -95,7 +109,11 @@ class CPUAttentionImpl(AttentionImpl):
         q = query[token_index].view(batch, self.num_kv_heads, group, self.head_dim)
         # [batch, kv_heads, group, ctx]
         scores = torch.einsum("bhgd,bchd->bhgc", q.float(), keys.float()) * self.scale
-        pad = torch.arange(ctx) >= seq_lens.unsqueeze(1)  # [batch, ctx]
+        scores = soft_cap(scores, self.logits_soft_cap)
+        positions = torch.arange(ctx)
+        pad = positions >= seq_lens.unsqueeze(1)  # [batch, ctx]
+        if self.sliding_window is not None:  # before the window: maybe another request's KV
+            pad |= positions <= (seq_lens - 1 - self.sliding_window).unsqueeze(1)
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         # Padded slots were never written and may hold NaN; 0 * NaN would poison the sum.
@@ -114,18 +132,30 @@ class CPUAttentionImpl(AttentionImpl):
         start, end = metadata.query_start_loc_cpu[row], metadata.query_start_loc_cpu[row + 1]
         query_len = end - start
         seq_len = metadata.seq_lens_cpu[row]
-        keys, values = gather_context(kv_cache, metadata.block_tables[row], seq_len)
+        first = window_start(seq_len, query_len, self.sliding_window)
+        keys, values = gather_context(kv_cache, metadata.block_tables[row], seq_len, first)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
-        k = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, dim]
+        k = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len - first, dim]
         v = values.transpose(0, 1).unsqueeze(0)
         context_len = seq_len - query_len
-        if context_len == 0:
+        if context_len == 0 and self.sliding_window is None and self.logits_soft_cap is None:
             mask, causal = None, True
         else:
             q_pos = torch.arange(query_len).unsqueeze(1) + context_len
-            mask, causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
-        result = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+            k_pos = torch.arange(first, seq_len).unsqueeze(0)
+            mask, causal = k_pos <= q_pos, False
+            if self.sliding_window is not None:
+                mask &= k_pos > q_pos - self.sliding_window
+        if self.logits_soft_cap is not None:  # SDPA has no soft cap: the masked softmax
+            group = self.num_heads // self.num_kv_heads
+            k = k.float().repeat_interleave(group, dim=1)
+            v = v.float().repeat_interleave(group, dim=1)
+            scores = soft_cap(q.float() @ k.transpose(-1, -2) * self.scale, self.logits_soft_cap)
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            result = (probs @ v).to(out.dtype)
+        else:
+            result = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         out[start:end] = result.squeeze(0).transpose(0, 1)

@@ -112,10 +112,13 @@ class CPUKernels:
         metadata: AttentionMetadata,
         scale: float,
         *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         isa: str = "",
         part_size: int = 0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
-        """Causal attention of every new token over its sequence's cache.
+        """Causal attention of every new token over its sequence's cache (its last
+        ``sliding_window`` positions when set, scores soft-capped at ``logits_soft_cap``).
 
         ``isa`` forces an instruction set from ``isas`` ("" = the best); ``part_size`` splits
         every sequence's keys into parts of that many positions (0 = only when there are too
@@ -123,7 +126,8 @@ class CPUKernels:
         """
         return self._paged_attention(
             _last_dim_contiguous(query), kv_cache, metadata.query_start_loc, metadata.seq_lens,
-            metadata.block_tables, scale, isa, part_size,
+            metadata.block_tables, scale, isa, part_size, sliding_window or 0,
+            float(logits_soft_cap or 0.0),
         )
 
 

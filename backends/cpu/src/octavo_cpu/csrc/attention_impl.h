@@ -9,9 +9,11 @@
 //   online softmax (running max m, running sum l, output rescaled by exp(m_old - m_new))
 //   O += P V                      [rows, head_dim]
 // Row r of a tile is token r / group, query head kv_head * group + r % group; token t sees key
-// positions < context_len + t + 1 (causal), and no chunk reaches past the tile's last visible
-// key, so no cache slot at or past seq_len is ever loaded. Keys a row may not see (causal) are
-// computed but masked to -inf before the softmax, so their probability is exactly 0.
+// positions < context_len + t + 1 (causal) and, with a sliding window W, > context_len + t - W.
+// No chunk reaches past the tile's last visible key nor starts before its first (so no cache
+// slot at or past seq_len, and no block before the window, is ever loaded). Keys a row may not
+// see are computed but masked to -inf before the softmax, so their probability is exactly 0.
+// With a soft cap c, scores are c * tanh(scale * q.k / c) before the mask.
 // While one chunk computes, the next chunk's key and value rows are prefetched a few cache
 // lines per inner-loop step (Prefetcher). A tile split into parts (long contexts, few tiles)
 // leaves (O, m, l) per part in part_scratch; a second pass combines them.
@@ -47,7 +49,8 @@ struct Workspace {
   float* o;         // [max_rows, head_dim] running output
   float* m;         // [max_rows] running max (scaled scores)
   float* l;         // [max_rows] running sum of exp
-  int* visible;     // [max_rows] keys of the current chunk each row may see
+  int* visible;     // [max_rows] keys [first, visible) of the current chunk a row may see
+  int* first;       // [max_rows] first key of the current chunk each row may see
   float* kconv;     // [kChunk, head_dim] the chunk's keys as contiguous float32 rows
   float* vconv;     // [kChunk, head_dim] its values, likewise
   const void** kptr;  // [kChunk] address of each key row of the chunk
@@ -65,6 +68,7 @@ inline Workspace carve(float* base, int max_rows, int head_dim) {
   ws.m = p; p += align16(max_rows);
   ws.l = p; p += align16(max_rows);
   ws.visible = reinterpret_cast<int*>(p); p += align16(max_rows);
+  ws.first = reinterpret_cast<int*>(p); p += align16(max_rows);
   ws.kconv = p; p += align16(int64_t(kChunk) * head_dim);
   ws.vconv = p; p += align16(int64_t(kChunk) * head_dim);
   ws.kptr = reinterpret_cast<const void**>(p); p += align16(2 * kChunk);
@@ -270,20 +274,39 @@ inline void qk_chunk_bf16(const bf16_t* q, int rows, int head_dim, const bf16_t*
 
 // ---- online softmax ------------------------------------------------------------------------
 
-// Turns each row's scores into exp(scale * s - m_new) (0 for keys it may not see), and
-// updates m, l and rescales the row's output. Rows that see no key of the chunk get P = 0.
-inline void softmax_chunk(float* s, int rows, int n, const int* visible, float scale, float* m,
-                          float* l, float* o, int head_dim) {
+// cap * tanh(x / cap) (x already scaled): tanh from one exp of -2|x / cap|, which never
+// overflows, and the sign of x.
+OCTAVO_INLINE Vec soft_capped(Vec x, Vec cap, Vec inv_cap) {
+  const Vec e = vexp(vmul(vset(-2.0f), vabs(vmul(x, inv_cap))));
+  const Vec one = vset(1.0f);
+  return vmul(cap, vcopysign(vdiv(vsub(one, e), vadd(one, e)), x));
+}
+
+// Turns each row's scores into exp(scale * s - m_new) (soft-capped first when soft_cap > 0;
+// 0 for keys it may not see), and updates m, l and rescales the row's output. Rows that see
+// no key of the chunk get P = 0.
+inline void softmax_chunk(float* s, int rows, int n, const int* first, const int* visible,
+                          float scale, float soft_cap, float* m, float* l, float* o,
+                          int head_dim) {
   const int n_pad = (n + kWidth - 1) / kWidth * kWidth;
   const Vec vscale = vset(scale);
+  const Vec vcap = vset(soft_cap);
+  const Vec vinv_cap = vset(soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f);
   for (int r = 0; r < rows; ++r) {
     float* sr = s + r * kChunk;
     const int vis = visible[r];
-    if (vis == 0) {
+    const int lo = first[r];
+    if (vis <= lo) {
       for (int j = 0; j < n_pad; j += kWidth) vstore(sr + j, vzero());
       continue;
     }
-    for (int j = 0; j < n_pad; j += kWidth) vstore(sr + j, vmul(vload(sr + j), vscale));
+    if (soft_cap > 0.0f) {
+      for (int j = 0; j < n_pad; j += kWidth)
+        vstore(sr + j, soft_capped(vmul(vload(sr + j), vscale), vcap, vinv_cap));
+    } else {
+      for (int j = 0; j < n_pad; j += kWidth) vstore(sr + j, vmul(vload(sr + j), vscale));
+    }
+    for (int j = 0; j < lo; ++j) sr[j] = -__builtin_inff();  // before the window
     for (int j = vis; j < n_pad; ++j) sr[j] = -__builtin_inff();  // masked, or never computed
     Vec vmx = vset(-__builtin_inff());
     for (int j = 0; j < n_pad; j += kWidth) vmx = vmax(vmx, vload(sr + j));
@@ -468,6 +491,7 @@ void run_item(const AttentionArgs& a, const Tile& tile, const WorkItem& item, Wo
     for (int r = 0; r < rows; ++r) {
       const int query_pos = context_len + tile.query_begin + r / group;
       ws.visible[r] = imax(0, imin(n, query_pos + 1 - c0));
+      ws.first[r] = a.sliding_window > 0 ? imax(0, query_pos - a.sliding_window + 1 - c0) : 0;
     }
 
 #ifdef OCTAVO_BF16_DOT
@@ -486,7 +510,8 @@ void run_item(const AttentionArgs& a, const Tile& tile, const WorkItem& item, Wo
     }
     next_k.finish();
 
-    softmax_chunk(ws.s, rows, n, ws.visible, a.scale, ws.m, ws.l, ws.o, head_dim);
+    softmax_chunk(ws.s, rows, n, ws.first, ws.visible, a.scale, a.soft_cap, ws.m, ws.l, ws.o,
+                  head_dim);
 
     if (convert_values) {
       convert_rows<T>(ws.vptr, n, head_dim, ws.vconv);

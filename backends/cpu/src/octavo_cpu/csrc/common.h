@@ -5,7 +5,9 @@
 //
 // KV-cache layout (octavo.attention.base): [2, num_blocks, block_size, num_kv_heads, head_dim],
 // contiguous; token t of a sequence lives at block block_table[t / block_size], offset
-// t % block_size. Only cache positions < seq_len are ever read.
+// t % block_size. Only cache positions < seq_len are ever read, and with a sliding window W
+// only positions >= (first new token's position) - W + 1: blocks before a sequence's window may
+// belong to another request by now.
 #pragma once
 
 #include <cstddef>
@@ -51,6 +53,10 @@ struct AttentionArgs {
   const int32_t* block_tables;
   int64_t block_table_stride;
   float scale;
+  // Keys a token sees, itself included (0: every earlier position).
+  int sliding_window;
+  // Scores become soft_cap * tanh(scale * q.k / soft_cap) (0: no cap).
+  float soft_cap;
 };
 
 // A run of consecutive query tokens of one sequence against one KV head: the rows of a tile
@@ -60,7 +66,8 @@ struct Tile {
   int kv_head;
   int query_begin;  // offset of the first token within the sequence's new tokens
   int query_end;    // exclusive
-  int kv_end;       // keys [0, kv_end) are visible to the tile's last token
+  int kv_begin;     // keys before kv_begin are invisible to the tile's first token (window)
+  int kv_end;       // keys [kv_begin, kv_end) are visible to some token of the tile
   int num_parts;
   int64_t part_scratch;  // float offset of the parts' partial results (num_parts > 1)
 };
@@ -79,7 +86,7 @@ inline int64_t thread_scratch_floats(int max_rows, int head_dim) {
   return align(int64_t(max_rows) * head_dim)    // queries (float32, or bf16 for bf16 dots)
          + align(int64_t(max_rows) * kChunk)    // scores, then probabilities
          + align(int64_t(max_rows) * head_dim)  // running output
-         + 3 * align(max_rows)                  // running max, running sum, visible keys
+         + 4 * align(max_rows)  // running max, running sum, visible keys, first visible key
          + 2 * align(int64_t(kChunk) * head_dim)  // a chunk's keys and values, float32 rows
          + 4 * align(2 * kChunk);  // key and value row pointers, this chunk and the next
 }

@@ -1,7 +1,9 @@
 // Torch bindings of the CPU paged-attention kernels (ops in the `octavo_cpu` namespace):
 //   write_kv_cache(key, value, kv_cache, slot_mapping)    store new K/V, slot < 0 = skip
 //   paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, isa,
-//                   part_size) -> out                     causal attention over the paged cache
+//                   part_size, sliding_window, soft_cap) -> out
+//                                                         causal attention over the paged cache
+//                                                         (window 0 / cap 0: none)
 //   supported_isas() -> [str]                             instruction sets this CPU can run
 // This file checks the inputs, cuts the step into tiles and work items, and calls the kernels of
 // the best instruction set the CPU has (attention_<isa>.cpp). It is compiled for the generic
@@ -162,7 +164,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale, std::string isa,
-                           int64_t part_size) {
+                           int64_t part_size, int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(query.device().is_cpu() && query.dim() == 3,
               "octavo_cpu: query must be a CPU tensor [num_tokens, num_heads, head_dim], got ",
               query.sizes(), " on ", query.device());
@@ -176,6 +178,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     check_int_tensor(block_tables, "block_tables", at::kInt, 2);
   }
   TORCH_CHECK(part_size >= 0, "octavo_cpu: part_size must be >= 0 (0 = automatic)");
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX,
+              "octavo_cpu: sliding_window must be >= 0 (0 = none), got ", sliding_window);
+  TORCH_CHECK(soft_cap >= 0.0, "octavo_cpu: soft_cap must be >= 0 (0 = none), got ", soft_cap);
 
   AttentionArgs a;
   a.dtype = to_dtype(query.scalar_type());
@@ -210,6 +215,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   a.block_tables = num_seqs > 0 ? block_tables.data_ptr<int32_t>() : nullptr;
   a.block_table_stride = num_seqs > 0 ? block_tables.stride(0) : 0;
   a.scale = float(scale);
+  a.sliding_window = int(sliding_window);
+  a.soft_cap = float(soft_cap);
 
   // Tiles: every sequence's new tokens in runs of up to tokens_per_tile, times the KV heads.
   const int group = a.num_heads / a.num_kv_heads;
@@ -231,17 +238,22 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     TORCH_CHECK(blocks <= table_width, "octavo_cpu: sequence ", s, " needs ", blocks,
                 " blocks, its block table has ", table_width);
     const int32_t* table = a.block_tables + int64_t(s) * a.block_table_stride;
-    for (int64_t b = 0; b < blocks; ++b) {
+    const int context_len = seq_len - query_len;
+    // Blocks wholly before the window of the sequence's first new token are never read.
+    const int first_key =
+        a.sliding_window > 0 ? std::max(0, context_len - a.sliding_window + 1) : 0;
+    for (int64_t b = first_key / a.block_size; b < blocks; ++b) {
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "octavo_cpu: sequence ", s, " block ",
                   b, " is ", table[b], ", outside the cache's ", num_blocks, " blocks");
     }
-    const int context_len = seq_len - query_len;
     for (int i0 = 0; i0 < query_len; i0 += tokens_per_tile) {
       const int i1 = std::min(query_len, i0 + tokens_per_tile);
       max_rows = std::max(max_rows, (i1 - i0) * group);
+      const int kv_begin =
+          a.sliding_window > 0 ? std::max(0, context_len + i0 - a.sliding_window + 1) : 0;
       for (int h = 0; h < a.num_kv_heads; ++h) {
-        tiles.push_back(Tile{s, h, i0, i1, context_len + i1, 1, 0});
-        total_keys += context_len + i1;
+        tiles.push_back(Tile{s, h, i0, i1, kv_begin, context_len + i1, 1, 0});
+        total_keys += context_len + i1 - kv_begin;
       }
     }
   }
@@ -269,14 +281,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   for (int t = 0; t < int(tiles.size()); ++t) {
     Tile& tile = tiles[t];
     const int rows = (tile.query_end - tile.query_begin) * group;
-    if (part > 0 && tile.kv_end > part) {
-      tile.num_parts = int((tile.kv_end + part - 1) / part);
+    const int num_keys = tile.kv_end - tile.kv_begin;
+    if (part > 0 && num_keys > part) {
+      tile.num_parts = int((num_keys + part - 1) / part);
       tile.part_scratch = part_floats;
       part_floats += tile.num_parts * part_scratch_floats(rows, a.head_dim);
     }
-    const int step = tile.num_parts > 1 ? int(part) : tile.kv_end;
+    const int step = tile.num_parts > 1 ? int(part) : num_keys;
     for (int p = 0; p < tile.num_parts; ++p) {
-      const int kv_begin = p * step, kv_end = std::min(tile.kv_end, kv_begin + step);
+      const int kv_begin = tile.kv_begin + p * step;
+      const int kv_end = std::min(tile.kv_end, kv_begin + step);
       items.push_back(WorkItem{t, p, kv_begin, kv_end});
       cost.push_back(int64_t(rows) * (kv_end - kv_begin));
     }
@@ -329,6 +343,7 @@ TORCH_LIBRARY(octavo_cpu, m) {
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",
         &octavo_cpu::write_kv_cache);
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_tables, float scale, str isa, int part_size) -> Tensor",
+        "Tensor block_tables, float scale, str isa, int part_size, int sliding_window, "
+        "float soft_cap) -> Tensor",
         &octavo_cpu::paged_attention);
 }

@@ -16,6 +16,13 @@ OCTAVO_INLINE Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 OCTAVO_INLINE Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 OCTAVO_INLINE Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 OCTAVO_INLINE Vec vmax(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+OCTAVO_INLINE Vec vdiv(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
+// |a|, and |mag| with the sign of `sign`.
+OCTAVO_INLINE Vec vabs(Vec a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.v)}; }
+OCTAVO_INLINE Vec vcopysign(Vec mag, Vec sign) {
+  const __m256 bit = _mm256_set1_ps(-0.0f);
+  return {_mm256_or_ps(_mm256_andnot_ps(bit, mag.v), _mm256_and_ps(bit, sign.v))};
+}
 // a * b + c
 OCTAVO_INLINE Vec vfma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 

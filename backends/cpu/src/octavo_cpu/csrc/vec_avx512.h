@@ -18,6 +18,15 @@ OCTAVO_INLINE Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 OCTAVO_INLINE Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 // a * b + c
 OCTAVO_INLINE Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+OCTAVO_INLINE Vec vdiv(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+// |a|, and |mag| with the sign of `sign`.
+OCTAVO_INLINE Vec vabs(Vec a) { return {_mm512_abs_ps(a.v)}; }
+OCTAVO_INLINE Vec vcopysign(Vec mag, Vec sign) {
+  const __m512i bit = _mm512_set1_epi32(int(0x80000000u));
+  const __m512i m = _mm512_andnot_si512(bit, _mm512_castps_si512(mag.v));
+  const __m512i s = _mm512_and_si512(bit, _mm512_castps_si512(sign.v));
+  return {_mm512_castsi512_ps(_mm512_or_si512(m, s))};
+}
 
 OCTAVO_INLINE Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 OCTAVO_INLINE Vec vload(const bf16_t* p) {
