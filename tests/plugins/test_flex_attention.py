@@ -183,17 +183,26 @@ def _build_step(seqs, num_kv_heads, dtype, block_size=4, seed=0):
     return kv_cache, metadata, gen
 
 
-def _run_both(seqs, num_heads, num_kv_heads, dtype, compiled=False, block_size=4):
+def _run_both(seqs, num_heads, num_kv_heads, dtype, compiled=False, block_size=4, window=None,
+              cap=None):
     from octavo_flex_attention.attention import FlexAttentionBackend
 
     kv_cache, metadata, gen = _build_step(seqs, num_kv_heads, dtype, block_size)
+    if window is not None:  # positions before each window: NaN (another request's, by now)
+        for i, (cached, _) in enumerate(seqs):
+            for pos in range(max(0, cached - window + 1)):
+                block = int(metadata.block_tables[i, pos // block_size])
+                kv_cache[:, block, pos % block_size] = float("nan")
     n = metadata.num_tokens
     query = torch.randn(n, num_heads, HEAD_DIM, generator=gen).to(dtype)
     key = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
     value = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
     scale = HEAD_DIM**-0.5
-    flex = FlexAttentionBackend(compiled=compiled).make_impl(num_heads, num_kv_heads, HEAD_DIM, scale)
-    ref = ReferenceAttentionImpl(num_heads, num_kv_heads, HEAD_DIM, scale)
+    options = {k: v for k, v in (("sliding_window", window), ("logits_soft_cap", cap))
+               if v is not None}
+    flex = FlexAttentionBackend(compiled=compiled).make_impl(num_heads, num_kv_heads, HEAD_DIM,
+                                                             scale, **options)
+    ref = ReferenceAttentionImpl(num_heads, num_kv_heads, HEAD_DIM, scale, window, cap)
     flex_cache, ref_cache = kv_cache.clone(), kv_cache.clone()
     with torch.inference_mode():  # as the model runner calls it
         out = flex.forward(query, key, value, flex_cache, metadata)
@@ -224,6 +233,17 @@ def test_sequences_longer_than_one_tile_match_reference():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("window", "cap"), [(3, None), (40, None), (None, 2.0), (150, 1.5)],
+                         ids=["window3", "window40", "cap2", "window150-cap1.5"])
+def test_sliding_window_and_soft_cap_match_reference(window, cap):
+    """Short and multi-tile sequences; positions before each window are NaN in the cache."""
+    for seqs, block_size in ((MIXED, 4), (LONG, 16)):
+        out, expected, _, _ = _run_both(seqs, 8, 2, torch.float32, block_size=block_size,
+                                        window=window, cap=cap)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow  # inductor compiles the fused C++ kernel: ~25 s on two cores
 def test_compiled_kernel_matches_reference():
     out, expected, _, _ = _run_both(MIXED + LONG, 8, 2, torch.float32, compiled=True,
@@ -232,18 +252,19 @@ def test_compiled_kernel_matches_reference():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 1, 20, 150], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("tile", [16, 128])
 @pytest.mark.parametrize("q_len,kv_len", [(100, 304), (1, 304), (7, 32)])
-def test_block_mask_equals_create_block_mask(tile, q_len, kv_len):
+def test_block_mask_equals_create_block_mask(tile, q_len, kv_len, window):
     """The analytic BlockMask lists the same partial and full tiles as evaluating the mask."""
     from octavo_flex_attention.block_mask import causal_prefix_block_mask, causal_prefix_mask_mod
 
     seq_lens = torch.tensor([kv_len, 1, 77, 129, max(q_len, kv_len - 48)])
     query_lens = torch.minimum(seq_lens, torch.tensor(q_len))
     context_lens = seq_lens - query_lens
-    mine = causal_prefix_block_mask(context_lens, seq_lens, q_len, kv_len, tile)
-    ref = create_block_mask(causal_prefix_mask_mod(context_lens, seq_lens), len(seq_lens), None,
-                            q_len, kv_len, device="cpu", BLOCK_SIZE=tile)
+    mine = causal_prefix_block_mask(context_lens, seq_lens, q_len, kv_len, tile, window)
+    ref = create_block_mask(causal_prefix_mask_mod(context_lens, seq_lens, window),
+                            len(seq_lens), None, q_len, kv_len, device="cpu", BLOCK_SIZE=tile)
     assert torch.equal(mine.to_dense(), ref.to_dense())
     for count, indices in (("kv_num_blocks", "kv_indices"),
                            ("full_kv_num_blocks", "full_kv_indices")):

@@ -16,6 +16,10 @@ sequence end are the block mask of :mod:`octavo_flex_attention.block_mask`. Gath
 past ``seq_len`` are zeroed: the cache is allocated uninitialised, and a masked-out NaN value
 would still poison ``probs @ values`` (0 * NaN is NaN).
 
+A sliding window is part of the block mask (tiles wholly before a row's window are skipped,
+and gathered slots before it are zeroed like those past the end: under a window their blocks
+may hold another request's KV by now); a logit soft cap is FlexAttention's ``score_mod``.
+
 ``compiled=False`` calls ``flex_attention`` eagerly: torch evaluates it with an unfused
 implementation that materialises the scores (correct on any CPU, no compiler needed).
 ``compiled=True`` uses ``torch.compile(flex_attention, dynamic=True)``, inductor's fused C++
@@ -45,8 +49,21 @@ def compiled_flex_attention() -> FlexFn:
     return torch.compile(flex_attention, dynamic=True)
 
 
+def soft_cap_score_mod(cap: float) -> Callable[..., torch.Tensor]:
+    """FlexAttention ``score_mod`` of a logit soft cap: ``cap * tanh(score / cap)`` (the score
+    already scaled, as ``flex_attention`` applies ``scale`` first)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
+
+
 class FlexAttentionBackend(AttentionBackend):
     """Makes :class:`FlexAttentionImpl` layers; keeps the default (cpu backend) KV layout."""
+
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def __init__(self, compiled: bool = False) -> None:
         self.compiled = compiled
@@ -60,20 +77,25 @@ class FlexAttentionBackend(AttentionBackend):
             )
 
     def make_impl(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+        sliding_window: int | None = None, logits_soft_cap: float | None = None,
     ) -> AttentionImpl:
         flex_fn = compiled_flex_attention() if self.compiled else flex_attention
-        return FlexAttentionImpl(num_heads, num_kv_heads, head_dim, scale, flex_fn)
+        return FlexAttentionImpl(num_heads, num_kv_heads, head_dim, scale, flex_fn,
+                                 sliding_window, logits_soft_cap)
 
 
 class FlexAttentionImpl(AttentionImpl):
     """One layer: writes the step's K/V into the paged cache, then attends with FlexAttention."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, flex_fn: FlexFn
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, flex_fn: FlexFn,
+        sliding_window: int | None = None, logits_soft_cap: float | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
+                         logits_soft_cap)
         self.flex_fn = flex_fn
+        self.score_mod = None if logits_soft_cap is None else soft_cap_score_mod(logits_soft_cap)
 
     def forward(
         self,
@@ -123,7 +145,10 @@ class FlexAttentionImpl(AttentionImpl):
         shape = (batch, kv_len, self.num_kv_heads, self.head_dim)
         keys = kv_cache[0][pages].reshape(shape)  # [batch, kv_len, kv_heads, head_dim]
         values = kv_cache[1][pages].reshape(shape)
-        past_end = torch.arange(kv_len, device=device)[None] >= seq_lens[:, None]  # [batch, kv_len]
+        kv_positions = torch.arange(kv_len, device=device)[None]  # [1, kv_len]
+        past_end = kv_positions >= seq_lens[:, None]  # [batch, kv_len]
+        if self.sliding_window is not None:  # before the first new token's window
+            past_end |= kv_positions <= (seq_lens - query_lens - self.sliding_window)[:, None]
         keys.masked_fill_(past_end[:, :, None, None], 0.0)
         values.masked_fill_(past_end[:, :, None, None], 0.0)
 
@@ -134,12 +159,14 @@ class FlexAttentionImpl(AttentionImpl):
         q = query[token_index].transpose(1, 2)  # [batch, heads, max_query_len, head_dim]
 
         block_mask = causal_prefix_block_mask(
-            seq_lens - query_lens, seq_lens, max_query_len, kv_len
+            seq_lens - query_lens, seq_lens, max_query_len, kv_len,
+            sliding_window=self.sliding_window,
         )
         result = self.flex_fn(
             q,
             keys.transpose(1, 2),  # [batch, kv_heads, kv_len, head_dim]
             values.transpose(1, 2),
+            score_mod=self.score_mod,
             block_mask=block_mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,

@@ -12,6 +12,10 @@ The second bound keeps padding (slots of the batch past this sequence's end) out
 a padded query row (``q_idx`` past the row's query length) still sees the whole context: no row
 is ever fully masked. Its output is discarded by the caller.
 
+With a sliding window ``W`` a query also sees only ``kv_idx > context_len[b] + q' - W``, where
+``q' = min(q_idx, query_len[b] - 1)``: a padded row gets the last real row's window, so it is
+never fully masked either.
+
 :func:`causal_prefix_block_mask` builds the ``BlockMask`` directly from these bounds (a few
 small tensor ops) instead of evaluating the mask function on every (q, kv) pair the way
 ``create_block_mask`` does; ``tests/plugins/test_flex_attention.py`` checks the two agree.
@@ -30,13 +34,23 @@ FLEX_BLOCK_SIZE = 128
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def causal_prefix_mask_mod(context_lens: torch.Tensor, seq_lens: torch.Tensor) -> MaskMod:
+def causal_prefix_mask_mod(context_lens: torch.Tensor, seq_lens: torch.Tensor,
+                           sliding_window: int | None = None) -> MaskMod:
     """The element-wise mask: ``context_lens``/``seq_lens`` are ``[batch]`` int tensors."""
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
         return (kv_idx <= q_idx + context_lens[b]) & (kv_idx < seq_lens[b])
 
-    return mask_mod
+    if sliding_window is None:
+        return mask_mod
+    last_query = seq_lens - context_lens - 1  # [batch] index of each row's last real query
+
+    def window_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                        kv_idx: torch.Tensor):
+        q_real = torch.minimum(q_idx, last_query[b])
+        return mask_mod(b, h, q_idx, kv_idx) & (kv_idx > q_real + context_lens[b] - sliding_window)
+
+    return window_mask_mod
 
 
 def causal_prefix_block_mask(
@@ -45,6 +59,7 @@ def causal_prefix_block_mask(
     q_len: int,
     kv_len: int,
     block_size: int = FLEX_BLOCK_SIZE,
+    sliding_window: int | None = None,
 ) -> BlockMask:
     """The ``BlockMask`` of :func:`causal_prefix_mask_mod` for ``[batch, q_len] x [batch, kv_len]``.
 
@@ -52,7 +67,9 @@ def causal_prefix_block_mask(
     inside ``q_len x kv_len`` and every pair in it is visible (FlexAttention then skips the mask
     function there), *partial* when some in-range pair is visible, and left out otherwise; a
     tile crossing ``q_len`` or ``kv_len`` is never full, as with ``create_block_mask``.
-    Visibility only grows with ``q_idx`` and shrinks with ``kv_idx``, so a tile's corners decide.
+    Visibility only grows with ``q_idx`` and shrinks with ``kv_idx``, so a tile's corners decide;
+    under a sliding window the lowest visible key only grows with ``q_idx`` too, and a query
+    sees one contiguous run of keys, so the tile's corners still decide.
     """
     device = seq_lens.device
     num_q_blocks = -(-q_len // block_size)
@@ -70,6 +87,14 @@ def causal_prefix_block_mask(
     any_visible = kv_first[None, None, :] <= bound_last[:, :, None]
     in_range = (q_first + block_size <= q_len)[:, None] & (kv_last < kv_len)[None, :]
     all_visible = (kv_last[None, None, :] <= bound_first[:, :, None]) & in_range[None]
+    if sliding_window is not None:
+        # Lowest key the tile row's first / last query sees (padded queries: the last real).
+        last_query = (seq_lens.to(device=device, dtype=torch.long)[:, None] - ctx - 1)
+        low_first = torch.minimum(q_first[None], last_query) + ctx - sliding_window + 1
+        low_last = torch.minimum(q_last[None], last_query) + ctx - sliding_window + 1
+        kv_last_in_range = kv_last.clamp(max=kv_len - 1)
+        any_visible &= kv_last_in_range[None, None, :] >= low_first[:, :, None]
+        all_visible &= kv_first[None, None, :] >= low_last[:, :, None]
     partial = any_visible & ~all_visible
     kv_num_blocks, kv_indices = _ordered(partial)
     full_num_blocks, full_indices = _ordered(all_visible)
@@ -77,7 +102,7 @@ def causal_prefix_block_mask(
         kv_num_blocks[:, None], kv_indices[:, None],  # add the (broadcast) head dimension
         full_num_blocks[:, None], full_indices[:, None],
         BLOCK_SIZE=block_size,
-        mask_mod=causal_prefix_mask_mod(context_lens, seq_lens),
+        mask_mod=causal_prefix_mask_mod(context_lens, seq_lens, sliding_window),
         seq_lengths=(q_len, kv_len),
     )
 
