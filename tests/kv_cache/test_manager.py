@@ -173,3 +173,91 @@ def test_discard_step_forgets_prefixes_the_step_would_have_filled() -> None:
     # Prefixes computed by earlier steps stay cached.
     assert pool.get_cached_block(done.block_hashes[0]) is not None
     assert pool.get_cached_block(done.block_hashes[1]) is not None
+
+
+# ---- sliding window: blocks wholly before the window of the next token are freed ---------------
+
+
+def decode(manager: KVCacheManager, request: Request, token: int) -> list[int] | None:
+    """One decode step of ``request`` (its sampled ``token`` recorded first)."""
+    request.append_output_token(token)
+    ids = manager.allocate_slots(request, 1)
+    request.num_computed_tokens += 1
+    return ids
+
+
+def test_window_frees_blocks_before_the_next_tokens_window() -> None:
+    from octavo.kv_cache.manager import FREED_BLOCK_ID
+
+    manager = KVCacheManager(10, BS, enable_caching=True, sliding_window=6)
+    request = make_request("a", list(range(10, 20)))  # 10 tokens, blocks 0..2
+    run_prompt(manager, request)
+    assert manager.num_free_blocks == 7
+    # Next token at position 10 sees positions 5..10: block 0 (positions 0..3) is outside.
+    decode(manager, request, 1)
+    assert manager.num_free_blocks == 8 and manager.num_window_freed_blocks == 1
+    assert manager.get_block_ids("a") == [FREED_BLOCK_ID, 1, 2]
+    # Positions 4..7 (block 1) leave the window once the next token is at 13.
+    for token in (2, 3):
+        decode(manager, request, token)  # positions 11, 12; 12 needs block 3
+    assert manager.num_free_blocks == 7
+    assert manager.get_block_ids("a") == [FREED_BLOCK_ID, 1, 2, 3]
+    decode(manager, request, 4)  # position 13 sees 8..13
+    assert manager.get_block_ids("a") == [FREED_BLOCK_ID, FREED_BLOCK_ID, 2, 3]
+    assert manager.num_free_blocks == 8 and manager.num_window_freed_blocks == 2
+    # Every block comes back, once: the freed ones are not freed twice.
+    manager.free(request)
+    assert manager.num_free_blocks == 10 and manager.num_requests_holding_blocks() == 0
+    assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
+
+
+def test_window_freeing_needs_a_window() -> None:
+    manager = KVCacheManager(10, BS, enable_caching=True)  # no window: nothing freed early
+    request = make_request("a", list(range(10, 30)))
+    run_prompt(manager, request)
+    for token in range(5):
+        decode(manager, request, token)
+    assert manager.num_window_freed_blocks == 0 and 0 not in manager.get_block_ids("a")[1:]
+    assert manager.num_free_blocks == 10 - 7
+
+
+def test_hits_before_the_window_are_not_taken() -> None:
+    from octavo.kv_cache.manager import FREED_BLOCK_ID
+
+    manager = KVCacheManager(12, BS, enable_caching=True, sliding_window=5)
+    prompt = list(range(40, 57))  # 17 tokens: 4 full blocks + 1
+    a = make_request("a", prompt)
+    run_prompt(manager, a)
+    manager.free(a)  # all 5 blocks free, the 4 full ones still cached
+    b = make_request("b", prompt[:16] + [99, 98])  # hits 4 blocks (16 tokens)
+    hits, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 16
+    ids = manager.allocate_slots(b, b.num_tokens - num_hit, hits, num_hit)
+    # Position 16 sees 12..16: hits 0..2 (positions 0..11) are not taken, hit 3 is.
+    assert ids[:4] == [FREED_BLOCK_ID] * 3 + [hits[3].block_id] and len(ids) == 5
+    assert [blk.ref_cnt for blk in hits] == [0, 0, 0, 1]
+    # The skipped hits stay cached (and free): another request may still use them.
+    assert all(manager.block_pool.get_cached_block(h) is not None for h in b.block_hashes[:3])
+    assert manager.num_free_blocks == 12 - 2
+    manager.free(b)
+    assert manager.num_free_blocks == 12 and all(blk.ref_cnt == 0 for blk in manager.block_pool.blocks)
+
+
+def test_a_freed_block_given_to_another_request_is_no_longer_a_hit() -> None:
+    """A window-freed block keeps its prefix hash only until the pool reuses it; then the hash
+    is gone and a later request with that prefix recomputes instead of reading foreign KV."""
+    manager = KVCacheManager(4, BS, enable_caching=True, sliding_window=4)
+    prompt = list(range(60, 69))  # 9 tokens: blocks 0..2
+    a = make_request("a", prompt)
+    run_prompt(manager, a)
+    decode(manager, a, 1)  # position 9 sees 6..9: blocks 0 (0..3) freed, 1 (4..7) kept
+    assert manager.num_window_freed_blocks == 1
+    freed = manager.block_pool.get_cached_block(a.block_hashes[0])
+    assert freed is not None and freed.ref_cnt == 0  # free, still a valid cached prefix
+    # Another request takes the last free blocks: the freed one is reused and evicted.
+    other = make_request("other", list(range(200, 206)))
+    assert manager.allocate_slots(other, other.num_tokens) is not None
+    assert freed.ref_cnt == 1 and freed.block_hash is None
+    assert manager.block_pool.get_cached_block(a.block_hashes[0]) is None
+    c = make_request("c", prompt)
+    assert manager.get_computed_blocks(c) == ([], 0)  # the chain starts at block 0: no hit

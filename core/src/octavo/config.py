@@ -96,6 +96,57 @@ class ModelConfig:
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window as the engine runs it: the checkpoint's window
+        (``layer_sliding_windows``), or ``None`` where it does not bind because
+        ``max_model_len`` fits in it (full and windowed attention then agree)."""
+        return tuple(w if w is not None and w < self.max_model_len else None
+                     for w in layer_sliding_windows(self.hf_config))
+
+    @property
+    def uses_sliding_window(self) -> bool:
+        """Whether some layer's window is shorter than ``max_model_len``."""
+        return any(w is not None for w in self.sliding_windows)
+
+    @property
+    def logits_soft_cap(self) -> float | None:
+        """The attention logit soft cap the model applies (``attention_logit_soft_cap``)."""
+        return attention_logit_soft_cap(self.hf_config)
+
+
+# Model types whose transformers implementation ignores a set ``attn_logit_softcapping``.
+_SOFT_CAP_IGNORED = ("gemma3", "gemma3_text")
+
+
+def layer_sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """The attention window of every layer of a ``transformers`` config (``None``: full).
+
+    ``config.sliding_window`` applies to the layers ``config.layer_types`` marks
+    ``"sliding_attention"`` (Gemma 2/3, Qwen2/3 past ``max_window_layers``), or to every layer
+    when the config has no ``layer_types`` (Mistral, Phi-3); never when ``use_sliding_window``
+    is false (Qwen).
+    """
+    num_layers = int(hf_config.num_hidden_layers)
+    window = getattr(hf_config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(
+            hf_config, "use_sliding_window", True) is False:
+        return (None,) * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return (window,) * num_layers
+    return tuple(window if kind == "sliding_attention" else None
+                 for kind in list(layer_types)[:num_layers])
+
+
+def attention_logit_soft_cap(hf_config: Any) -> float | None:
+    """``config.attn_logit_softcapping`` where the architecture applies it (Gemma 2; Gemma 3's
+    implementation ignores the field), else ``None``."""
+    cap = getattr(hf_config, "attn_logit_softcapping", None)
+    if cap is None or getattr(hf_config, "model_type", None) in _SOFT_CAP_IGNORED:
+        return None
+    return float(cap)
+
 
 # Where the weights come from (see ModelConfig.load_format).
 LOAD_FORMATS = ("auto", "dummy")
@@ -121,6 +172,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Exact number of KV blocks (tests use it to force preemption); wins over memory sizing.
     num_gpu_blocks_override: int | None = None
+    # The attention window of the model when every layer has one shorter than max_model_len
+    # (else None): a request's blocks wholly before the window of its next token are freed.
+    # Set from the model by EngineArgs; None turns that freeing off.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -145,6 +200,10 @@ class CacheConfig:
             raise ValueError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}"
             )
+        if self.sliding_window is not None and (
+                not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(
+                f"sliding_window must be None or a positive integer, got {self.sliding_window!r}")
 
 
 @dataclass(slots=True)

@@ -31,6 +31,8 @@ plugin = BackendPlugin(
             head_dims=None,  # any: C++ kernels for multiples of 16, torch for the others
             block_sizes=None,  # any block size
             cuda_graphs=False,
+            sliding_window=True,  # C++ kernels and torch fallback alike
+            logits_soft_cap=True,
             # No limit of its own on max_num_seqs / max_model_len (host memory decides);
             # logprobs come from the core's sampler, so every count and prompt logprobs.
         ),

@@ -30,7 +30,8 @@ class BackendCapabilities:
 
     The core checks an engine's configuration against these once, at start-up
     (``octavo.backends.capabilities.check_config``: dtype, head size, block size,
-    ``max_num_seqs``, ``max_model_len``), and every request at admission
+    ``max_num_seqs``, ``max_model_len``, sliding windows, logit soft-capping), and every
+    request at admission
     (``check_request``: logprob counts, prompt logprobs); a mismatch is a ``ValueError`` that
     names the backend, the value and what is supported. ``None`` means "no limit of the
     backend's own" (memory and the model still apply). ``octavo backends`` shows them all.
@@ -57,6 +58,11 @@ class BackendCapabilities:
     # Most top logprobs per token a request may ask for (logprobs, prompt_logprobs; None: no
     # limit beyond the vocabulary).
     max_logprobs: int | None = None
+    # Whether the attention kernels implement sliding-window attention (Mistral, Gemma's local
+    # layers, ...). Without it a windowed model runs only with max_model_len within its window.
+    sliding_window: bool = False
+    # Whether the attention kernels implement attention logit soft-capping (Gemma 2).
+    logits_soft_cap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dtypes", "head_dims", "block_sizes"):  # lists are accepted, kept as tuples

@@ -43,21 +43,28 @@ class UnsupportedByBackendError(InvalidRequestError):
         super().__init__(message, param=param, code=CODE_UNSUPPORTED_BY_BACKEND)
 
 
-def fit_max_model_len(backend: Backend, max_model_len: int, requested: int | None) -> int:
+def fit_max_model_len(backend: Backend, max_model_len: int, requested: int | None,
+                      sliding_window: int | None = None) -> int:
     """The context length to use: the model's, lowered to the backend's limit when needed.
 
     Only a length the user did not ask for is lowered (and logged); a requested length beyond
-    the backend's limit is left for ``check_config`` to reject.
+    the backend's limit is left for ``check_config`` to reject. A backend without
+    sliding-window attention runs a windowed model up to its (smallest) window, where full
+    attention gives the same result.
 
     :param max_model_len: the length derived from the model (or the requested one).
     :param requested: what the user asked for (``--max-model-len``), or ``None``.
+    :param sliding_window: the model's smallest attention window, or ``None``.
     """
-    limit = backend.capabilities.max_model_len
+    caps = backend.capabilities
+    limit, why = caps.max_model_len, "the longest it supports"
+    if sliding_window is not None and not caps.sliding_window and (
+            limit is None or sliding_window < limit):
+        limit, why = sliding_window, ("the model's attention window (the backend has no "
+                                      "sliding-window attention)")
     if requested is None and limit is not None and max_model_len > limit:
-        logger.info(
-            "backend %s: max_model_len lowered from the model's %d to %d, the longest it "
-            "supports", backend.name, max_model_len, limit,
-        )
+        logger.info("backend %s: max_model_len lowered from the model's %d to %d, %s",
+                    backend.name, max_model_len, limit, why)
         return limit
     return max_model_len
 
@@ -66,7 +73,8 @@ def check_config(backend: Backend, config: EngineConfig, others: Sequence[Backen
     """Raise ``UnsupportedByBackendError`` unless ``backend`` supports ``config``.
 
     Checks, in order: dtype, the model's head size, KV block size, ``max_num_seqs``,
-    ``max_model_len``. The error names the backend, the value and what it supports, and
+    ``max_model_len``, sliding-window attention (needed when a layer's window is shorter than
+    ``max_model_len``), attention logit soft-capping. The error names the backend, the value and what it supports, and
     suggests a supported value and the backends among ``others`` (other installed ones) that
     are available here and support the value; they are probed only when a check fails.
     """
@@ -93,6 +101,21 @@ def check_config(backend: Backend, config: EngineConfig, others: Sequence[Backen
         _fail(backend, "max_model_len", max_model_len, f"at most {caps.max_model_len}",
               f"--max-model-len {caps.max_model_len}", others,
               lambda c: c.max_model_len is None or max_model_len <= c.max_model_len)
+    windows = [w for w in model.sliding_windows if w is not None]
+    if windows and not caps.sliding_window:
+        alternatives = _alternatives(others, backend.name, lambda c: c.sliding_window)
+        raise UnsupportedByBackendError(
+            f"backend {backend.name!r} does not support sliding-window attention, which the "
+            f"model uses (window {min(windows)}) below max_model_len {max_model_len}. "
+            f"{_advice(f'--max-model-len {min(windows)}', alternatives)}"
+        )
+    cap = model.logits_soft_cap
+    if cap is not None and not caps.logits_soft_cap:
+        alternatives = _alternatives(others, backend.name, lambda c: c.logits_soft_cap)
+        raise UnsupportedByBackendError(
+            f"backend {backend.name!r} does not support attention logit soft-capping, which "
+            f"the model uses (attn_logit_softcapping {cap}). {_advice(None, alternatives)}"
+        )
 
 
 def check_head_dim(

@@ -13,7 +13,14 @@ import time
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
-from octavo.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from octavo.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    layer_sliding_windows,
+)
 from octavo.model_executor.model_files import (
     derive_max_model_len,
     load_hf_config,
@@ -145,6 +152,7 @@ class EngineArgs:
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = backend.capabilities.async_scheduling
+        windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
         model_config = ModelConfig(**self._options_of(
             ModelConfig,
             model=display,
@@ -155,12 +163,14 @@ class EngineArgs:
             tokenizer=resolve_tokenizer_path(self.tokenizer, download_dir=self.download_dir,
                                              trust_remote_code=self.trust_remote_code),
             max_model_len=fit_max_model_len(
-                backend, derive_max_model_len(hf_config, self.max_model_len), self.max_model_len
+                backend, derive_max_model_len(hf_config, self.max_model_len), self.max_model_len,
+                min(windows, default=None),
             ),
         ))
         config = EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(**self._options_of(CacheConfig)),
+            cache_config=CacheConfig(**self._options_of(
+                CacheConfig, sliding_window=_kv_window(model_config))),
             scheduler_config=SchedulerConfig(
                 **self._options_of(SchedulerConfig, async_scheduling=async_scheduling)
             ),
@@ -195,6 +205,15 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _kv_window(model_config: ModelConfig) -> int | None:
+    """The window after which a request's KV blocks may be freed: every layer's window when
+    all of them have one that binds (a layer of full attention needs every block), else None."""
+    windows = model_config.sliding_windows
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 # vLLM's short forms.

@@ -25,8 +25,8 @@ TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 TRITON_DTYPES = ("bfloat16", "float16", "float32")
 #: What a GPU backend running these kernels through the core's GPU worker supports: the
 #: kernels' dtypes and head sizes, the block sizes they are tested and tuned for, decode CUDA
-#: (or HIP) graphs unless --enforce-eager, and async scheduling (the device runs apart from
-#: the host). No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
+#: (or HIP) graphs unless --enforce-eager, async scheduling (the device runs apart from
+#: the host), sliding-window attention and logit soft-capping. No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
 #: logprobs come from the core's sampler, so every count and prompt logprobs.
 TRITON_GPU_CAPABILITIES = BackendCapabilities(
     dtypes=TRITON_DTYPES,
@@ -34,6 +34,8 @@ TRITON_GPU_CAPABILITIES = BackendCapabilities(
     block_sizes=(8, 16, 32, 64),
     cuda_graphs=True,
     async_scheduling=True,
+    sliding_window=True,
+    logits_soft_cap=True,
 )
 
 

@@ -3,6 +3,16 @@
 The scheduler talks to this class only: it asks which prefix of a request is already cached,
 asks for slots for the tokens it wants to run this step, and frees a request's blocks. It never
 sees the free queue.
+
+Sliding window: when every attention layer of the model sees only the last ``sliding_window``
+positions (``CacheConfig.sliding_window``), a running request's blocks that lie wholly before
+the window of its next token are never read again; ``allocate_slots`` gives them back to the
+pool (and does not take prefix-cache hits that lie there). The request's block list keeps a
+placeholder in their place, so block ``i`` still holds positions ``i * block_size ..``; the
+placeholder's id (``FREED_BLOCK_ID``) may reach the worker's block table, where the kernels
+never read it. A freed block keeps its prefix hash like any free block: its KV stays valid
+until the pool hands the block out again, which evicts the hash first, so a later prefix hit
+on it reads what the hash names.
 """
 
 from __future__ import annotations
@@ -18,6 +28,11 @@ if TYPE_CHECKING:
     from octavo.messages.request import Request
 
 logger = logging.getLogger(__name__)
+
+# Block id shown for blocks freed as outside the sliding window (a real id, never read).
+FREED_BLOCK_ID = 0
+# Stands in a request's block list for a block freed as outside the sliding window.
+_FREED = KVCacheBlock(block_id=FREED_BLOCK_ID)
 
 
 @dataclass(slots=True)
@@ -37,9 +52,16 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates, caches and frees the KV blocks of requests."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Positions every layer sees before a token, itself included (None: all of them).
+        self.sliding_window = sliding_window
+        # Per request: how many of its leading blocks were freed as outside the window.
+        self._num_freed: dict[str, int] = {}
+        # Blocks freed as outside the window since the engine started.
+        self.num_window_freed_blocks = 0
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         # Per request: how many of its leading blocks have been offered to the prefix index.
@@ -100,28 +122,40 @@ class KVCacheManager:
 
         ``new_computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``) being
         adopted now. Returns the ids of newly added blocks (hits included), or ``None`` when
-        the pool cannot provide enough blocks — nothing is changed then.
+        the pool cannot provide enough blocks — nothing is changed then, except that blocks
+        wholly before the sliding window are freed either way (no later step reads them).
         """
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_outside = self._blocks_before_window(num_computed)
+        if num_outside:
+            self._free_outside_window(request.request_id, num_outside)
         if not new_computed_blocks and self._fits_without_change(request, num_new_tokens):
             return []  # the common decode step: room in the last block, no block becomes full
         new_computed_blocks = new_computed_blocks or []
         blocks = self._req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
         total_tokens = num_computed + num_new_tokens
         num_required = self.blocks_needed(total_tokens) - len(blocks) - len(new_computed_blocks)
+        # Hits wholly before the window are not taken: placeholders stand in for them.
+        num_skipped_hits = min(len(new_computed_blocks), max(0, num_outside - len(blocks)))
+        taken_hits = new_computed_blocks[num_skipped_hits:]
         # Hits sitting in the free queue stop being free once adopted.
-        num_hits_in_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_hits_in_queue = sum(1 for b in taken_hits if b.ref_cnt == 0)
         if max(num_required, 0) > self.block_pool.num_free_blocks - num_hits_in_queue:
             if not blocks:
                 del self._req_blocks[request.request_id]
             return None
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
+        self.block_pool.touch(taken_hits)
+        if num_skipped_hits:
+            blocks.extend([_FREED] * num_skipped_hits)
+            self._num_freed[request.request_id] = len(blocks)
+        blocks.extend(taken_hits)
         new_blocks = self.block_pool.get_new_blocks(max(num_required, 0))
         blocks.extend(new_blocks)
         # Index blocks that are full once this step has run and whose tokens are all known.
         num_full = min(total_tokens // self.block_size, len(request.block_hashes))
-        num_indexed = self._num_indexed.get(request.request_id, 0)
+        # Freed blocks (placeholders) are not indexed again.
+        num_indexed = max(self._num_indexed.get(request.request_id, 0),
+                          self._num_freed.get(request.request_id, 0))
         if num_full > num_indexed:
             indexed = self.block_pool.cache_full_blocks(
                 blocks, request.block_hashes, num_indexed, num_full
@@ -131,7 +165,29 @@ class KVCacheManager:
                     self._uncommitted.append([])
                 self._uncommitted[-1] += indexed
             self._num_indexed[request.request_id] = num_full
-        return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
+        return ([FREED_BLOCK_ID] * num_skipped_hits + [b.block_id for b in taken_hits]
+                + [b.block_id for b in new_blocks])
+
+    def _blocks_before_window(self, num_computed: int) -> int:
+        """Leading blocks wholly before the window of the token at position ``num_computed``
+        (the next one to compute): never read again by this request."""
+        if self.sliding_window is None:
+            return 0
+        first_visible = num_computed - self.sliding_window + 1
+        return max(0, first_visible) // self.block_size
+
+    def _free_outside_window(self, request_id: str, num_outside: int) -> None:
+        """Free the request's blocks ``[already freed, num_outside)`` (those it holds)."""
+        blocks = self._req_blocks.get(request_id)
+        num_freed = self._num_freed.get(request_id, 0)
+        end = min(num_outside, len(blocks)) if blocks else 0
+        if end <= num_freed:
+            return
+        # Oldest first: the block furthest from the window is evicted first.
+        self.block_pool.free_blocks(blocks[num_freed:end])
+        blocks[num_freed:end] = [_FREED] * (end - num_freed)
+        self._num_freed[request_id] = end
+        self.num_window_freed_blocks += end - num_freed
 
     def _fits_without_change(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's blocks already hold ``num_new_tokens`` more tokens and no
@@ -149,8 +205,9 @@ class KVCacheManager:
         """Release all blocks of a request; the tail goes back first so it is evicted first."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_indexed.pop(request.request_id, None)
+        num_freed = self._num_freed.pop(request.request_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[num_freed:]))
 
     def begin_step(self) -> None:
         """Allocations from now on belong to a new step (scheduled, not yet run)."""

@@ -167,28 +167,29 @@ def resolve_tokenizer_path(
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
-    """Context length: the requested one, checked against what the model supports."""
-    model_max = None
+    """Context length: the requested one, checked against what the model supports.
+
+    The model's own is ``max_position_embeddings`` (or ``n_positions``/``max_seq_len``),
+    extended by the rope scalings made to stretch a context, as vLLM does: ``yarn`` to
+    ``original_max_position_embeddings`` times its ``factor`` (the default too: yarn's
+    frequencies do not depend on the length), ``dynamic`` to ``max_position_embeddings`` times
+    its ``factor`` (only when asked for: the default stays ``max_position_embeddings``, where
+    dynamic NTK scaling is the plain rope, as in transformers, for every length). A sliding
+    window does not shorten it: the attention kernels implement windows (a backend without
+    them lowers it, see ``octavo.backends.capabilities``).
+    """
+    model_max = default = None
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
-            model_max = value
+            model_max = default = value
             break
-    window = getattr(hf_config, "sliding_window", None)
-    use_window = getattr(hf_config, "use_sliding_window", True)
-    if isinstance(window, int) and window > 0 and use_window:
-        # Sliding-window attention is not implemented: stay inside the window, where full
-        # attention and sliding-window attention agree.
-        if model_max is None or window < model_max:
-            logger.warning(
-                "model uses sliding-window attention (window %d), which Octavo does not "
-                "implement yet; max_model_len is capped at the window", window,
-            )
-            model_max = window
+    if model_max is not None:
+        model_max, default = _rope_extended_len(hf_config, model_max)
     if requested is None:
-        if model_max is None:
+        if default is None:
             raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
-        return model_max
+        return default
     if not isinstance(requested, int) or requested < 1:
         raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
     if model_max is not None and requested > model_max:
@@ -196,3 +197,26 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
             f"max_model_len={requested} is larger than the model's maximum ({model_max})"
         )
     return requested
+
+
+def _rope_extended_len(hf_config: Any, max_positions: int) -> tuple[int, int]:
+    """(longest allowed, default) context of ``max_positions`` under the config's rope
+    scaling (see ``derive_max_model_len``)."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return max_positions, max_positions
+    if "rope_type" in params or "type" in params:
+        per_type = [params]
+    else:  # one dict per layer type (Gemma 3)
+        per_type = [p for p in params.values() if isinstance(p, dict)]
+    allowed = default = max_positions
+    for p in per_type:
+        rope_type, factor = p.get("rope_type", p.get("type")), p.get("factor")
+        if not factor or factor <= 1:
+            continue
+        if rope_type == "yarn":
+            base = int(p.get("original_max_position_embeddings") or max_positions)
+            allowed = default = max(allowed, int(base * factor))
+        elif rope_type == "dynamic":
+            allowed = max(allowed, int(max_positions * factor))
+    return allowed, default

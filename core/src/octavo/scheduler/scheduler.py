@@ -60,7 +60,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            sliding_window=cache_config.sliding_window,
         )
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         if not scheduler_config.enable_chunked_prefill:
