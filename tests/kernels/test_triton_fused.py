@@ -169,6 +169,25 @@ def test_rotary_in_place_writes_only_query_and_key():
     assert torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_partial_rotary_through_the_layer(dtype):
+    """A rope rotating 3/4 of each head with a scaled table (longrope): the layer's Triton
+    path equals its torch path, and the last quarter passes through unchanged."""
+    params = RopeParameters("longrope", 10000.0, factor=8.0, original_max_position_embeddings=64,
+                            partial_rotary_factor=0.75, short_factor=(1.0,) * 24,
+                            long_factor=tuple(1.0 + i / 8 for i in range(24)),
+                            max_position_embeddings=MAX_POSITIONS)
+    rope = RotaryEmbedding(64, MAX_POSITIONS, params).to(DEVICE)
+    assert rope.rotary_dim == 48
+    q, k, _, _ = fused_qkv_views(len(POSITIONS), 4, 2, 64, dtype)
+    positions = torch.tensor(POSITIONS, device=DEVICE)
+    q_out, k_out = rope.forward_triton(apply_rotary, positions, q, k)
+    q_ref, k_ref = rope.forward_native(positions, q, k)
+    assert_close(q_out, q_ref, exact=True)
+    assert_close(k_out, k_ref, exact=True)
+    assert torch.equal(q_out[..., 48:], q[..., 48:])
+
+
 def test_rotary_handles_no_tokens_and_rejects_bad_inputs():
     rope = make_rope(64)
     q, k = torch.empty(0, 2, 64, device=DEVICE), torch.empty(0, 1, 64, device=DEVICE)
