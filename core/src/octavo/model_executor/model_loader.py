@@ -50,7 +50,7 @@ def build_model(
     uninitialised parameters (this rank's part of them when split)."""
     model_cls = resolve_model_class(model_config, pm)
     parallel = parallel or ParallelState.single()
-    kwargs = {}
+    kwargs: dict = {}
     if getattr(model_cls, "supports_parallel", False):
         kwargs["parallel"] = parallel
     elif parallel.ranks.world_size > 1:
@@ -58,6 +58,8 @@ def build_model(
             f"{model_cls.__qualname__} (architecture {model_config.architectures}) cannot be "
             "split over devices: run it with tensor_parallel_size=1 and pipeline_parallel_size=1"
         )
+    if getattr(model_cls, "accepts_max_model_len", False):
+        kwargs["max_model_len"] = model_config.max_model_len
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:

@@ -1,8 +1,8 @@
 """Building blocks shared by the model definitions: norms, rotary embedding, activations, attention."""
 
-from octavo.model_executor.layers.activation import SiluAndMul
+from octavo.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from octavo.model_executor.layers.attention import Attention
-from octavo.model_executor.layers.rmsnorm import RMSNorm
+from octavo.model_executor.layers.rmsnorm import GemmaRMSNorm, RMSNorm
 from octavo.model_executor.layers.rotary import (
     SUPPORTED_ROPE_TYPES,
     RopeParameters,
@@ -14,6 +14,8 @@ from octavo.model_executor.layers.rotary import (
 __all__ = [
     "SUPPORTED_ROPE_TYPES",
     "Attention",
+    "GeluAndMul",
+    "GemmaRMSNorm",
     "RMSNorm",
     "RopeParameters",
     "RotaryEmbedding",

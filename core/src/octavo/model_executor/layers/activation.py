@@ -29,3 +29,18 @@ class SiluAndMul(nn.Module):
         """``forward`` with torch ops only (the CPU path and the kernel's reference)."""
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """``gelu(gate) * up`` where the input holds ``[gate | up]`` along its last dimension
+    (Gemma's MLP; ``approximate="tanh"`` is transformers' ``gelu_pytorch_tanh``)."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]

@@ -4,6 +4,9 @@
   weight and computes its part of the output, with no communication. Several projections of
   the same input (QKV, gate/up) are one layer of named *shards*: each rank's weight is its
   slice of every shard, one after the other, so the rank's part is one contiguous matmul.
+  The checkpoint may hold the shards separately (``q_proj``, ``k_proj``, ``v_proj``) or
+  fused in one tensor, the shards one after the other (Phi-3's ``qkv_proj``, ``gate_up_proj``):
+  each rank then reads its slice of every shard out of the fused tensor.
 - ``RowParallelLinear`` splits the *input* features: each rank holds a column range, takes the
   matching part of the input (what the column-parallel layer before it produced) and the
   partial outputs are summed over the ranks (one all-reduce); the bias is added once, after.
@@ -45,6 +48,9 @@ class OutputShard:
     # This rank's rows of the checkpoint tensor: [start, start + size).
     start: int
     size: int
+    # Rows of the whole projection in the checkpoint (every rank's, replicas counted once):
+    # where the next shard starts in a fused checkpoint tensor.
+    full_size: int
 
 
 class ColumnParallelLinear(nn.Module):
@@ -73,6 +79,9 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def _load(self, param: nn.Parameter, loaded: Loaded, shard_name: str | None) -> None:
+        if shard_name is None and self.shard_names:
+            self._load_fused(param, loaded)
+            return
         offset = 0
         for shard in self.shards:
             if shard.name == shard_name:
@@ -84,6 +93,22 @@ class ColumnParallelLinear(nn.Module):
             dest = param.data.narrow(0, offset, shard.size)
             copy_checked(dest, narrow(loaded, 0, shard.start, shard.size),
                          f"{shard_name or ''} rows {shard.start}..{shard.start + shard.size}")
+
+    def _load_fused(self, param: nn.Parameter, loaded: Loaded) -> None:
+        """Every shard's slice from one checkpoint tensor holding the shards in order."""
+        expected = sum(shard.full_size for shard in self.shards)
+        if loaded.shape[0] != expected:
+            raise ValueError(f"fused checkpoint weight has {loaded.shape[0]} rows, expected "
+                             f"{expected} ({' + '.join(str(s.full_size) for s in self.shards)} "
+                             f"for {', '.join(self.shard_names)})")
+        offset = fused_offset = 0
+        with torch.no_grad():
+            for shard in self.shards:
+                dest = param.data.narrow(0, offset, shard.size)
+                copy_checked(dest, narrow(loaded, 0, fused_offset + shard.start, shard.size),
+                             f"{shard.name} rows {shard.start}..{shard.start + shard.size}")
+                offset += shard.size
+                fused_offset += shard.full_size
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, shards={self.shard_names or None}"
@@ -110,7 +135,7 @@ def column_parallel(input_size: int, output_size: int, bias: bool,
     """One projection whose output features are split evenly over the TP ranks."""
     local = divide(output_size, parallel.tp_size, f"output size of {name or 'the layer'}")
     return ColumnParallelLinear(
-        input_size, [OutputShard(name, parallel.tp_rank * local, local)], bias)
+        input_size, [OutputShard(name, parallel.tp_rank * local, local, output_size)], bias)
 
 
 def merged_column_parallel(input_size: int, output_sizes: Sequence[int], names: Sequence[str],
@@ -119,7 +144,7 @@ def merged_column_parallel(input_size: int, output_sizes: Sequence[int], names: 
     shards = []
     for size, name in zip(output_sizes, names, strict=True):
         local = divide(size, parallel.tp_size, f"output size of {name}")
-        shards.append(OutputShard(name, parallel.tp_rank * local, local))
+        shards.append(OutputShard(name, parallel.tp_rank * local, local, size))
     return ColumnParallelLinear(input_size, shards, bias)
 
 
@@ -141,9 +166,9 @@ def qkv_parallel(hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: 
     kv_heads = local_kv_heads(num_kv_heads, tp)
     first_kv = rank * kv_heads if num_kv_heads >= tp else rank * num_kv_heads // tp
     return ColumnParallelLinear(hidden_size, [
-        OutputShard("q_proj", rank * q_heads * head_dim, q_heads * head_dim),
-        OutputShard("k_proj", first_kv * head_dim, kv_heads * head_dim),
-        OutputShard("v_proj", first_kv * head_dim, kv_heads * head_dim),
+        OutputShard("q_proj", rank * q_heads * head_dim, q_heads * head_dim, num_heads * head_dim),
+        OutputShard("k_proj", first_kv * head_dim, kv_heads * head_dim, num_kv_heads * head_dim),
+        OutputShard("v_proj", first_kv * head_dim, kv_heads * head_dim, num_kv_heads * head_dim),
     ], bias)
 
 

@@ -56,3 +56,34 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         summed = x + residual
         return self._norm(summed), summed
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, all in float32, then cast back.
+
+    Matches Hugging Face's ``Gemma2RMSNorm``/``Gemma3RMSNorm``: the weight is stored as an
+    offset from 1 (initialised to 0), and the product is taken in float32 before the cast
+    (Llama casts first, then multiplies). With ``residual`` it returns
+    ``(norm(x + residual), x + residual)``, the sum in the input dtype, like ``RMSNorm``.
+    Torch ops on every device (no fused kernel of its own yet).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden_size]
+        residual: torch.Tensor | None = None,  # [..., hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed

@@ -163,6 +163,16 @@ def rope_parameters_from_config(config: Any, layer_type: str | None = None,
     )
 
 
+def rope_layer_type(config: Any, layer_index: int) -> str | None:
+    """The layer type whose rope parameters layer ``layer_index`` uses when the config has one
+    set per layer type (Gemma 3), else ``None``."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict) or not params or any(
+            key in params for key in ("rope_type", "type", "rope_theta")):
+        return None
+    return str(config.layer_types[layer_index])
+
+
 def rotary_dim_of(head_dim: int, params: RopeParameters) -> int:
     """How many leading dimensions of each head are rotated."""
     return int(head_dim * params.partial_rotary_factor)

@@ -1,7 +1,9 @@
 """The contract between the model runner and a model class (built-in or from a plugin).
 
 A model class is built as ``cls(hf_config, attn_backend)`` (plus ``parallel=`` when it declares
-``supports_parallel``) under the runner's default device and dtype, then:
+``supports_parallel``, and ``max_model_len=``, the engine's context length, when it declares
+``accepts_max_model_len``: sliding windows that do not bind and length-dependent rope scaling
+follow it) under the runner's default device and dtype, then:
 
 - ``load_weights(weights)`` fills every parameter from ``(HF name, tensor)`` pairs (lazy
   ``CheckpointTensor``s when the class declares ``lazy_weights``);

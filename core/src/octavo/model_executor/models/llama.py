@@ -1,10 +1,13 @@
-"""Llama-style decoder, the one model body behind Llama, Mistral, Qwen2 and Qwen3.
+"""Llama-style decoder, the one model body behind Llama, Mistral, Qwen2, Qwen3 and Phi-3 (and,
+with its own layers, Gemma 2/3: ``octavo.model_executor.models.gemma``).
 
 Pre-norm decoder layers (RMSNorm -> attention -> RMSNorm -> SiLU-gated MLP) with rotary
 positions. Q/K/V are one merged projection and gate/up another (one matmul each); the separate
-Hugging Face tensors are copied into their shards by each parameter's ``weight_loader``. The
-variants differ only through :class:`DecoderOptions` and ``sliding_window``, chosen by small
-subclasses.
+Hugging Face tensors (or one fused tensor, Phi-3) are copied into their shards by each
+parameter's ``weight_loader``. The variants differ only through :class:`DecoderOptions`, chosen
+by small subclasses, and the config: each layer's sliding window comes from it
+(``octavo.config.layer_sliding_windows``: Mistral, Qwen with ``use_sliding_window``, Phi-3),
+dropped where the engine's ``max_model_len`` fits in it.
 
 Split over devices (``octavo.distributed``): the projections are column-/row-parallel
 (``octavo.model_executor.layers.linear``), the embedding and LM head vocabulary-parallel, KV
@@ -26,8 +29,10 @@ import torch
 from torch import nn
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata
+from octavo.config import layer_sliding_windows
 from octavo.distributed.parallel_state import ParallelState
 from octavo.model_executor.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
+from octavo.model_executor.layers.rotary import rope_layer_type
 from octavo.model_executor.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -77,18 +82,27 @@ def stage_layers(num_layers: int, parallel: ParallelState) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
+def effective_sliding_windows(config: Any, max_model_len: int | None) -> tuple[int | None, ...]:
+    """Each layer's attention window, ``None`` where there is none or where ``max_model_len``
+    fits in it (full attention is then the same and needs no window support)."""
+    return tuple(w if w is not None and (max_model_len is None or w < max_model_len) else None
+                 for w in layer_sliding_windows(config))
+
+
 class LlamaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up merged into one matmul."""
+    """``down(act(gate(x)) * up(x))`` with gate and up merged into one matmul (SiLU unless
+    ``act`` says otherwise)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 parallel: ParallelState, reduce_results: bool = True) -> None:
+                 parallel: ParallelState, reduce_results: bool = True,
+                 act: nn.Module | None = None) -> None:
         super().__init__()
         self.gate_up_proj = merged_column_parallel(
             hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, parallel)
         # reduce_results=False: a split MLP returns this rank's partial sum (MoE shared experts).
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel,
                                            reduce_results)
-        self.act = SiluAndMul()
+        self.act = act if act is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp]
@@ -96,10 +110,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache (this rank's heads)."""
+    """Grouped-query self-attention over the paged KV cache (this rank's heads).
+
+    ``sliding_window``: this layer's window (``None``: full attention); ``scale``: the softmax
+    scale (default ``head_dim ** -0.5``); ``logits_soft_cap``: Gemma 2's cap; ``norm_cls``: the
+    class of the q/k norms when ``options.qk_norm``.
+    """
 
     def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
-                 attn_backend: AttentionBackend, parallel: ParallelState) -> None:
+                 attn_backend: AttentionBackend, parallel: ParallelState, *,
+                 sliding_window: int | None = None, scale: float | None = None,
+                 logits_soft_cap: float | None = None,
+                 norm_cls: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -113,11 +135,13 @@ class LlamaAttention(nn.Module):
             parallel)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
                                         options.o_bias, parallel)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, attn_backend
+            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.head_dim**-0.5 if scale is None else scale, attn_backend,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         )
 
     def forward(
@@ -144,14 +168,15 @@ class LlamaDecoderLayer(nn.Module):
     """One pre-norm block; carries the residual stream separately so norms can fuse the add.
 
     ``mlp`` is the feed-forward block (``[num_tokens, hidden_size]`` in and out): a
-    ``LlamaMLP``, or a mixture of experts.
+    ``LlamaMLP``, or a mixture of experts. ``sliding_window``: the layer's attention window.
     """
 
     def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
                  attn_backend: AttentionBackend, parallel: ParallelState,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, options, rotary_emb, attn_backend, parallel)
+        self.self_attn = LlamaAttention(config, options, rotary_emb, attn_backend, parallel,
+                                        sliding_window=sliding_window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -188,31 +213,63 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the ``model.`` prefix of HF weight names);
     under pipeline parallelism only this stage's part of them.
 
-    ``make_mlp`` builds each layer's feed-forward block (default: ``LlamaMLP``).
+    ``make_mlp`` builds each layer's feed-forward block (default: ``LlamaMLP``). Subclasses
+    change the layers through ``make_layer``, the final norm through ``norm_cls`` and the
+    embedding through ``embed``. ``max_model_len`` (the engine's context length, or ``None``)
+    drops windows that do not bind and fixes length-dependent rope scaling.
     """
 
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, config: Any, options: DecoderOptions, attn_backend: AttentionBackend,
-                 parallel: ParallelState, make_mlp: MakeMLP | None = None) -> None:
+                 parallel: ParallelState, make_mlp: MakeMLP | None = None,
+                 max_model_len: int | None = None) -> None:
         super().__init__()
         self.parallel = parallel
+        self.max_model_len = max_model_len
+        if make_mlp is None:
+            def make_mlp(config: Any, index: int, parallel: ParallelState) -> nn.Module:
+                return make_llama_mlp(config, options, parallel)
+        self.make_mlp: MakeMLP = make_mlp
         self.embed_tokens: VocabParallelEmbedding | None = None
         if parallel.ranks.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                        parallel)
-        rotary_emb = get_rope(config, head_dim_of(config))  # shared by every layer
+        # Per layer (all of them, indexed by the global layer number).
+        self.sliding_windows = effective_sliding_windows(config, max_model_len)
+        # One rotary embedding per rope parameter set (per layer type for Gemma 3), shared by
+        # the layers that use it; filled by rope_for.
+        self.rotary_embs = nn.ModuleDict()
         self.layer_range = stage_layers(config.num_hidden_layers, parallel)
         # Indexed by the global layer number (HF names); layers of other stages are absent.
-        if make_mlp is None:
-            def make_mlp(config: Any, index: int, parallel: ParallelState) -> nn.Module:
-                return make_llama_mlp(config, options, parallel)
         self.layers = nn.ModuleDict({
-            str(i): LlamaDecoderLayer(config, options, rotary_emb, attn_backend, parallel,
-                                      make_mlp(config, i, parallel))
+            str(i): self.make_layer(config, i, options, attn_backend, parallel)
             for i in self.layer_range
         })
-        self.norm: RMSNorm | None = None
+        self.norm: nn.Module | None = None
         if parallel.ranks.is_last_stage:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def make_layer(self, config: Any, index: int, options: DecoderOptions,
+                   attn_backend: AttentionBackend, parallel: ParallelState) -> nn.Module:
+        """Decoder layer ``index`` (its forward as ``LlamaDecoderLayer.forward``)."""
+        return LlamaDecoderLayer(config, options, self.rope_for(config, index), attn_backend,
+                                 parallel, self.make_mlp(config, index, parallel),
+                                 self.sliding_windows[index])
+
+    def rope_for(self, config: Any, index: int) -> RotaryEmbedding:
+        """The rotary embedding of layer ``index``: the model's one, or its layer type's when
+        the config has rope parameters per layer type."""
+        layer_type = rope_layer_type(config, index)
+        key = layer_type or "all"
+        if key not in self.rotary_embs:
+            self.rotary_embs[key] = get_rope(config, head_dim_of(config), layer_type,
+                                             max_model_len=self.max_model_len)
+        return self.rotary_embs[key]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        assert self.embed_tokens is not None, "only the first pipeline stage embeds"
+        return self.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -227,7 +284,7 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         if self.embed_tokens is not None:
-            hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            hidden_states = self.embed(input_ids)  # [num_tokens, hidden_size]
             residual = None
         else:
             assert intermediate is not None, "a later pipeline stage needs the previous one's"
@@ -245,8 +302,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head; the interface the model runner calls.
 
-    ``sliding_window`` is the config's window (``None``: full attention). Octavo's attention
-    does not implement sliding windows, so the engine must cap ``max_model_len`` to it.
+    ``sliding_window`` is the checkpoint's attention window (the largest over layers;
+    ``None``: full attention everywhere); ``model.sliding_windows`` holds each layer's window
+    as run. ``max_model_len`` is the engine's context length (``None``: the config's).
     """
 
     # The runner may hand load_weights lazy checkpoint tensors (octavo.model_executor.layers.
@@ -254,16 +312,23 @@ class LlamaForCausalLM(nn.Module):
     lazy_weights = True
     # Built for tensor and pipeline parallelism (a parallel= argument; IntermediateTensors).
     supports_parallel = True
+    # Takes the engine's context length (a max_model_len= argument).
+    accepts_max_model_len = True
+    # The decoder body.
+    model_cls: type[LlamaModel] = LlamaModel
 
     def __init__(self, config: Any, attn_backend: AttentionBackend,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None,
+                 max_model_len: int | None = None) -> None:
         super().__init__()
         parallel = parallel or ParallelState.single()
         self.config = config
         self.parallel = parallel
         self.options = self.decoder_options(config)
-        self.sliding_window: int | None = self.sliding_window_of(config)
-        self.model = LlamaModel(config, self.options, attn_backend, parallel, self.make_mlp)
+        windows = [w for w in layer_sliding_windows(config) if w is not None]
+        self.sliding_window: int | None = max(windows) if windows else None
+        self.model = self.model_cls(config, self.options, attn_backend, parallel, self.make_mlp,
+                                    max_model_len)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # The LM head: the embedding itself when tied and on this stage, else its own weight.
         self.lm_head: VocabParallelEmbedding | None = None
@@ -282,11 +347,6 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
-
-    @classmethod
-    def sliding_window_of(cls, config: Any) -> int | None:
-        """The attention window the checkpoint was trained with (``None``: none)."""
-        return None
 
     def make_mlp(self, config: Any, layer_index: int, parallel: ParallelState) -> nn.Module:
         """Layer ``layer_index``'s feed-forward block; mixture-of-experts subclasses override."""
@@ -351,7 +411,9 @@ def load_hf_weights(
     ``<parent>`` holds a ``ColumnParallelLinear`` with that shard name (``...self_attn.k_proj.
     weight`` fills the ``k_proj`` shard of ``...self_attn.qkv_proj.weight``), or a name a module
     declares through ``checkpoint_weights()`` (checkpoint names relative to the module ->
-    ``(parameter, shard)``: a ``FusedMoE``'s per-expert tensors). Each parameter's
+    ``(parameter, shard)``: a ``FusedMoE``'s per-expert tensors). A merged layer's
+    own name takes a fused checkpoint tensor holding all its shards in order (Phi-3's
+    ``qkv_proj``, ``gate_up_proj``). Each parameter's
     ``weight_loader`` copies the part this rank holds (cast to the parameter's dtype and
     device); a tensor may be a lazy ``CheckpointTensor``. Names in ``skip_names`` and rope
     buffers are ignored; then ``aliases`` renames checkpoint names (a tied head on its own stage);
@@ -362,6 +424,7 @@ def load_hf_weights(
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_owner: dict[str, tuple[str, str]] = {}  # "<parent>.<shard>" -> (layer path, shard)
+    shards_of: dict[str, tuple[str, ...]] = {}  # merged parameter -> its shard names
     declared: dict[str, tuple[str, str]] = {}  # checkpoint name -> (parameter, shard)
     expected: set[tuple[str, str | None]] = set()
     for path, module in model.named_modules(remove_duplicate=False):
@@ -375,6 +438,7 @@ def load_hf_weights(
             for shard in names:
                 shard_owner[f"{parent}.{shard}" if parent else shard] = (path, shard)
                 expected.update((f"{path}.{attr}", shard) for attr, _ in module.named_parameters())
+            shards_of.update((f"{path}.{attr}", names) for attr, _ in module.named_parameters())
     merged_params = {name for name, _ in expected}
     shared = _shared_parameter_names(model)
     expected.update((name, None) for name in params if name not in merged_params | shared)
@@ -409,7 +473,10 @@ def load_hf_weights(
             weight_loader_of(param)(param, tensor, key[1])
         except ValueError as exc:
             raise ValueError(f"checkpoint weight {name!r} into {key[0]}: {exc}") from None
-        loaded.add(key)
+        if key[1] is None and key[0] in shards_of:  # a fused tensor: every shard at once
+            loaded.update((key[0], shard) for shard in shards_of[key[0]])
+        else:
+            loaded.add(key)
 
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
     problems = []

@@ -16,19 +16,15 @@ from torch import nn
 from octavo.distributed.parallel_state import ParallelState
 from octavo.model_executor.models.llama import DecoderOptions, LlamaForCausalLM, make_llama_mlp
 from octavo.model_executor.models.moe import SparseMoeBlock, check_silu, is_sparse_layer
-from octavo.model_executor.models.qwen2 import qwen_sliding_window
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
-    """Q/K/V biases per ``config.qkv_bias`` (default on); no output-projection bias."""
+    """Q/K/V biases per ``config.qkv_bias`` (default on); no output-projection bias. Its
+    ``sliding_window`` counts as Qwen2's (``octavo.config.layer_sliding_windows``)."""
 
     @classmethod
     def decoder_options(cls, config: Any) -> DecoderOptions:
         return DecoderOptions(qkv_bias=bool(getattr(config, "qkv_bias", True)))
-
-    @classmethod
-    def sliding_window_of(cls, config: Any) -> int | None:
-        return qwen_sliding_window(config)
 
     def make_mlp(self, config: Any, layer_index: int, parallel: ParallelState) -> nn.Module:
         if not is_sparse_layer(config, layer_index):

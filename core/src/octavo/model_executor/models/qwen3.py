@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from octavo.model_executor.models.llama import DecoderOptions, LlamaForCausalLM
-from octavo.model_executor.models.qwen2 import qwen_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -19,7 +18,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def decoder_options(cls, config: Any) -> DecoderOptions:
         attention_bias = bool(getattr(config, "attention_bias", False))
         return DecoderOptions(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
-
-    @classmethod
-    def sliding_window_of(cls, config: Any) -> int | None:
-        return qwen_sliding_window(config)
