@@ -41,6 +41,10 @@ MODELS = {
     # only in checkpoint names: tests/distributed/test_sharded_loading.py.)
     "qwen2_moe": ("qwen2_moe", {}),
     "qwen3_moe": ("qwen3_moe", {}),
+    # Fused qkv_proj / gate_up_proj checkpoint tensors sliced per rank; partial longrope.
+    "phi3": ("phi3", {}),
+    # Sandwich norms, q/k norms, local/global layers with their own rope, windows that bind.
+    "gemma3": ("gemma3", {}),
 }
 
 
@@ -98,7 +102,7 @@ def test_tensor_parallel_2_equals_one_device(model_folder, name):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
 def test_pipeline_parallel_2_equals_one_device(model_folder, name):
     folder = model_folder(name)
     llm = make_llm(folder, device="cpu", pipeline_parallel_size=2, **STRESS)

@@ -17,9 +17,10 @@ from octavo.testing.engine_checks import (  # noqa: F401  (re-exported)
     token_ids,
 )
 
-# Every tiny architecture the engine supports (llama3-rope: Llama with llama3 rope scaling).
-TINY_ARCHS = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-              "qwen3_moe")
+# Every tiny architecture the engine supports (llama3-rope: Llama with llama3 rope scaling;
+# mistral-swa: Mistral with a sliding window shorter than the tests' sequences).
+TINY_ARCHS = ("llama", "llama3-rope", "mistral", "mistral-swa", "qwen2", "qwen3", "mixtral",
+              "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3")
 
 # Enough blocks for every workload of the tests unless a test wants a small pool.
 DEFAULT_NUM_BLOCKS = 512

@@ -32,7 +32,8 @@ VARIANTS = {
                                                      "decoder_sparse_step": 2}),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", *VARIANTS)
-ARCHS = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
+ARCHS = ("llama", "llama3-rope", "mistral", "mistral-swa", "qwen2", "qwen3", "gemma2", "gemma3",
+         "phi3", *MOE_ARCHS)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
 PROMPT = [1, 17, 250, 33, 99, 7, 301, 45, 12, 200, 5]
@@ -127,6 +128,7 @@ def test_prompt_logits_match_hf(loaded: Loaded) -> None:
 
 def test_greedy_decode_matches_hf_generate(loaded: Loaded) -> None:
     num_new = 20
+    loaded.hf.generation_config.eos_token_id = None  # else generate falls back to the model's
     generation = GenerationConfig(
         max_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=0
     )
@@ -260,3 +262,47 @@ def test_sliding_window_is_exposed(tmp_path: Path) -> None:
     assert registry.resolve(["MistralForCausalLM"])(mistral, backend).sliding_window == 4096
     assert registry.resolve(["Qwen2ForCausalLM"])(qwen_off, backend).sliding_window is None
     assert registry.resolve(["LlamaForCausalLM"])(_config("llama"), backend).sliding_window is None
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_tied_head_reads_the_unscaled_embedding(arch: str, tmp_path: Path) -> None:
+    """Tied (as the real checkpoints are): the LM head is the embedding weight, not the
+    ``sqrt(hidden)``-scaled embedding output."""
+    folder = make_tiny_model(tmp_path, arch, tie_word_embeddings=True)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = build_ours(folder)
+    assert ours.lm_head is ours.model.embed_tokens
+    logits = run(ours, new_kv_caches(ours), [([0, 1, 2], PROMPT, len(PROMPT))])
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_gemma_soft_caps_and_scale_are_read_from_the_config(tmp_path_factory) -> None:
+    """Gemma 2 caps attention scores and logits; Gemma 3 only logits (when set); both scale
+    scores by ``query_pre_attn_scalar``; local and global layers alternate."""
+    gemma2 = load("gemma2", tmp_path_factory).ours
+    gemma3 = load("gemma3", tmp_path_factory).ours
+    attn2 = [layer.self_attn.attn for layer in gemma2.model.layers.values()]
+    attn3 = [layer.self_attn.attn for layer in gemma3.model.layers.values()]
+    assert [a.logits_soft_cap for a in attn2] == [2.0, 2.0]
+    assert [a.logits_soft_cap for a in attn3] == [None, None, None]
+    assert [a.sliding_window for a in attn2] == [8, None]
+    assert [a.sliding_window for a in attn3] == [8, 8, None]
+    assert {a.scale for a in attn2 + attn3} == {24**-0.5}
+    assert gemma2.final_logit_softcapping == 4.0 and gemma3.final_logit_softcapping is None
+    # Gemma 3's local and global layers have their own rope (base 10k vs 1M, linear x8).
+    layers3 = list(gemma3.model.layers.values())
+    assert layers3[0].self_attn.rotary_emb is layers3[1].self_attn.rotary_emb
+    assert layers3[0].self_attn.rotary_emb is not layers3[2].self_attn.rotary_emb
+
+
+def test_fused_checkpoint_tensor_of_the_wrong_size_is_refused(tmp_path_factory) -> None:
+    """Phi-3's fused ``qkv_proj``: a tensor whose rows are not q + k + v says what it expected."""
+    loaded = load("phi3", tmp_path_factory)
+    config = AutoConfig.from_pretrained(loaded.folder)
+    model = builtin_registry().resolve(config.architectures)(config, ReferenceAttentionBackend())
+    weights = load_file(str(loaded.folder / "model.safetensors"))
+    weights["model.layers.0.self_attn.qkv_proj.weight"] = (
+        weights["model.layers.0.self_attn.qkv_proj.weight"][:-16])
+    with pytest.raises(ValueError, match=r"qkv_proj.weight.*fused checkpoint weight has 112 "
+                                         r"rows, expected 128 \(64 \+ 32 \+ 32"):
+        model.load_weights(weights.items())

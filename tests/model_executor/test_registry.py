@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 
 from octavo.model_executor.models import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
     MixtralForCausalLM,
     ModelRegistry,
+    Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen2MoeForCausalLM,
     Qwen3ForCausalLM,
@@ -20,8 +23,9 @@ from octavo.model_executor.models import (
 def test_builtin_architectures_resolve() -> None:
     registry = builtin_registry()
     assert registry.supported() == [
-        "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-        "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+        "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     ]
     assert registry.resolve(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert registry.resolve(["MistralForCausalLM"]) is MistralForCausalLM
@@ -30,6 +34,9 @@ def test_builtin_architectures_resolve() -> None:
     assert registry.resolve(["MixtralForCausalLM"]) is MixtralForCausalLM
     assert registry.resolve(["Qwen2MoeForCausalLM"]) is Qwen2MoeForCausalLM
     assert registry.resolve(["Qwen3MoeForCausalLM"]) is Qwen3MoeForCausalLM
+    assert registry.resolve(["Gemma2ForCausalLM"]) is Gemma2ForCausalLM
+    assert registry.resolve(["Gemma3ForCausalLM"]) is Gemma3ForCausalLM
+    assert registry.resolve(["Phi3ForCausalLM"]) is Phi3ForCausalLM
     # The first supported name of a config's list wins.
     assert registry.resolve(["FancyForCausalLM", "Qwen2ForCausalLM"]) is Qwen2ForCausalLM
 
@@ -39,8 +46,9 @@ def test_unsupported_architecture_error_text() -> None:
         builtin_registry().resolve(["GPT2LMHeadModel", "FooForCausalLM"])
     assert str(error.value) == (
         "Model architecture(s) [GPT2LMHeadModel, FooForCausalLM] not supported by Octavo. "
-        "Supported: [LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM]. "
+        "Supported: [Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+        "MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+        "Qwen3ForCausalLM, Qwen3MoeForCausalLM]. "
         "A plugin can add one through the octavo_register_models hook."
     )
     with pytest.raises(ValueError, match=r"Model architecture\(s\) \[\] not supported"):

@@ -29,7 +29,8 @@ _CORPUS = [
     "Hello world! hello World? HELLO, world; 12345 67890",
 ] * 20
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+                 "gemma2", "gemma3", "phi3")
 
 
 def train_tokenizer(folder: Path) -> None:
@@ -67,9 +68,12 @@ def tiny_config(arch: str, **overrides):
     ``overrides`` replace config fields (e.g. ``head_dim=64``, ``num_hidden_layers=1``).
     """
     from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
@@ -129,6 +133,47 @@ def tiny_config(arch: str, **overrides):
         cfg = Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=4,
                              moe_intermediate_size=32, norm_topk_prob=True,
                              tie_word_embeddings=False)
+    elif arch == "mistral-swa":  # Mistral 7B v0.1's shape family: every layer windowed
+        cfg = MistralConfig(**common, sliding_window=8)
+    elif arch == "gemma2":
+        # Local/global layers alternate; the window and both soft caps are small enough to
+        # change the outputs of a tiny random model (the real ones: 4096, 50 and 30).
+        cfg = Gemma2Config(
+            **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
+            # Untied: a tied random tiny model repeats one token under greedy decoding (the
+            # tied head under the embedding scale has a test of its own).
+            tie_word_embeddings=False,
+        )
+    elif arch == "gemma3":
+        # Two local layers then a global one (the real models: five then one); local rope base
+        # 10k, global 1M with linear scaling (Gemma 3 4B's).
+        cfg = Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=8, tie_word_embeddings=False,  # untied as Gemma 2's above
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                   "rope_theta": 1000000.0},
+            },
+        )
+        cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "phi3":
+        # Phi-4-mini's shape family: longrope with a partial rotary factor (untied here: tied,
+        # the tiny random model's greedy output is degenerate).
+        # original_max_position_embeddings is below every test sequence, so transformers uses
+        # the long factors throughout, as Octavo does for a context longer than it.
+        cfg = Phi3Config(
+            **common, tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+                "original_max_position_embeddings": 4,
+            },
+            original_max_position_embeddings=4,
+        )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     for key, value in overrides.items():
@@ -142,7 +187,7 @@ def make_tiny_model(
 ) -> Path:
     """Save a random-weight ``arch`` model plus tokenizer into ``folder`` and return it.
 
-    ``arch`` is one of ``ARCHITECTURES`` or ``"llama3-rope"``; ``overrides`` go to
+    ``arch`` is one of ``ARCHITECTURES``, ``"llama3-rope"`` or ``"mistral-swa"``; ``overrides`` go to
     ``tiny_config``. The weights are saved in ``dtype`` as safetensors.
     """
     from transformers import AutoModelForCausalLM

@@ -36,6 +36,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         options = check_attention_options(attn_backend, sliding_window, logits_soft_cap)

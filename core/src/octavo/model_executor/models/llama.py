@@ -32,7 +32,6 @@ from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import layer_sliding_windows
 from octavo.distributed.parallel_state import ParallelState
 from octavo.model_executor.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
-from octavo.model_executor.layers.rotary import rope_layer_type
 from octavo.model_executor.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -40,6 +39,7 @@ from octavo.model_executor.layers.linear import (
     merged_column_parallel,
     qkv_parallel,
 )
+from octavo.model_executor.layers.rotary import rope_layer_type
 from octavo.model_executor.layers.vocab import (
     ParallelLMHead,
     VocabParallelEmbedding,

@@ -55,9 +55,11 @@ class ModelRegistry:
 
 def register_builtin_models(register: RegisterModel) -> None:
     """Register Octavo's own model implementations through ``register(architecture, cls)``."""
+    from octavo.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from octavo.model_executor.models.llama import LlamaForCausalLM
     from octavo.model_executor.models.mistral import MistralForCausalLM
     from octavo.model_executor.models.mixtral import MixtralForCausalLM
+    from octavo.model_executor.models.phi3 import Phi3ForCausalLM
     from octavo.model_executor.models.qwen2 import Qwen2ForCausalLM
     from octavo.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
     from octavo.model_executor.models.qwen3 import Qwen3ForCausalLM
@@ -70,6 +72,9 @@ def register_builtin_models(register: RegisterModel) -> None:
     register("MixtralForCausalLM", MixtralForCausalLM)
     register("Qwen2MoeForCausalLM", Qwen2MoeForCausalLM)
     register("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
+    register("Gemma2ForCausalLM", Gemma2ForCausalLM)
+    register("Gemma3ForCausalLM", Gemma3ForCausalLM)
+    register("Phi3ForCausalLM", Phi3ForCausalLM)
 
 
 def builtin_registry() -> ModelRegistry:
