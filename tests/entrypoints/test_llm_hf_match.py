@@ -162,3 +162,15 @@ def test_smollm2_knows_the_capital_of_france(smollm2_llm) -> None:
                                SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert out[0].outputs[0].text.startswith(" Paris"), out[0].outputs[0].text
     assert_no_leaks(smollm2_llm)
+
+
+def test_sliding_window_model_runs_at_full_context(tiny_model_factory) -> None:
+    """Mistral with a window of 8: the context is the model's 512 positions, not the window
+    (the HF match above runs its prompts past the window)."""
+    llm = make_llm(tiny_model_factory("mistral-swa"))
+    try:
+        model_config = llm.llm_engine.config.model_config
+        assert model_config.max_model_len == 512
+        assert model_config.sliding_windows == (8, 8)
+    finally:
+        llm.llm_engine.shutdown()
