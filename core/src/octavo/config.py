@@ -127,11 +127,12 @@ def layer_sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
     when the config has no ``layer_types`` (Mistral, Phi-3); never when ``use_sliding_window``
     is false (Qwen).
     """
-    num_layers = int(hf_config.num_hidden_layers)
     window = getattr(hf_config, "sliding_window", None)
     if not isinstance(window, int) or window <= 0 or getattr(
             hf_config, "use_sliding_window", True) is False:
-        return (None,) * num_layers
+        # A plugin model's config may not name its layer count the transformers way.
+        return (None,) * int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    num_layers = int(hf_config.num_hidden_layers)
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is None:
         return (window,) * num_layers
