@@ -49,6 +49,10 @@ class ModelConfig:
     tokenizer: Path | None = None
     # Let transformers run code shipped in the model/tokenizer folder (custom config/tokenizer).
     trust_remote_code: bool = False
+    # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k,
+    # min_p, repetition_penalty) that a request uses for the fields it does not set; empty with
+    # --generation-config vllm (see octavo.model_executor.generation_config).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

@@ -21,8 +21,9 @@ Two kinds of hooks:
 When each hook is called (every spec's docstring says it exactly): ``octavo_register_backends``
 whenever backends are listed or one is selected (engine creation, ``octavo backends``);
 ``octavo_worker_class`` by the executor in the engine process; ``octavo_attention_backend``,
-``octavo_register_models`` and ``octavo_available_kv_cache_memory`` in the worker while it loads
-the model and sizes the KV cache. With today's uniproc executor all of them run in the engine's
+``octavo_register_models`` and ``octavo_available_kv_cache_memory`` in the worker while it loads the model and sizes the KV cache;
+``octavo_register_logits_processors`` in the front end (to check requests) and in the worker (to
+run them). With today's uniproc executor all of them run in the engine's
 process. ``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps the two
 in step.
 """
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from octavo.attention.base import AttentionBackend
     from octavo.backends.backend import Backend
     from octavo.config import CacheConfig, ModelConfig, ParallelConfig
+    from octavo.sample.logits_processor import LogitsProcessor
     from octavo.worker.worker import Worker
 
 PROJECT_NAME = "octavo"
@@ -136,4 +138,23 @@ def octavo_register_models(register: Callable[[str, type[Any]], None]) -> None:
         follows the contract of ``octavo.model_executor.models.llama.LlamaForCausalLM``
         (constructor ``(hf_config, attn_backend)``, ``forward``, ``compute_logits``,
         ``load_weights``). The name is matched against ``config.json``'s ``architectures``.
+    """
+
+
+@hookspec
+def octavo_register_logits_processors(
+    register: Callable[[str, type[LogitsProcessor]], None],
+) -> None:
+    """Add logits processors that requests select by name (``logits_processors``).
+
+    Called every time the registry is built: once in the front end, to check the names and
+    arguments of requests (``octavo.engine.processor``), and once in each worker process, to
+    run them (``octavo.sample.logits_processor.LogitsProcessors``). Built-in processors register
+    through this same hook (``octavo.sample.builtin_logits_processors``). Registering a name
+    twice is an error.
+
+    :param register: call ``register("my_name", MyProcessor)``; the class follows the contract
+        of ``octavo.sample.logits_processor.LogitsProcessor`` (constructed once per worker with
+        ``(vocab_size, device)``, then ``apply`` on the rows of every step that selected it,
+        batched on the device).
     """

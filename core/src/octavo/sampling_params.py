@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from octavo.errors import InvalidRequestError, InvalidRequestTypeError
 
@@ -94,6 +95,16 @@ class StructuredOutputsParams:
 
 
 @dataclass(slots=True)
+class LogitsProcessorSpec:
+    """A logits processor a request selects (``SamplingParams.logits_processors``): the name a
+    plugin registered it under (``octavo_register_logits_processors``) and its keyword
+    arguments for this request. The engine checks both at admission."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """Sampling settings of one request; every field is checked in ``__post_init__``.
 
@@ -141,8 +152,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
     structured_outputs: StructuredOutputsParams | None = None
+    # Words never generated: the token sequence of each (with and without a leading space)
+    # cannot be completed; its last token is masked when the output ends with the others.
+    bad_words: list[str] | None = None
+    # Only these token ids may be generated (None: any).
+    allowed_token_ids: list[int] | None = None
+    # Keep only the last k prompt tokens (-1: the last max_model_len); None keeps all.
+    truncate_prompt_tokens: int | None = None
+    # Logits processors registered by plugins, by name (a string, a LogitsProcessorSpec or a
+    # {"name"/"qualname": ..., "kwargs": {...}} dict), applied in this order.
+    logits_processors: list[LogitsProcessorSpec] | None = None
     # Filled in by the engine: EOS token ids of the model (not user-settable).
     all_stop_token_ids: set[int] = field(default_factory=set)
+    # Filled in by the engine: the token sequences of bad_words (not user-settable).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,7 +177,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.logits_processors is not None:
+            self.logits_processors = _logits_processor_specs(self.logits_processors)
         self._validate()
+        self._validate_additions()
 
     def _validate(self) -> None:
         _check_int("n", self.n, low=1)
@@ -215,6 +243,39 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}", param="structured_outputs")
 
+    def _validate_additions(self) -> None:
+        """Checks of bad_words, allowed_token_ids, truncate_prompt_tokens."""
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise InvalidRequestTypeError(
+                    f"bad_words must be a list of non-empty strings, got {self.bad_words!r}",
+                    param="bad_words")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise InvalidRequestError(
+                    "allowed_token_ids must be a non-empty list of token ids, got "
+                    f"{self.allowed_token_ids!r}", param="allowed_token_ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for tid in self.allowed_token_ids:
+                _check_int("allowed_token_ids", tid, low=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise InvalidRequestError(
+                    "truncate_prompt_tokens must be >= 1 (or -1 for max_model_len), got 0",
+                    param="truncate_prompt_tokens")
+
+    @property
+    def needs_output_token_ids(self) -> bool:
+        """True when sampling a token needs every earlier generated token id on the host:
+        penalties, bad words of several tokens, logits processors."""
+        return (
+            self.uses_penalties
+            or bool(self.logits_processors)
+            or any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
+        )
+
     @property
     def greedy(self) -> bool:
         """True when the most likely token is always taken."""
@@ -241,6 +302,9 @@ class SamplingParams:
             and self.min_tokens == 0
             and self.logprobs is None
             and self.structured_outputs is None
+            and not self.bad_words
+            and self.allowed_token_ids is None
+            and not self.logits_processors
         )
 
     @property
@@ -248,6 +312,45 @@ class SamplingParams:
         """Largest token id this request names anywhere (for vocab checks), or -1."""
         ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
         return max(ids) if ids else -1
+
+
+def _logits_processor_specs(items: object) -> list[LogitsProcessorSpec]:
+    """``logits_processors`` as specs: names, specs, or ``{"name"|"qualname", "kwargs"}``
+    dicts (vLLM's ``LogitsProcessorConstructor`` shape; positional ``args`` are refused)."""
+    if not isinstance(items, (list, tuple)):
+        raise InvalidRequestTypeError(
+            f"logits_processors must be a list of names, got {items!r}", param="logits_processors")
+    specs = []
+    for item in items:
+        if isinstance(item, LogitsProcessorSpec):
+            spec = item
+        elif isinstance(item, str):
+            spec = LogitsProcessorSpec(item)
+        elif isinstance(item, dict):
+            unknown = set(item) - {"name", "qualname", "kwargs", "args"}
+            name = item.get("name", item.get("qualname"))
+            if unknown or not isinstance(name, str):
+                raise InvalidRequestError(
+                    "a logits processor is a name or {\"qualname\": NAME, \"kwargs\": {...}}, got "
+                    f"{item!r}", param="logits_processors")
+            if item.get("args"):
+                raise InvalidRequestError(
+                    f"logits processor {name!r}: positional args are not supported; pass "
+                    "kwargs", param="logits_processors")
+            kwargs = item.get("kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise InvalidRequestTypeError(
+                    f"logits processor {name!r}: kwargs must be an object, got {kwargs!r}",
+                    param="logits_processors")
+            spec = LogitsProcessorSpec(name, dict(kwargs))
+        else:
+            raise InvalidRequestTypeError(
+                f"logits_processors must list names, got {item!r}", param="logits_processors")
+        if not spec.name:
+            raise InvalidRequestError("a logits processor name must not be empty",
+                                      param="logits_processors")
+        specs.append(spec)
+    return specs
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

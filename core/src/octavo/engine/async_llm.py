@@ -36,6 +36,8 @@ from octavo.messages.engine_core import (
     EngineCoreUtilityResult,
 )
 from octavo.outputs import RequestOutput
+from octavo.plugins import get_plugin_manager
+from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class AsyncLLM:
             self.model_config, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer),
             backend=self.config.backend, capabilities=self.config.backend_capabilities,
             clip_max_tokens=clip_max_tokens,
+            logits_processors=LogitsProcessorRegistry(get_plugin_manager()),
         )
         # The front end's one record of live requests and their completions.
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -16,6 +16,8 @@ from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
 from octavo.engine_core.core import EngineCore
 from octavo.messages import SchedulerStats
 from octavo.outputs import RequestOutput
+from octavo.plugins import get_plugin_manager
+from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class LLMEngine:
         self.processor = Processor(
             config.model_config, self.tokenizer, eos_token_ids(config.model_config, self.tokenizer),
             backend=config.backend, capabilities=config.backend_capabilities,
+            logits_processors=LogitsProcessorRegistry(get_plugin_manager()),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         core_start = time.perf_counter()

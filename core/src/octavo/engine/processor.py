@@ -32,6 +32,7 @@ from octavo.errors import (
     InvalidRequestTypeError,
 )
 from octavo.messages import EngineCoreRequest
+from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sampling_params import SamplingParams
 from octavo.structured_output.grammar import validate as validate_structured_outputs
 
@@ -68,8 +69,12 @@ class KVCacheCapacity:
     # Tokens per block.
     block_size: int
 
+    def blocks(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` tokens take."""
+        return -(-num_tokens // self.block_size)
+
     def fits(self, num_tokens: int) -> bool:
-        return -(-num_tokens // self.block_size) <= self.num_blocks
+        return self.blocks(num_tokens) <= self.num_blocks
 
 
 class Processor:
@@ -80,6 +85,7 @@ class Processor:
     :param clip_max_tokens: True (offline ``LLM``): a ``max_tokens`` beyond the room left in
         ``max_model_len`` is lowered to that room. False (the OpenAI server): it is refused
         with ``context_length_exceeded``, as OpenAI does.
+    :param logits_processors: the registered logits processors requests may name (None: none).
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class Processor:
         backend: str | None = None,
         capabilities: BackendCapabilities | None = None,
         clip_max_tokens: bool = True,
+        logits_processors: LogitsProcessorRegistry | None = None,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -99,6 +106,7 @@ class Processor:
         self.backend = backend
         self.capabilities = capabilities
         self.clip_max_tokens = clip_max_tokens
+        self.logits_processors = logits_processors
         # Set once the engine core has allocated the KV cache (None: not checked yet).
         self.kv_cache: KVCacheCapacity | None = None
 
@@ -151,10 +159,12 @@ class Processor:
                 f"sampling params must be a SamplingParams, got {type(params).__name__}")
         self._check_params(params)
         text, token_ids = self.tokenize(prompt)
+        text, token_ids = self._truncate(text, token_ids, params.truncate_prompt_tokens)
         max_tokens = self._check_length(len(token_ids), params.max_tokens)
         if self.kv_cache is not None:
             self._check_fits_kv_cache(len(token_ids), max_tokens)
-        params = dataclasses.replace(params, all_stop_token_ids=set(self.eos_token_ids))
+        params = dataclasses.replace(params, all_stop_token_ids=set(self.eos_token_ids),
+                                     bad_words_token_ids=self._bad_words_token_ids(params))
         arrival = arrival_time if arrival_time is not None else time.time()
         core_requests = [
             EngineCoreRequest(
@@ -166,6 +176,34 @@ class Processor:
             for i in range(params.n)
         ]
         return ProcessedPrompt(text, token_ids, params, core_requests)
+
+    def _truncate(self, text: str | None, token_ids: list[int],
+                  truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:
+        """Keep the last ``truncate_prompt_tokens`` prompt tokens (-1: ``max_model_len``); the
+        text becomes the kept tokens' text when anything was cut."""
+        keep = truncate_prompt_tokens
+        if keep is None:
+            return text, token_ids
+        if keep == -1:
+            keep = self.model_config.max_model_len
+        if len(token_ids) <= keep:
+            return text, token_ids
+        kept = token_ids[len(token_ids) - keep:]
+        return self.tokenizer.decode(kept), kept
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """Each bad word's token sequence as generated at the start of the output and after
+        a space (vLLM's rule: the spaced form only when it differs and is as long)."""
+        if not params.bad_words:
+            return None
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (plain, spaced):
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _check_params(self, params: SamplingParams) -> None:
         if params.n > self.model_config.max_n:
@@ -186,6 +224,16 @@ class Processor:
                     f"of {len(stop)}", param="stop", code=CODE_TOO_MANY,
                 )
         vocab = self.model_config.vocab_size
+        for token_id in params.allowed_token_ids or []:
+            if token_id >= vocab:
+                raise InvalidRequestError(
+                    f"token id {token_id} in allowed_token_ids is out of the vocabulary "
+                    f"[0, {vocab})", param="allowed_token_ids")
+        if params.logits_processors:
+            if self.logits_processors is None:
+                raise InvalidRequestError("this engine has no logits processors",
+                                          param="logits_processors")
+            self.logits_processors.validate(params.logits_processors)
         if params.max_token_id >= vocab:
             named_in_stop_ids = params.max_token_id in params.stop_token_ids
             param = "stop_token_ids" if named_in_stop_ids else "logit_bias"
@@ -275,7 +323,9 @@ def _completion_params(params: SamplingParams, index: int, max_tokens: int) -> S
         max_tokens=max_tokens,
         min_tokens=min(params.min_tokens, max_tokens),
         prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+        truncate_prompt_tokens=None,
         all_stop_token_ids=params.all_stop_token_ids,
+        bad_words_token_ids=params.bad_words_token_ids,
     )
 
 

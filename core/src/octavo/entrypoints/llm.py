@@ -56,6 +56,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's sampling defaults (its generation_config.json,
+        unless the engine was started with ``generation_config="vllm"``)."""
+        return SamplingParams(**self.llm_engine.config.model_config.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -66,10 +71,11 @@ class LLM:
 
         ``prompts``: a string, a list of token ids, a dict with ``prompt`` or
         ``prompt_token_ids``, or a list of any of those. ``sampling_params``: one for all
-        prompts or one per prompt (default: ``SamplingParams()``).
+        prompts or one per prompt (default: ``get_default_sampling_params()``).
         """
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(sampling_params, len(prompt_list),
+                                      self.get_default_sampling_params)
         request_ids = []
         # (asked, given) max_tokens of the prompts whose max_tokens was cut to fit.
         clipped: list[tuple[int, int]] = []
@@ -164,9 +170,9 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     return prompts
 
 
-def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
+def _as_params_list(params: Any, count: int, default: Any = SamplingParams) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(count)]
+        return [default() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     if not isinstance(params, (list, tuple)):

@@ -34,6 +34,7 @@ from octavo.messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, Sc
 from octavo.model_executor.layers.attention import Attention
 from octavo.model_executor.model_loader import load_model
 from octavo.model_executor.models.interfaces import IntermediateTensors
+from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import GrammarRows, SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput
@@ -71,7 +72,8 @@ class CachedRequestState:
     block_table_row: int = -1
     # Greedy with nothing that changes the logits and no logprobs: argmax is the whole sampler.
     plain_greedy: bool = False
-    # Penalties need every generated token id on the host before sampling.
+    # Penalties (bad words, logits processors) need every generated token id on the host
+    # before sampling.
     needs_token_history: bool = False
     # Row of this request in the sampled-token tensor of the last step that sampled for it:
     # its next input while that token is not in token_ids yet.
@@ -130,7 +132,7 @@ class ModelRunner:
             num_rows=config.scheduler_config.max_num_seqs,
             num_cols=-(-config.model_config.max_model_len // self.block_size),
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(LogitsProcessorRegistry(pm))
         # The last launched step; its sampled tokens may not be on the host yet.
         self._last_step: StepOutput | None = None
         # A launched step waiting for sample_tokens: its output, hidden states and inputs.
@@ -294,7 +296,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 block_table_row=self.block_table.add_row(new.block_ids),
                 plain_greedy=new.sampling_params.is_plain_greedy,
-                needs_token_history=new.sampling_params.uses_penalties,
+                needs_token_history=new.sampling_params.needs_output_token_ids,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]

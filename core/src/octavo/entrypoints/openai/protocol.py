@@ -106,6 +106,12 @@ class SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's sampling extensions (see octavo.SamplingParams).
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    # Logits processors registered by plugins: names, or {"qualname": NAME, "kwargs": {...}}.
+    logits_processors: list[str | dict[str, Any]] | None = None
     # Accepted for compatibility; not used.
     user: str | None = None
 

@@ -117,7 +117,9 @@ class OpenAIServing:
         prompt_logprobs: int | None = None,
         params_renamed: dict[str, str] | None = None,
     ) -> SamplingParams:
-        """``SamplingParams`` from the request's fields (OpenAI defaults where unset).
+        """``SamplingParams`` from the request's fields; a sampling field the request leaves
+        unset takes the model's default (its generation_config.json, ``--generation-config``),
+        else OpenAI's.
 
         :param params_renamed: engine field -> the request's field, for error messages.
         """
@@ -133,7 +135,12 @@ class OpenAIServing:
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "skip_special_tokens": request.skip_special_tokens,
             "seed": request.seed,
+            "bad_words": request.bad_words,
+            "allowed_token_ids": request.allowed_token_ids,
+            "truncate_prompt_tokens": request.truncate_prompt_tokens,
+            "logits_processors": request.logits_processors,
         }
+        kwargs.update(self.engine.model_config.sampling_defaults)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(request, name)
