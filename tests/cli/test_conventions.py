@@ -193,6 +193,9 @@ def test_api_server_module_is_octavo_serve(tmp_path):
     (["--disable-log-requests"], None, None),
     (["--generation-config", "vllm"], "generation_config", "vllm"),
     (["--generation-config", "auto"], "generation_config", "auto"),
+    (["--swap-space", "2"], "swap_space", 2.0),
+    (["--preemption-mode", "swap"], "preemption_mode", "swap"),
+    (["--scheduling-policy", "priority"], "scheduling_policy", "priority"),
 ])
 def test_vllm_flags_with_the_same_meaning_are_accepted(flags, field, value):
     for command in (["generate", "hi"], ["serve"], ["bench", "throughput"]):

@@ -152,6 +152,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
     structured_outputs: StructuredOutputsParams | None = None
+    # Generate best_of completions and return the n with the highest cumulative logprob
+    # (None: n). They share the prompt's KV blocks like n > 1 does.
+    best_of: int | None = None
     # Words never generated: the token sequence of each (with and without a leading space)
     # cannot be completed; its last token is masked when the output ends with the others.
     bad_words: list[str] | None = None
@@ -244,7 +247,12 @@ class SamplingParams:
                 f"{type(self.structured_outputs).__name__}", param="structured_outputs")
 
     def _validate_additions(self) -> None:
-        """Checks of bad_words, allowed_token_ids, truncate_prompt_tokens."""
+        """Checks of best_of, bad_words, allowed_token_ids, truncate_prompt_tokens."""
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, low=1)
+            if self.best_of < self.n:
+                raise InvalidRequestError(
+                    f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):
@@ -265,6 +273,11 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "truncate_prompt_tokens must be >= 1 (or -1 for max_model_len), got 0",
                     param="truncate_prompt_tokens")
+
+    @property
+    def num_completions(self) -> int:
+        """Completions generated for the request: best_of if set, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def needs_output_token_ids(self) -> bool:
@@ -351,6 +364,48 @@ def _logits_processor_specs(items: object) -> list[LogitsProcessorSpec]:
                                       param="logits_processors")
         specs.append(spec)
     return specs
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Settings of a beam search (``LLM.beam_search``; ``use_beam_search`` on the server).
+
+    The engine keeps ``beam_width`` sequences, forking their KV blocks, and scores finished
+    ones as Hugging Face transformers' ``num_beams`` does: cumulative logprob divided by
+    ``generated_length ** length_penalty``. ``early_stopping`` is transformers': ``True``
+    stops once ``beam_width`` sequences finished, ``False`` when no running beam can still beat
+    the worst finished one at its current length, ``"never"`` at the best length it could
+    reach. Only ``temperature=0`` (deterministic) beam search is supported.
+    """
+
+    # Beams kept, and sequences returned.
+    beam_width: int
+    # Most tokens generated per sequence.
+    max_tokens: int
+    # Keep extending beams past the EOS token.
+    ignore_eos: bool = False
+    # Only 0.0 (vLLM's field; sampling beam search is not supported).
+    temperature: float = 0.0
+    # Exponent of the length normalisation of finished sequences' scores.
+    length_penalty: float = 1.0
+    # Accepted for vLLM compatibility (beam search has no stop strings).
+    include_stop_str_in_output: bool = False
+    # When the search stops (see the class docstring).
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0)
+        if self.temperature != 0.0:
+            raise InvalidRequestError(
+                f"beam search is deterministic: temperature must be 0, got {self.temperature}",
+                param="temperature")
+        _check_float("length_penalty", self.length_penalty)
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidRequestError(
+                f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}",
+                param="early_stopping")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -92,6 +92,19 @@ class EngineArgs:
         0.9, "share of GPU memory the engine may use (GPU backends)", type=float)
     num_gpu_blocks_override: int | None = _option(
         None, "exact number of KV blocks (testing)", type=int)
+    swap_space: float = _option(
+        4.0, "host memory per device, in GiB, for the KV blocks of requests preempted by "
+        "swapping (allocated only with --preemption-mode swap; pinned on GPUs)", type=float,
+        metavar="GIB")
+    preemption_mode: str = _option(
+        "recompute", "how a request preempted for lack of KV blocks gets its KV back: "
+        "recompute (run its prompt and generated tokens again) or swap (copy its blocks to "
+        "host memory and back; requests shorter than one sixteenth of the token budget are "
+        "still recomputed, which is cheaper)", choices=["recompute", "swap"])
+    scheduling_policy: str = _option(
+        "fcfs", "order of service: fcfs (arrival) or priority (each request's priority, lower "
+        "value first; ties by arrival; preemption takes the lowest priority first)",
+        choices=["fcfs", "priority"])
     generation_config: str = _option(
         "auto", "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for "
         "fields a request does not set: auto (the model's generation_config.json), vllm "
