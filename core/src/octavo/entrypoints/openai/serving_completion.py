@@ -91,6 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """``use_beam_search``: ``n`` beams; the fields beam search has no use for are refused."""
         for name in ("logprobs", "prompt_logprobs", "best_of", "seed", "top_p", "top_k",
                      "min_p", "logit_bias", "stop", "structured_outputs", "response_format",
+                     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "bad_words", "allowed_token_ids", "logits_processors"):
             if getattr(request, name) not in (None, []):
                 raise OpenAIError(f"{name} cannot be used with use_beam_search", 400,
