@@ -126,16 +126,18 @@ def test_a_broken_entry_point_names_itself_and_the_way_around(monkeypatch):
     assert build_plugin_manager().get_plugin("cpu") is not None
 
 
+# The core's own plugins, always registered (not entry points).
+BUILTIN = ("octavo.model_executor.models.builtin_plugin", "octavo.sample.builtin_logits_processors")
+
+
 def test_allow_list_and_block_list(monkeypatch):
     monkeypatch.setenv("OCTAVO_PLUGINS", "cpu")
     pm = build_plugin_manager()
     assert pm.get_plugin("cpu") is not None
-    assert all(name in ("cpu", "octavo.model_executor.models.builtin_plugin")
-               for name, _ in pm.list_name_plugin())
+    assert all(name in ("cpu", *BUILTIN) for name, _ in pm.list_name_plugin())
     monkeypatch.setenv("OCTAVO_PLUGINS", "")  # empty allow-list: no entry point at all
     pm = build_plugin_manager()
-    assert [name for name, _ in pm.list_name_plugin()] == [
-        "octavo.model_executor.models.builtin_plugin"]
+    assert sorted(name for name, _ in pm.list_name_plugin()) == sorted(BUILTIN)
     monkeypatch.delenv("OCTAVO_PLUGINS")
     monkeypatch.setenv("OCTAVO_DISABLE_PLUGINS", " cpu , nosuch")
     pm = build_plugin_manager()

@@ -42,7 +42,7 @@ def still_healthy(server, http):
 
 @pytest.mark.parametrize("fields, param", [
     ({"suffix": "x"}, "suffix"),
-    ({"best_of": 3}, "best_of"),
+    ({"best_of": 3, "n": 4}, "best_of"),  # best_of must be >= n
     ({"frobnicate": 1}, "frobnicate"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),

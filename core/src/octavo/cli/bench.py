@@ -143,10 +143,12 @@ class _OctavoRun:
     elapsed_s: float
     # Output tokens generated (all completions).
     num_output_tokens: int
-    # Requests preempted (recomputed) during the run.
+    # Requests preempted during the run.
     num_preemptions: int
     # Output tokens of each request, in workload order.
     output_lens: list[int]
+    # Of num_preemptions, those that swapped the request's blocks to host memory.
+    num_preemptions_swap: int = 0
 
 
 def _throughput_params(output_lens: list[int], ignore_eos: bool):
@@ -177,12 +179,14 @@ def _warmup_workload(workload: Workload) -> Workload:
 
 def _run_offline(llm, workload: Workload, params) -> _OctavoRun:
     preempted_before = llm.llm_engine.stats().num_preemptions
+    swapped_before = llm.llm_engine.stats().num_preemptions_swap
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
     lens = [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
-    return _OctavoRun(elapsed, sum(lens), llm.llm_engine.stats().num_preemptions - preempted_before,
-                      lens)
+    stats = llm.llm_engine.stats()
+    return _OctavoRun(elapsed, sum(lens), stats.num_preemptions - preempted_before, lens,
+                      stats.num_preemptions_swap - swapped_before)
 
 
 async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
@@ -198,6 +202,7 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     from tqdm.auto import tqdm
 
     preempted_before = engine.scheduler_stats.num_preemptions
+    swapped_before = engine.scheduler_stats.num_preemptions_swap
     run_id = uuid.uuid4().hex[:8]  # request ids unique across runs on one engine
     bar = tqdm(total=len(workload.prompts), desc="octavo (async engine)", unit="req",
                dynamic_ncols=True)
@@ -216,8 +221,9 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     finally:
         bar.close()
     elapsed = time.perf_counter() - start
-    return _OctavoRun(elapsed, sum(counts),
-                      engine.scheduler_stats.num_preemptions - preempted_before, list(counts))
+    stats = engine.scheduler_stats
+    return _OctavoRun(elapsed, sum(counts), stats.num_preemptions - preempted_before,
+                      list(counts), stats.num_preemptions_swap - swapped_before)
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
@@ -310,6 +316,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "output_tokens_per_s": round(num_out / elapsed, 2),
         "total_tokens_per_s": round((num_out + workload.num_prompt_tokens) / elapsed, 2),
         "preemptions": run.num_preemptions,
+        "preemptions_swap": run.num_preemptions_swap,
         "host": platform.node(),
     }
     label = "json    " if structured else "octavo  "

@@ -106,6 +106,14 @@ class SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's sampling extensions (see octavo.SamplingParams).
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    # Logits processors registered by plugins: names, or {"qualname": NAME, "kwargs": {...}}.
+    logits_processors: list[str | dict[str, Any]] | None = None
+    # Scheduling priority, lower first (only with --scheduling-policy priority).
+    priority: int = 0
     # Accepted for compatibility; not used.
     user: str | None = None
 
@@ -129,8 +137,12 @@ class CompletionRequest(SamplingFields):
     # Top logprobs per prompt token (vLLM's extension): returned in choices[i].prompt_logprobs;
     # echo + logprobs also asks for them, for the echoed prompt's logprobs.
     prompt_logprobs: int | None = None
-    # Only best_of == n (or unset) is supported.
+    # Sample best_of completions and return the n with the highest cumulative logprob.
     best_of: int | None = None
+    # vLLM's beam search: n beams (beam_width), scored cumulative logprob / length **
+    # length_penalty; deterministic (temperature 0 or unset).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Not supported (rejected when set).
     suffix: str | None = None
 

@@ -105,13 +105,13 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_request_id()
         if request.stream:
             ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.DELTA,
-                                             params_renamed=renamed)
+                                             params_renamed=renamed, priority=request.priority)
             return SSEResponse(
                 self._stream(request_id, model, request, len(token_ids), streams),
                 on_close=lambda: self.abort_all(ids),
             )
         ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.FINAL_ONLY,
-                                         params_renamed=renamed)
+                                         params_renamed=renamed, priority=request.priority)
         try:
             output = await self.wait_or_disconnect(raw_request, _final(streams[0]))
         except ClientDisconnected:
