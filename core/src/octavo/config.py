@@ -49,6 +49,9 @@ class ModelConfig:
     tokenizer: Path | None = None
     # Let transformers run code shipped in the model/tokenizer folder (custom config/tokenizer).
     trust_remote_code: bool = False
+    # Name of the reasoning parser (octavo.reasoning) that splits the model's thinking from its
+    # answer; None: the output is all answer.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
