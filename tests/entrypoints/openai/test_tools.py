@@ -375,3 +375,34 @@ def test_offline_chat_passes_tools_to_the_template(tool_model):
         assert out.outputs[0].text != CASES["paris"].answer
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_forced_choices_always_parse(smollm2_gguf):
+    """A real small instruct model (SmolLM2-135M, whose template ignores tools): "required"
+    and named choices still give calls that parse and match the schemas, streamed or not."""
+    for srv in _serve(smollm2_gguf, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"):
+        with client_of(srv) as c:
+            messages = [{"role": "user", "content": "What's the weather like in Rome today?"}]
+            named = {"type": "function", "function": {"name": "get_time"}}
+            for streamed, choice in ((False, "required"), (True, named)):
+                kwargs = dict(model=SERVED_NAME, messages=messages, tools=TOOLS,
+                              tool_choice=choice, temperature=0.0, max_tokens=100,
+                              parallel_tool_calls=False)
+                if streamed:
+                    with c.chat.completions.stream(**kwargs) as stream:
+                        for _ in stream:
+                            pass
+                        resp = stream.get_final_completion()
+                else:
+                    resp = c.chat.completions.create(**kwargs)
+                names = {"get_time"} if isinstance(choice, dict) else set(SCHEMAS)
+                assert resp.choices[0].finish_reason == "tool_calls", resp
+                assert len(assert_valid_calls(resp.choices[0].message, names)) == 1
+            # "auto": whatever the model writes is either content or calls that parse.
+            resp = c.chat.completions.create(model=SERVED_NAME, messages=messages, tools=TOOLS,
+                                             temperature=0.0, max_tokens=16)
+            message = resp.choices[0].message
+            assert message.content or message.tool_calls
+            for call in message.tool_calls or []:
+                json.loads(call.function.arguments)
