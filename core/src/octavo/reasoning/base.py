@@ -9,7 +9,8 @@ the answer. A parser has two faces:
   streamed response always adds up to the non-streamed one.
 * **tokens** (the engine): ``is_reasoning_end(token_ids)`` tells whether the reasoning is over
   in a token sequence, so that a constraint on the answer (structured outputs) can start right
-  after the end tag. See ``docs/architecture.md`` ("Reasoning output").
+  after the end tag (not used by the engine core yet; see ``docs/architecture.md``, "Not built
+  yet").
 
 Whitespace that separates the parts is not part of either: the reasoning is stripped, and the
 answer loses its leading whitespace.
