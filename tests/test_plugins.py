@@ -23,6 +23,14 @@ from octavo.model_executor.models.llama import LlamaForCausalLM
 from octavo.plugins import ENTRY_POINT_GROUP, build_plugin_manager, get_plugin_manager
 from octavo.worker.worker import Worker
 
+# Octavo's own plugin modules, registered before any installed plugin.
+BUILTIN_PLUGINS = (
+    "octavo.model_executor.models.builtin_plugin",
+    "octavo.sample.builtin_logits_processors",
+    "octavo.reasoning.builtin_plugin",
+    "octavo.entrypoints.openai.tool_parsers.builtin_plugin",
+)
+
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -126,18 +134,14 @@ def test_a_broken_entry_point_names_itself_and_the_way_around(monkeypatch):
     assert build_plugin_manager().get_plugin("cpu") is not None
 
 
-# The core's own plugins, always registered (not entry points).
-BUILTIN = ("octavo.model_executor.models.builtin_plugin", "octavo.sample.builtin_logits_processors")
-
-
 def test_allow_list_and_block_list(monkeypatch):
     monkeypatch.setenv("OCTAVO_PLUGINS", "cpu")
     pm = build_plugin_manager()
     assert pm.get_plugin("cpu") is not None
-    assert all(name in ("cpu", *BUILTIN) for name, _ in pm.list_name_plugin())
+    assert all(name in ("cpu", *BUILTIN_PLUGINS) for name, _ in pm.list_name_plugin())
     monkeypatch.setenv("OCTAVO_PLUGINS", "")  # empty allow-list: no entry point at all
     pm = build_plugin_manager()
-    assert sorted(name for name, _ in pm.list_name_plugin()) == sorted(BUILTIN)
+    assert [name for name, _ in pm.list_name_plugin()] == list(BUILTIN_PLUGINS)
     monkeypatch.delenv("OCTAVO_PLUGINS")
     monkeypatch.setenv("OCTAVO_DISABLE_PLUGINS", " cpu , nosuch")
     pm = build_plugin_manager()

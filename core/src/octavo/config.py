@@ -53,6 +53,9 @@ class ModelConfig:
     # min_p, repetition_penalty) that a request uses for the fields it does not set; empty with
     # --generation-config vllm (see octavo.model_executor.generation_config).
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # Name of the reasoning parser (octavo.reasoning) that splits the model's thinking from its
+    # answer; None: the output is all answer.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

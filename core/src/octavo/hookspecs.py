@@ -10,8 +10,9 @@ Python entry point in the ``octavo`` group::
 Two kinds of hooks:
 
 * **Contribution hooks** take a ``register`` callback and may be implemented by any number of
-  plugins (``octavo_register_backends``, ``octavo_register_models``). New keyword arguments can
-  be added to ``register`` later without breaking plugins.
+  plugins (``octavo_register_backends``, ``octavo_register_models``,
+  ``octavo_register_tool_parsers``, ``octavo_register_reasoning_parsers``). New keyword
+  arguments can be added to ``register`` later without breaking plugins.
 * **Selection hooks** are ``firstresult``: pluggy calls implementations (latest registered and
   ``tryfirst`` ones first) and stops at the first non-``None`` result. Every selection hook gets
   the chosen ``backend`` name first; an implementation returns ``None`` for a backend that is not
@@ -25,8 +26,10 @@ whenever backends are listed or one is selected (engine creation, ``octavo backe
 in the worker while it loads the model and sizes the KV cache;
 ``octavo_register_logits_processors`` in the front end (to check requests) and in the worker (to
 run them). With today's uniproc executor all of them run in the engine's
-process. ``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps the two
-in step.
+process. ``octavo_register_tool_parsers`` and ``octavo_register_reasoning_parsers`` are called
+by the front end (the OpenAI server, ``octavo serve``'s flag checks and ``EngineArgs``), never
+by a worker. ``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps
+the two in step.
 """
 
 from __future__ import annotations
@@ -170,6 +173,23 @@ def octavo_kv_block_mover(
 
 
 @hookspec
+def octavo_register_tool_parsers(register: Callable[[str, type[Any]], None]) -> None:
+    """Add tool-call parsers, the formats ``--tool-call-parser NAME`` can read.
+
+    Called each time the registry is built, in the front-end process: when ``octavo serve``
+    checks its flags and when the OpenAI server starts
+    (``octavo.entrypoints.openai.tool_parsers.tool_parsers``). Octavo's own parsers
+    (``hermes``, ``llama3_json``, ``mistral``) register through this same hook
+    (``octavo.entrypoints.openai.tool_parsers.builtin_plugin``, ``tryfirst``), so a later
+    registration of a name by a plugin replaces a built-in one.
+
+    :param register: call ``register("myformat", MyToolParser)``; the class subclasses
+        ``octavo.entrypoints.openai.tool_parsers.ToolParser`` (one instance per completion,
+        ``feed``/``finish`` for streamed text, ``extract`` for a whole text).
+    """
+
+
+@hookspec
 def octavo_register_logits_processors(
     register: Callable[[str, type[LogitsProcessor]], None],
 ) -> None:
@@ -185,4 +205,19 @@ def octavo_register_logits_processors(
         of ``octavo.sample.logits_processor.LogitsProcessor`` (constructed once per worker with
         ``(vocab_size, device)``, then ``apply`` on the rows of every step that selected it,
         batched on the device).
+    """
+
+
+@hookspec
+def octavo_register_reasoning_parsers(register: Callable[[str, type[Any]], None]) -> None:
+    """Add reasoning parsers, the formats ``--reasoning-parser NAME`` can split.
+
+    Called each time the registry is built, in the front-end process: when the engine options
+    are checked (``EngineArgs.create_engine_config``) and when the OpenAI server starts
+    (``octavo.reasoning.reasoning_parsers``). Octavo's own parsers (``deepseek_r1``,
+    ``qwen3``) register through this same hook (``octavo.reasoning.builtin_plugin``,
+    ``tryfirst``), so a later registration of a name by a plugin replaces a built-in one.
+
+    :param register: call ``register("myformat", MyReasoningParser)``; the class subclasses
+        ``octavo.reasoning.ReasoningParser`` (its tags, and where the text starts).
     """

@@ -130,6 +130,9 @@ class EngineArgs:
     max_n: int = _option(
         128, "most completions one request may ask for (n; the server also counts every "
         "prompt of a batched /v1/completions request)", type=int)
+    reasoning_parser: str | None = _option(
+        None, "split reasoning models' thinking from their answer: deepseek_r1 or qwen3 (or one "
+        "a plugin registers); the server returns it as reasoning_content", metavar="NAME")
     enforce_eager: bool = _option(
         False, "never use CUDA graphs (GPU backends); run every step eagerly", cli=_SWITCH)
     async_scheduling: bool | None = _option(
@@ -189,6 +192,10 @@ class EngineArgs:
             backend_capabilities=backend.capabilities,
             dist_backend=backend.dist_backend,
         )
+        if self.reasoning_parser is not None:
+            from octavo.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser, pm)  # ValueError naming the choices
         check_config(backend, config, others=list_backends(pm))
         check_parallel_config(config, backend.device_type)
         return config
