@@ -23,6 +23,14 @@ from octavo.model_executor.models.llama import LlamaForCausalLM
 from octavo.plugins import ENTRY_POINT_GROUP, build_plugin_manager, get_plugin_manager
 from octavo.worker.worker import Worker
 
+# Octavo's own plugin modules, registered before any installed plugin.
+BUILTIN_PLUGINS = (
+    "octavo.model_executor.models.builtin_plugin",
+    "octavo.sample.builtin_logits_processors",
+    "octavo.reasoning.builtin_plugin",
+    "octavo.entrypoints.openai.tool_parsers.builtin_plugin",
+)
+
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -130,12 +138,10 @@ def test_allow_list_and_block_list(monkeypatch):
     monkeypatch.setenv("OCTAVO_PLUGINS", "cpu")
     pm = build_plugin_manager()
     assert pm.get_plugin("cpu") is not None
-    assert all(name in ("cpu", "octavo.model_executor.models.builtin_plugin")
-               for name, _ in pm.list_name_plugin())
+    assert all(name in ("cpu", *BUILTIN_PLUGINS) for name, _ in pm.list_name_plugin())
     monkeypatch.setenv("OCTAVO_PLUGINS", "")  # empty allow-list: no entry point at all
     pm = build_plugin_manager()
-    assert [name for name, _ in pm.list_name_plugin()] == [
-        "octavo.model_executor.models.builtin_plugin"]
+    assert [name for name, _ in pm.list_name_plugin()] == list(BUILTIN_PLUGINS)
     monkeypatch.delenv("OCTAVO_PLUGINS")
     monkeypatch.setenv("OCTAVO_DISABLE_PLUGINS", " cpu , nosuch")
     pm = build_plugin_manager()

@@ -261,3 +261,115 @@ def test_a_freed_block_given_to_another_request_is_no_longer_a_hit() -> None:
     assert manager.block_pool.get_cached_block(a.block_hashes[0]) is None
     c = make_request("c", prompt)
     assert manager.get_computed_blocks(c) == ([], 0)  # the chain starts at block 0: no hit
+
+
+# ---- sliding window with swapping and forking ----------------------------------------------------
+
+
+def test_swap_of_a_request_with_window_freed_blocks_moves_only_live_blocks() -> None:
+    from octavo.kv_cache.manager import FREED_BLOCK_ID
+
+    # Two host blocks: room for the live blocks only, not for the freed placeholder.
+    manager = KVCacheManager(10, BS, enable_caching=True, sliding_window=6, num_host_blocks=2)
+    request = make_request("a", list(range(10, 20)))  # 10 tokens, blocks 0..2
+    run_prompt(manager, request)
+    decode(manager, request, 1)  # position 10 sees 5..10: block 0 freed
+    assert manager.get_block_ids("a") == [FREED_BLOCK_ID, 1, 2]
+    assert manager.num_blocks_held(request) == 2 and manager.can_swap_out([request])
+    pairs = manager.swap_out(request)
+    assert [device for device, _ in pairs] == [1, 2]
+    assert manager.is_swapped(request) and manager.num_free_blocks == 10
+    assert manager.num_free_host_blocks == 0
+    # Back in: positions 0..11 need 3 blocks, one of them freed for good.
+    assert manager.num_blocks_to_swap_in(request, 1) == 2
+    pairs = manager.swap_in(request)
+    assert [host for host, _ in pairs] == [0, 1]  # the host blocks swap_out filled
+    ids = manager.get_block_ids("a")
+    assert ids[0] == FREED_BLOCK_ID and ids[1:] == [device for _, device in pairs]
+    assert manager.num_free_blocks == 8 and manager.num_free_host_blocks == 2
+    # The window keeps moving after the swap: block 1 leaves it once the next token is at 13.
+    for token in (2, 3, 4):
+        decode(manager, request, token)
+    assert manager.get_block_ids("a")[:2] == [FREED_BLOCK_ID, FREED_BLOCK_ID]
+    assert manager.num_window_freed_blocks == 2 and manager.num_free_blocks == 8
+    manager.free(request)
+    assert manager.num_free_blocks == 10 and manager.num_requests_holding_blocks() == 0
+    assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
+
+
+def test_free_of_a_swapped_request_with_window_freed_blocks() -> None:
+    manager = KVCacheManager(10, BS, enable_caching=True, sliding_window=6, num_host_blocks=4)
+    request = make_request("a", list(range(10, 20)))
+    run_prompt(manager, request)
+    decode(manager, request, 1)  # block 0 freed
+    manager.swap_out(request)
+    assert manager.num_free_host_blocks == 2
+    manager.free(request)  # aborted while swapped out
+    assert not manager.is_swapped(request) and manager.num_free_host_blocks == 4
+    assert manager.num_free_blocks == 10 and all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
+    # A new request with the same id starts with nothing freed.
+    again = make_request("a", list(range(30, 40)))
+    assert manager.allocate_slots(again, again.num_tokens) is not None
+    assert manager.num_blocks_held(again) == 3 and manager.num_window_freed_blocks == 1
+
+
+def test_fork_of_a_request_with_window_freed_blocks_shares_only_live_blocks() -> None:
+    from octavo.kv_cache.manager import FREED_BLOCK_ID
+
+    manager = KVCacheManager(10, BS, enable_caching=True, sliding_window=6)
+    prompt = list(range(10, 20))
+    parent = make_request("a", prompt)
+    run_prompt(manager, parent)
+    decode(manager, parent, 1)  # block 0 freed; positions 0..10 computed
+    child = make_request("b", prompt)
+    child.append_output_token(1)
+    child.num_computed_tokens = parent.num_computed_tokens
+    manager.fork(parent, child)
+    assert manager.get_block_ids("b") == [FREED_BLOCK_ID, 1, 2]
+    blocks = manager.block_pool.blocks
+    assert [blocks[i].ref_cnt for i in (0, 1, 2)] == [0, 2, 2]
+    assert manager.num_blocks_held(child) == 2 and manager.num_free_blocks == 8
+    # The child writes position 11 into the shared, partly filled block 2: it gets a copy.
+    assert manager.num_blocks_to_allocate(child, 1) == 1
+    decode(manager, child, 5)
+    copies, replaced = manager.take_block_copies()
+    (source, own), = copies
+    assert source == 2 and replaced == {"b": [(2, own)]}
+    assert manager.get_block_ids("b") == [FREED_BLOCK_ID, 1, own]
+    assert blocks[2].ref_cnt == 1 and manager.num_free_blocks == 7
+    # Both move on until block 1 leaves their windows: each drops its reference once.
+    for token in (2, 3, 4):
+        decode(manager, parent, token)
+    assert blocks[1].ref_cnt == 1
+    for token in (6, 7):
+        decode(manager, child, token)
+    assert blocks[1].ref_cnt == 0 and manager.num_window_freed_blocks == 3
+    assert manager.get_block_ids("b")[:2] == [FREED_BLOCK_ID, FREED_BLOCK_ID]
+    manager.free(parent)
+    manager.free(child)
+    assert manager.num_free_blocks == 10 and manager.num_requests_holding_blocks() == 0
+    assert all(b.ref_cnt == 0 for b in blocks)
+
+
+def test_blocks_to_allocate_counts_the_blocks_the_window_gives_back() -> None:
+    """The scheduler's pre-check (``num_blocks_to_allocate``) nets out the blocks a step frees
+    before it allocates, so a full pool does not preempt for a step that frees as much as it
+    takes; a block another request still holds is not counted."""
+    manager = KVCacheManager(3, BS, enable_caching=False, sliding_window=5)
+    prompt = list(range(10, 22))  # 12 tokens: blocks 0..2, the pool is full
+    request = make_request("a", prompt)
+    run_prompt(manager, request)
+    request.append_output_token(1)
+    assert manager.num_free_blocks == 0
+    # Position 12 needs block 3 and sees 8..12: block 0 and 1 (positions 0..7) are given back.
+    assert manager.num_blocks_to_allocate(request, 1) == 0
+    child = make_request("b", prompt)
+    child.append_output_token(1)
+    child.num_computed_tokens = request.num_computed_tokens
+    manager.fork(request, child)  # blocks 0 and 1 now held twice: nothing returns to the pool
+    assert manager.num_blocks_to_allocate(request, 1) == 1
+    manager.free(child)
+    ids = manager.allocate_slots(request, 1)
+    assert ids is not None and len(ids) == 1 and manager.num_free_blocks == 1
+    manager.free(request)
+    assert manager.num_free_blocks == 3

@@ -17,7 +17,12 @@ logger = logging.getLogger(__name__)
 _trace_logger = logging.getLogger("octavo.hooks")
 
 ENTRY_POINT_GROUP = "octavo"
-_BUILTIN_PLUGINS = ("octavo.model_executor.models.builtin_plugin",)
+_BUILTIN_PLUGINS = (
+    "octavo.model_executor.models.builtin_plugin",
+    "octavo.sample.builtin_logits_processors",
+    "octavo.reasoning.builtin_plugin",
+    "octavo.entrypoints.openai.tool_parsers.builtin_plugin",
+)
 
 
 def build_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:

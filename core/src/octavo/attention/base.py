@@ -165,6 +165,9 @@ class AttentionBackend(ABC):
     supports_sliding_window: bool = False
     #: Whether ``make_impl`` takes ``logits_soft_cap`` (and the kernels honour it).
     supports_logits_soft_cap: bool = False
+    #: Dimension of ``get_kv_cache_shape`` that indexes blocks (what the KV block mover gathers
+    #: and scatters on: swaps and copies-on-write). A backend with another layout changes both.
+    kv_cache_block_dim: int = 1
 
     def get_kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

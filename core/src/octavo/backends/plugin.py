@@ -1,8 +1,9 @@
 """``BackendPlugin``: a whole hardware backend's hook surface from one declaration.
 
-Every backend answers the same four hooks the same way: register its ``Backend``, and for its
+Every backend answers the same five hooks the same way: register its ``Backend``, and for its
 own name (``None`` for any other) import and return its attention implementation, its worker
-class and its KV-cache memory sizing. A backend's ``plugin.py`` therefore only declares::
+class, its KV-cache memory sizing and what moves its KV blocks (by default the core's
+``octavo.worker.kv_block_mover``). A backend's ``plugin.py`` therefore only declares::
 
     plugin = BackendPlugin(
         Backend(name="mydev", ...),
@@ -27,6 +28,8 @@ from octavo.backends.backend import Backend
 from octavo.hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    import torch
+
     from octavo.attention.base import AttentionBackend
     from octavo.config import CacheConfig, ModelConfig, ParallelConfig
     from octavo.worker.worker import Worker
@@ -43,6 +46,10 @@ def import_reference(reference: str) -> Any:
         raise ImportError(f"{module_name!r} has no attribute {attribute!r} ({reference})") from None
 
 
+# The mover every built-in backend uses (see octavo.worker.kv_block_mover).
+DEFAULT_KV_BLOCK_MOVER = "octavo.worker.kv_block_mover:default_kv_block_mover"
+
+
 class BackendPlugin:
     """The registration and selection hooks of one backend (see the module docstring).
 
@@ -51,13 +58,17 @@ class BackendPlugin:
     :param worker: reference to the ``octavo.worker.worker.Worker`` subclass.
     :param kv_cache_memory: reference to ``f(worker, cache_config) -> int`` (bytes the KV
         cache may take on the worker's device).
+    :param kv_block_mover: reference to ``f(attn_backend, device) -> KVBlockMover`` (swaps and
+        copies of whole KV blocks; the default is the core's batched torch mover).
     """
 
     def __init__(
-        self, backend: Backend, *, attention: str, worker: str, kv_cache_memory: str
+        self, backend: Backend, *, attention: str, worker: str, kv_cache_memory: str,
+        kv_block_mover: str = DEFAULT_KV_BLOCK_MOVER,
     ) -> None:
         for name, reference in (("attention", attention), ("worker", worker),
-                                ("kv_cache_memory", kv_cache_memory)):
+                                ("kv_cache_memory", kv_cache_memory),
+                                ("kv_block_mover", kv_block_mover)):
             if ":" not in reference:
                 raise ValueError(
                     f"BackendPlugin({backend.name!r}): {name} must be a 'module:attribute' "
@@ -67,6 +78,7 @@ class BackendPlugin:
         self.attention = attention
         self.worker = worker
         self.kv_cache_memory = kv_cache_memory
+        self.kv_block_mover = kv_block_mover
 
     def __repr__(self) -> str:
         return f"BackendPlugin({self.backend.name!r})"
@@ -99,3 +111,9 @@ class BackendPlugin:
     ) -> type[Worker] | None:
         return self._piece(backend, self.worker)
 
+    @hookimpl
+    def octavo_kv_block_mover(
+        self, backend: str, attn_backend: AttentionBackend, device: torch.device
+    ) -> Any:
+        make = self._piece(backend, self.kv_block_mover)
+        return None if make is None else make(attn_backend, device)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from octavo.cli.options import RawDescriptionHelpFormatter, add_engine_options
 from octavo.engine.arg_utils import EngineArgs
+from octavo.testing.json_schemas import SCHEMA_CASES
 
 # `octavo bench throughput --help`: plain text (the module docstring is reStructuredText).
 _THROUGHPUT_DESCRIPTION = """\
@@ -112,8 +113,9 @@ def add_parser(sub) -> None:
     tp.add_argument("--structured", choices=("none", "json"), default="none",
                     help="json: constrain request i to JSON schema i mod 12 of "
                          "octavo.testing.json_schemas (nested objects, arrays, enums, anyOf, "
-                         "...), then run the same requests unconstrained with the same output "
-                         "lengths on the same engine and print the ratio of output tok/s")
+                         "...) after an untimed warm-up (one request per schema), then run the "
+                         "same requests unconstrained with the same output lengths on the same "
+                         "engine and print the ratio of output tok/s")
     tp.add_argument("--compare-hf", action="store_true",
                     help="also run HF transformers generate on the same token ids and print the ratio")
     tp.add_argument("--hf-batch-size", type=int, default=None,
@@ -141,10 +143,12 @@ class _OctavoRun:
     elapsed_s: float
     # Output tokens generated (all completions).
     num_output_tokens: int
-    # Requests preempted (recomputed) during the run.
+    # Requests preempted during the run.
     num_preemptions: int
     # Output tokens of each request, in workload order.
     output_lens: list[int]
+    # Of num_preemptions, those that swapped the request's blocks to host memory.
+    num_preemptions_swap: int = 0
 
 
 def _throughput_params(output_lens: list[int], ignore_eos: bool):
@@ -158,21 +162,31 @@ def _json_schema_params(output_lens: list[int]):
     """Request i constrained to shared schema i mod 12; EOS ends it when its JSON is complete
     (an ignored EOS would leave the grammar nothing to accept)."""
     from octavo import SamplingParams, StructuredOutputsParams
-    from octavo.testing.json_schemas import SCHEMA_CASES
 
     return [SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=StructuredOutputsParams(
                 json=SCHEMA_CASES[i % len(SCHEMA_CASES)].schema))
             for i, n in enumerate(output_lens)]
 
 
+def _warmup_workload(workload: Workload) -> Workload:
+    """One one-token request per shared schema, untimed: the grammar engine's tokenizer tables
+    (built once per engine, about a second) and the grammars' compilation are not what a
+    steady-state throughput measures (``octavo serve`` pays them once, at the first
+    constrained request, and caches each grammar)."""
+    prompts = [workload.prompts[i % len(workload.prompts)] for i in range(len(SCHEMA_CASES))]
+    return Workload(prompts, [1] * len(prompts))
+
+
 def _run_offline(llm, workload: Workload, params) -> _OctavoRun:
     preempted_before = llm.llm_engine.stats().num_preemptions
+    swapped_before = llm.llm_engine.stats().num_preemptions_swap
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
     lens = [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
-    return _OctavoRun(elapsed, sum(lens), llm.llm_engine.stats().num_preemptions - preempted_before,
-                      lens)
+    stats = llm.llm_engine.stats()
+    return _OctavoRun(elapsed, sum(lens), stats.num_preemptions - preempted_before, lens,
+                      stats.num_preemptions_swap - swapped_before)
 
 
 async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
@@ -188,6 +202,7 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     from tqdm.auto import tqdm
 
     preempted_before = engine.scheduler_stats.num_preemptions
+    swapped_before = engine.scheduler_stats.num_preemptions_swap
     run_id = uuid.uuid4().hex[:8]  # request ids unique across runs on one engine
     bar = tqdm(total=len(workload.prompts), desc="octavo (async engine)", unit="req",
                dynamic_ncols=True)
@@ -206,8 +221,9 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     finally:
         bar.close()
     elapsed = time.perf_counter() - start
-    return _OctavoRun(elapsed, sum(counts),
-                      engine.scheduler_stats.num_preemptions - preempted_before, list(counts))
+    stats = engine.scheduler_stats
+    return _OctavoRun(elapsed, sum(counts), stats.num_preemptions - preempted_before,
+                      list(counts), stats.num_preemptions_swap - swapped_before)
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
@@ -255,6 +271,8 @@ def run_throughput(args: argparse.Namespace) -> int:
             try:
                 await engine.start()
                 if structured:
+                    await _run_async(engine, _warmup_workload(workload), _json_schema_params(
+                        [1] * len(SCHEMA_CASES)))
                     runs.append(await _run_async(engine, workload, _json_schema_params(workload.output_lens)))
                     lens = runs[0].output_lens
                     runs.append(await _run_async(engine, workload, _throughput_params(lens, True)))
@@ -272,6 +290,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         config = llm.llm_engine.config
         workload = _make_workload(args, llm.llm_engine.tokenizer, config.model_config)
         if structured:
+            _run_offline(llm, _warmup_workload(workload), _json_schema_params([1] * len(SCHEMA_CASES)))
             runs.append(_run_offline(llm, workload, _json_schema_params(workload.output_lens)))
             runs.append(_run_offline(llm, workload, _throughput_params(runs[0].output_lens, True)))
         else:
@@ -297,6 +316,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "output_tokens_per_s": round(num_out / elapsed, 2),
         "total_tokens_per_s": round((num_out + workload.num_prompt_tokens) / elapsed, 2),
         "preemptions": run.num_preemptions,
+        "preemptions_swap": run.num_preemptions_swap,
         "host": platform.node(),
     }
     label = "json    " if structured else "octavo  "
