@@ -92,3 +92,33 @@ def test_shared_prompt_blocks_and_beam_search_on_cuda(model_dir) -> None:
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_swap_of_window_freed_blocks_equals_no_preemption(tmp_path_factory) -> None:
+    """Mistral with a window of 8 on CUDA (#16 with #19): requests preempted by swapping have
+    blocks freed as outside the window (placeholders in their block tables); only live blocks
+    move, and greedy tokens and logprobs equal a pool that never preempts."""
+    swa_dir = make_tiny_model(tmp_path_factory.mktemp("mistral-swa"), "mistral-swa",
+                              hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                              num_key_value_heads=2)
+    pool = {"block_size": 16, "num_gpu_blocks_override": 8, "max_num_batched_tokens": 64}
+    outputs = []
+    for kwargs in ({"num_gpu_blocks_override": 512},
+                   {"preemption_mode": "swap", "swap_space": 0.05, **pool}):
+        llm = LLM(str(swa_dir), device="cuda", dtype="float32", **kwargs)
+        try:
+            outputs.append(run(llm))
+            manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+            assert manager.sliding_window == 8 and manager.num_window_freed_blocks > 0
+            if "preemption_mode" in kwargs:
+                assert llm.llm_engine.stats().num_preemptions_swap > 0
+                assert manager.num_free_host_blocks == manager.num_host_blocks
+            assert_no_leaks(llm)
+        finally:
+            llm.llm_engine.shutdown()
+    reference, got = outputs
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, reference):
+        assert tokens == want_tokens
+        for pos, want in zip(logprobs, want_logprobs):
+            for token_id, value in pos.items():
+                assert abs(value - want[token_id]) < 1e-3
