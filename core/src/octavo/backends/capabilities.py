@@ -74,9 +74,10 @@ def check_config(backend: Backend, config: EngineConfig, others: Sequence[Backen
 
     Checks, in order: dtype, the model's head size, KV block size, ``max_num_seqs``,
     ``max_model_len``, sliding-window attention (needed when a layer's window is shorter than
-    ``max_model_len``), attention logit soft-capping. The error names the backend, the value and what it supports, and
-    suggests a supported value and the backends among ``others`` (other installed ones) that
-    are available here and support the value; they are probed only when a check fails.
+    ``max_model_len``), attention logit soft-capping. The error names the backend, the value
+    and what it supports, and suggests a supported value and the backends among ``others``
+    (other installed ones) that are available here and support the value; they are probed
+    only when a check fails.
     """
     caps = backend.capabilities
     model = config.model_config
