@@ -218,8 +218,14 @@ class ParallelConfig:
     # process per rank, this host), "ray" (one Ray actor per rank, on a Ray cluster). None:
     # "uni" for one rank, else "mp".
     distributed_executor_backend: str | None = None
+    # torch threads of each CPU worker (None: OMP_NUM_THREADS, else the cores / the ranks).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and (
+                isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
+                or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,12 +1,16 @@
-"""The CPU worker: the core's worker on the host, with torch using every allowed core."""
+"""The CPU worker: the core's worker on the host, with its threads planned and pinned
+(``octavo_cpu.threads``) and GGUF weights kept in their blocks (``octavo_cpu.quant``)."""
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+from octavo import envs
+from octavo.model_executor.gguf_quantized import register_gguf_kernels
 from octavo.worker.worker import Worker
+
+from octavo_cpu.threads import configure_threads
 
 logger = logging.getLogger(__name__)
 
@@ -14,8 +18,16 @@ logger = logging.getLogger(__name__)
 class CPUWorker(Worker):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if "OMP_NUM_THREADS" not in os.environ and cores:
-            # The ranks of a split model share the host's cores instead of each taking all.
-            torch.set_num_threads(max(1, cores // self.ranks.world_size))
-        logger.debug("CPU worker: %d torch threads", torch.get_num_threads())
+        configure_threads(self.config.parallel_config.cpu_threads, self.ranks.world_size,
+                          self.local_rank)
+        register_gguf_kernels("cpu", _gguf_kernels())
+
+
+def _gguf_kernels():
+    """The C++ GGUF matmuls, unless they cannot be had or ``OCTAVO_CPU_GGUF_KERNELS=0``."""
+    if not envs.cpu_gguf_kernels():
+        logger.info("GGUF weights: dequantized (OCTAVO_CPU_GGUF_KERNELS=0)")
+        return None
+    from octavo_cpu import quant
+
+    return quant.gguf_kernels()

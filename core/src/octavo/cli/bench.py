@@ -261,8 +261,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     # With --structured json: the constrained run, then the same requests unconstrained.
     runs: list[_OctavoRun] = []
     if args.async_engine:
+        from octavo.cli.serve import front_end_threads
         from octavo.engine.async_llm import AsyncLLM
 
+        # As `octavo serve`: the model runs in the engine core's process (restored for HF).
+        front_end_threads_before = front_end_threads()
         engine = AsyncLLM(engine_args)
         config = engine.config
         workload = _make_workload(args, engine.tokenizer, config.model_config)
@@ -283,6 +286,9 @@ def run_throughput(args: argparse.Namespace) -> int:
                 await engine.shutdown()  # frees the device before HF runs
 
         asyncio.run(run_async())
+        import torch
+
+        torch.set_num_threads(front_end_threads_before)
     else:
         from octavo import LLM
 

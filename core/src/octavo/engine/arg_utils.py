@@ -120,6 +120,10 @@ class EngineArgs:
         "host), ray (a Ray actor per rank on a running Ray cluster; RAY_ADDRESS or "
         "ray.init(address='auto')). Default: uni for one rank, else mp",
         choices=["uni", "mp", "ray"])
+    cpu_threads: int | None = _option(
+        None, "threads each CPU worker computes with, pinned to cores (CPU backend; default: "
+        "$OMP_NUM_THREADS, else the cores this process may use, divided among the ranks)",
+        type=int, metavar="N")
     load_format: str = _option(
         "auto", "auto: the checkpoint's weights; dummy: random weights of the config's shape, "
         "each rank making only its own slices, no checkpoint read (benchmarks)",

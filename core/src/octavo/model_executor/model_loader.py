@@ -11,6 +11,7 @@ import torch
 from octavo.attention.base import AttentionBackend
 from octavo.config import ModelConfig
 from octavo.distributed.parallel_state import ParallelState
+from octavo.model_executor.gguf_quantized import gguf_kernels_for, quantize_gguf_layers
 
 logger = logging.getLogger(__name__)
 
@@ -24,16 +25,18 @@ def resolve_model_class(model_config: ModelConfig, pm: pluggy.PluginManager) -> 
     return registry.resolve(model_config.architectures)
 
 
-def iterate_weights(model_config: ModelConfig, lazy: bool = False):
+def iterate_weights(model_config: ModelConfig, lazy: bool = False,
+                    exclude: frozenset[str] = frozenset()):
     """(HF name, tensor) pairs from the GGUF file or the safetensors folder.
 
     :param lazy: safetensors weights come as ``CheckpointTensor`` views that read only the part
         a rank asks for (GGUF tensors are dequantized whole, one at a time).
+    :param exclude: GGUF tensors not to read (kept in their blocks by ``gguf_quantized``).
     """
     if model_config.gguf_file is not None:
         from octavo.model_executor.loader.gguf_loader import iterate_gguf_weights
 
-        return iterate_gguf_weights(model_config.gguf_file)
+        return iterate_gguf_weights(model_config.gguf_file, exclude)
     from octavo.model_executor.loader.safetensors_loader import iterate_safetensors_weights
 
     return iterate_safetensors_weights(model_config.model_dir, lazy=lazy)
@@ -82,14 +85,21 @@ def load_model(
     if model_config.load_format == "dummy":
         fill_dummy_weights(model, seed=model_config.seed)
     else:
-        model.load_weights(
-            iterate_weights(model_config, lazy=getattr(model_cls, "lazy_weights", False)))
+        kept_quantized: frozenset[str] = frozenset()
+        gguf_kernels = gguf_kernels_for(device.type) if model_config.gguf_file else None
+        if gguf_kernels is not None:  # GGUF blocks kept as they are (#18, interim seam)
+            kept_quantized = quantize_gguf_layers(model, model_config.gguf_file, gguf_kernels,
+                                                  model_config.dtype)
+        model.load_weights(iterate_weights(
+            model_config, lazy=getattr(model_cls, "lazy_weights", False), exclude=kept_quantized))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
+    num_bytes = sum(t.numel() * t.element_size()
+                    for t in [*model.parameters(), *model.buffers()])
     logger.info(
-        "weights: loaded %s (%s, %.1fM parameters, %s) in %.2f s",
+        "weights: loaded %s (%s, %.1fM float parameters, %s; %.1f MiB in all) in %.2f s",
         model_config.model, model_cls.__name__, num_params / 1e6, model_config.dtype_name,
-        time.perf_counter() - start,
+        num_bytes / 2**20, time.perf_counter() - start,
     )
     return model
 

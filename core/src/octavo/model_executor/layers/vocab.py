@@ -37,6 +37,10 @@ class VocabParallelEmbedding(nn.Module):
                                    requires_grad=False)
         set_weight_loader(self.weight, self._load)
 
+    def linear(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [n, rows_per_rank]
+        """This rank's logits (as an LM head, or a tied embedding)."""
+        return F.linear(hidden_states, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)
@@ -69,9 +73,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def compute_logits(hidden_states: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
-    """``[n, hidden_size]`` -> float32 ``[n, vocab_size]`` through ``head``'s weight (an LM head
-    or, tied, the embedding), the matmul in the model dtype, gathered over the ranks."""
-    logits = F.linear(hidden_states, head.weight)  # [n, rows_per_rank]
+    """``[n, hidden_size]`` -> float32 ``[n, vocab_size]`` through ``head.linear`` (an LM head
+    or, tied, the embedding; a GGUF-block head too), in the model dtype, gathered over the
+    ranks."""
+    logits = head.linear(hidden_states)  # [n, rows_per_rank]
     if head.parallel.tp_size > 1:
         logits = head.parallel.all_gather(logits, dim=-1)[:, : head.vocab_size]
     return logits.float()

@@ -67,13 +67,16 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
     return gguf_hf_config(read_gguf(path))
 
 
-def iterate_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(
+    path: str | Path, exclude: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the GGUF file at ``path``.
 
     Names are HF's (``model.embed_tokens.weight``, ``model.layers.N.self_attn.q_proj.weight``,
     ..., ``model.norm.weight``, and ``lm_head.weight`` only when the file has ``output.weight``;
     tied models do not). Shapes are HF's (``[out_features, in_features]``). Llama's Q/K rows are
-    un-permuted (see the module docstring).
+    un-permuted (see the module docstring). Tensors whose HF name is in ``exclude`` are skipped
+    without being read (the layers ``octavo.model_executor.gguf_quantized`` keeps quantized).
 
     The file and its architecture are checked when this function is called:
     ``FileNotFoundError`` for a missing file, ``ValueError`` for an architecture outside
@@ -87,20 +90,29 @@ def iterate_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]
             f"GGUF architecture {arch!r} of {str(path)!r} is not supported; supported "
             f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    num_heads = num_kv_heads = 0
-    if arch in _PERMUTED_ARCHITECTURES:
-        num_heads = int(_read_field(gguf_file, f"{arch}.attention.head_count"))
-        num_kv_heads = int(_read_field(gguf_file, f"{arch}.attention.head_count_kv", num_heads))
-    return _iterate(gguf_file, num_heads, num_kv_heads)
+    num_heads, num_kv_heads = permuted_heads(gguf_file)
+    return _iterate(gguf_file, num_heads, num_kv_heads, exclude)
+
+
+def permuted_heads(gguf_file: GGUFFile) -> tuple[int, int]:
+    """``(num_heads, num_kv_heads)`` whose Q/K rows llama.cpp permuted; ``(0, 0)`` when the
+    architecture is not permuted."""
+    arch = gguf_file.architecture
+    if arch not in _PERMUTED_ARCHITECTURES:
+        return 0, 0
+    num_heads = int(_read_field(gguf_file, f"{arch}.attention.head_count"))
+    return num_heads, int(_read_field(gguf_file, f"{arch}.attention.head_count_kv", num_heads))
 
 
 def _iterate(
-    gguf_file: GGUFFile, num_heads: int, num_kv_heads: int
+    gguf_file: GGUFFile, num_heads: int, num_kv_heads: int, exclude: frozenset[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in gguf_file.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
         hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name in exclude:
+            continue
         # GGUF lists dims innermost first; HF (and numpy) outermost first.
         shape = tuple(reversed(tensor.shape))
         weight = dequantize(gguf_file.tensor_data(tensor), tensor.qtype).reshape(shape)
