@@ -6,6 +6,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
+#include <stdlib.h>
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")

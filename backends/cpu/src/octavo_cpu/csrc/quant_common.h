@@ -58,10 +58,8 @@ struct FloatRows {
   bool bf16;
 };
 
-// Rows of the matmul output computed together by one pass over a weight panel: the
-// activations of a block of rows stay in L2 while every weight row of a thread's range meets
-// them.
-constexpr int64_t kQRowBlock = 64;
+// From this many rows on, weights are unpacked into panels of 8 columns first (quant_impl.h).
+constexpr int64_t kPanelMinRows = 4;
 
 #define OCTAVO_DECLARE_QUANT_ISA(isa)                                                         \
   namespace isa {                                                                             \

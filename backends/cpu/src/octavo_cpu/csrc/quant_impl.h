@@ -193,6 +193,13 @@ struct Q6_K {
   }
 };
 
+// Scale of values 0-15 and of 16-31 of a Q6_K chunk (the panel keeps them as two scales).
+OCTAVO_INLINE void q6_half_scales(const WChunk& c, float* lo, float* hi) {
+  // The extract zero-extends: the int16 cast restores a negative scale's sign.
+  *lo = c.d * float(int16_t(_mm256_extract_epi16(c.scl, 0)));
+  *hi = c.d * float(int16_t(_mm256_extract_epi16(c.scl, 8)));
+}
+
 template <Kind K>
 OCTAVO_INLINE __m256i chunk_dot(const WChunk& c, __m256i x) {
   if (K == Kind::kUnsigned) return qdot(c.w, x);
@@ -271,6 +278,204 @@ void tile_rows(const QuantGemmArgs& a, int64_t m_begin, int64_t m_end, int64_t n
   }
 }
 
+// ---- the panel path (many rows) ------------------------------------------------------------
+//
+// For many rows, 8 output columns at a time are first unpacked into a panel, interleaved so
+// that one vector holds 4 consecutive values of each of the 8 columns: vector (k, j), j < 8,
+// is [column 0 values 32k+4j..32k+4j+3, column 1 the same, ..., column 7]. A row then meets
+// the 8 columns in one pass: its 4 activations 32k+4j.. broadcast to every lane, one
+// u8 x s8 dot per vector, and the lanes of the result are the 8 columns, so the per-chunk
+// scaling is one vector operation for 8 columns (the direct tiles spend one per column) and
+// no sum across lanes is ever needed. The panel (K bytes x 8 plus scales) stays in L1 while
+// every row of the thread's block streams past it.
+
+// The 8 x 8 transpose of 32-bit elements: out[j] dword c = in[c] dword j.
+OCTAVO_INLINE void transpose8x32(const __m256i* in, __m256i* out) {
+  const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]);
+  const __m256i t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]);
+  const __m256i t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(in[4], in[5]);
+  const __m256i t5 = _mm256_unpackhi_epi32(in[4], in[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(in[6], in[7]);
+  const __m256i t7 = _mm256_unpackhi_epi32(in[6], in[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2);
+  const __m256i u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3);
+  const __m256i u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6);
+  const __m256i u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7);
+  const __m256i u7 = _mm256_unpackhi_epi64(t5, t7);
+  out[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+  out[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+  out[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+  out[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+  out[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  out[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  out[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  out[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// Floats of one panel chunk: the columns' scales (Q6_K: of values 0-15, then of 16-31) and
+// offsets, 8 lanes each.
+constexpr int kPanelScales = 3;
+
+// Unpack columns [n0, n0 + 8) (those past out_features repeat the last real one) into
+// q: [chunks][8] vectors and f: [chunks][kPanelScales][8] floats.
+template <class F>
+void build_panel(const QuantGemmArgs& a, int64_t n0, __m256i* q, float* f) {
+  const int64_t num_blocks = a.in_features / F::kBlockElems;
+  const uint8_t* wrow[8];
+  for (int c = 0; c < 8; ++c) {
+    const int64_t n = n0 + c < a.out_features ? n0 + c : a.out_features - 1;
+    wrow[c] = a.weight + n * a.weight_stride;
+  }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    typename F::Block blk[8];
+    for (int c = 0; c < 8; ++c) F::block(wrow[c] + b * F::kBlockBytes, blk[c]);
+    for (int j = 0; j < F::kChunks; ++j) {
+      const int64_t k = b * F::kChunks + j;
+      __m256i values[8];
+      float* scales = f + k * kPanelScales * 8;
+      for (int c = 0; c < 8; ++c) {
+        WChunk w;
+        F::chunk(blk[c], j, w);
+        if (F::kKind == Kind::kUnsigned) {
+          values[c] = w.w;
+          scales[c] = w.d;
+          scales[16 + c] = w.m;
+        } else {
+          values[c] = w.sgn;  // signed q; |q| and the sign are taken when it is used
+          if (F::kKind == Kind::kSigned16) {
+            q6_half_scales(w, &scales[c], &scales[8 + c]);
+          } else {
+            scales[c] = w.d;
+          }
+        }
+      }
+      transpose8x32(values, q + k * 8);
+    }
+  }
+}
+
+OCTAVO_INLINE __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// One chunk of a row against a panel chunk: int32 lane c = dot(column c, x[0..32)).
+OCTAVO_INLINE __m256i panel_dot_unsigned(const __m256i* w, const int8_t* x) {
+#ifdef OCTAVO_QUANT_VNNI
+  __m256i sum = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) sum = _mm256_dpbusd_epi32(sum, w[j], broadcast4(x + 4 * j));
+  return sum;
+#else
+  // q <= 15 and |x| <= 127: 16 products per int16 lane stay below 32767.
+  __m256i sum = _mm256_maddubs_epi16(w[0], broadcast4(x));
+  for (int j = 1; j < 8; ++j) {
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[j], broadcast4(x + 4 * j)));
+  }
+  return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+#endif
+}
+
+// Vectors [j0, j1) of a signed panel chunk: |q| times x with q's sign.
+OCTAVO_INLINE __m256i panel_dot_signed(const __m256i* w, const int8_t* x, int j0, int j1) {
+  __m256i sum = _mm256_setzero_si256();
+  for (int j = j0; j < j1; ++j) {
+    const __m256i q = w[j];
+    sum = _mm256_add_epi32(
+        sum, qdot(_mm256_abs_epi8(q), _mm256_sign_epi8(broadcast4(x + 4 * j), q)));
+  }
+  return sum;
+}
+
+// Rows [m0, m0 + R) against a panel; stores min(8, out_features - n0) columns.
+template <class F, int R>
+void panel_tile(const QuantGemmArgs& a, const __m256i* q, const float* f, int64_t m0,
+                int64_t n0) {
+  const int64_t num_chunks = a.in_features / kQChunk;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.x.q + (m0 + r) * a.in_features;
+    xd[r] = a.x.d + (m0 + r) * num_chunks;
+    xs[r] = a.x.s + (m0 + r) * num_chunks;
+  }
+  for (int64_t k = 0; k < num_chunks; ++k) {
+    const __m256i* w = q + k * 8;
+    const float* scales = f + k * kPanelScales * 8;
+    const __m256 d0 = _mm256_loadu_ps(scales);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq[r] + k * kQChunk;
+      const __m256 dx = _mm256_set1_ps(xd[r][k]);
+      if (F::kKind == Kind::kUnsigned) {
+        const __m256i sum = panel_dot_unsigned(w, x);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d0, dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(scales + 16), _mm256_set1_ps(xs[r][k]), acc[r]);
+      } else if (F::kKind == Kind::kSigned) {
+        const __m256i sum = panel_dot_signed(w, x, 0, 8);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d0, dx), acc[r]);
+      } else {
+        const __m256i lo = panel_dot_signed(w, x, 0, 4);
+        const __m256i hi = panel_dot_signed(w, x, 4, 8);
+        const __m256 d1 = _mm256_loadu_ps(scales + 8);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d0, dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d1, dx), acc[r]);
+      }
+    }
+  }
+  const int64_t cols = a.out_features - n0 < 8 ? a.out_features - n0 : 8;
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float y[8];
+    _mm256_store_ps(y, acc[r]);
+    const int64_t at = (m0 + r) * a.out_stride + n0;
+    if (a.out_bf16) {
+      uint16_t* out = static_cast<uint16_t*>(a.out) + at;
+      for (int64_t c = 0; c < cols; ++c) out[c] = to_bf16(y[c]);
+    } else {
+      float* out = static_cast<float*>(a.out) + at;
+      if (cols == 8) {
+        _mm256_storeu_ps(out, acc[r]);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) out[c] = y[c];
+      }
+    }
+  }
+}
+
+template <class F>
+void gemm_panels(const QuantGemmArgs& a, int64_t n_begin, int64_t n_end) {
+  const int64_t num_chunks = a.in_features / kQChunk;
+  // Per-thread panel buffers, kept between calls (grow only).
+  thread_local __m256i* q = nullptr;
+  thread_local float* f = nullptr;
+  thread_local int64_t capacity = 0;
+  if (capacity < num_chunks) {
+    free(q);
+    free(f);
+    q = static_cast<__m256i*>(aligned_alloc(32, num_chunks * 8 * sizeof(__m256i)));
+    f = static_cast<float*>(aligned_alloc(32, num_chunks * kPanelScales * 8 * sizeof(float)));
+    capacity = num_chunks;
+  }
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 8) {
+    build_panel<F>(a, n0, q, f);
+    int64_t m = 0;
+    for (; m + 4 <= a.num_rows; m += 4) panel_tile<F, 4>(a, q, f, m, n0);
+    switch (a.num_rows - m) {
+      case 3: panel_tile<F, 3>(a, q, f, m, n0); break;
+      case 2: panel_tile<F, 2>(a, q, f, m, n0); break;
+      case 1: panel_tile<F, 1>(a, q, f, m, n0); break;
+      default: break;
+    }
+  }
+}
+
 template <class F>
 void gemm_format(const QuantGemmArgs& a, int64_t n_begin, int64_t n_end) {
   if (a.num_rows == 1) {
@@ -279,14 +484,14 @@ void gemm_format(const QuantGemmArgs& a, int64_t n_begin, int64_t n_end) {
     for (; n < n_end; ++n) tile<F, 1, 1>(a, 0, n);
     return;
   }
-  // Row blocks outermost: a block's activations stay in L2 while the thread's weight rows
-  // stream past them; each unpacked weight chunk then serves 4 rows at a time.
-  for (int64_t mb = 0; mb < a.num_rows; mb += kQRowBlock) {
-    const int64_t me = mb + kQRowBlock < a.num_rows ? mb + kQRowBlock : a.num_rows;
-    int64_t n = n_begin;
-    for (; n + 2 <= n_end; n += 2) tile_rows<F, 2>(a, mb, me, n);
-    for (; n < n_end; ++n) tile_rows<F, 1>(a, mb, me, n);
+  if (a.num_rows >= kPanelMinRows) {
+    gemm_panels<F>(a, n_begin, n_end);
+    return;
   }
+  // A few rows: direct tiles, each unpacked weight chunk serving every row.
+  int64_t n = n_begin;
+  for (; n + 2 <= n_end; n += 2) tile_rows<F, 2>(a, 0, a.num_rows, n);
+  for (; n < n_end; ++n) tile_rows<F, 1>(a, 0, a.num_rows, n);
 }
 
 void quant_gemm(const QuantGemmArgs& a, int64_t col_begin, int64_t col_end) {
