@@ -166,8 +166,10 @@ def _load_or_fall_back() -> CPUKernels | None:
         kernels = _load_or_build()
     except Exception as exc:  # a missing compiler or ninja, a failed build, a bad library
         logger.warning(
-            "cpu attention: the C++ kernels could not be built or loaded, so attention runs "
-            "the slower torch implementation. Cause: %s", _summary(exc),
+            "cpu backend: the C++ kernels could not be built or loaded, so attention runs "
+            "the slower torch implementation and GGUF weights are dequantized on load. Cause: "
+            "%s. Install a C++ compiler (g++) to get them; they build on first use.",
+            _summary(exc),
         )
         logger.debug("cpu attention: build failure in full", exc_info=True)
         return None
@@ -300,3 +302,8 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
+
+if __name__ == "__main__":  # `python -m octavo_cpu.kernels` (make install): build or load now
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    loaded = load_kernels()
+    print(f"octavo cpu kernels: {loaded.isas if loaded else 'not available (torch path)'}")
