@@ -188,8 +188,9 @@ def _train_tokenizer(folder: Path) -> Any:
     return tokenizer
 
 
-def make_tool_model(folder: Path) -> Path:
-    """Write the trained checkpoint (config, safetensors, tokenizer, template) into ``folder``."""
+def make_tool_model(folder: Path, hidden_size: int = 64, intermediate_size: int = 128) -> Path:
+    """Write the trained checkpoint (config, safetensors, tokenizer, template) into ``folder``.
+    Four attention heads: ``hidden_size`` 256 gives the head size 64 the GPU kernels take."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     folder = Path(folder)
@@ -197,7 +198,8 @@ def make_tool_model(folder: Path) -> Path:
     trained = _train_tokenizer(folder)
     eos = trained.convert_tokens_to_ids("<|im_end|>")
     config = Qwen2Config(
-        vocab_size=len(trained), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(trained), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         tie_word_embeddings=False, eos_token_id=eos, bos_token_id=None,
         pad_token_id=trained.pad_token_id)
