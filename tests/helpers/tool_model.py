@@ -214,7 +214,8 @@ def make_tool_model(folder: Path, hidden_size: int = 64, intermediate_size: int 
     try:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _train(model, sequences, config.pad_token_id)
+        # Wider models need a smaller step to converge (1e-2 diverges at hidden_size 256).
+        _train(model, sequences, config.pad_token_id, lr=1e-2 * min(1.0, 64 / hidden_size))
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(folder, safe_serialization=True)
@@ -237,7 +238,8 @@ def _sequences(tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     return sequences
 
 
-def _train(model: Any, sequences: list[tuple[list[int], list[int]]], pad_id: int) -> None:
+def _train(model: Any, sequences: list[tuple[list[int], list[int]]], pad_id: int,
+           lr: float) -> None:
     """Train until every answer is the greedy one with ``MIN_MARGIN`` (or fail)."""
     length = max(len(p) + len(a) for p, a in sequences)
     input_ids = torch.full((len(sequences), length), pad_id)
@@ -248,7 +250,7 @@ def _train(model: Any, sequences: list[tuple[list[int], list[int]]], pad_id: int
         input_ids[row, :len(tokens)] = torch.tensor(tokens)
         mask[row, :len(tokens)] = 1
         labels[row, len(prompt):len(tokens)] = torch.tensor(answer)  # learn the answers only
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for step in range(MAX_STEPS):
         model.train()
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
