@@ -32,8 +32,10 @@ CONTRIBUTION_HOOKS = sorted(set(SPECS) - set(SELECTION_HOOKS))
 
 def test_the_surface_is_what_we_think_it_is():
     assert SELECTION_HOOKS == [
-        "octavo_attention_backend", "octavo_available_kv_cache_memory", "octavo_worker_class"]
-    assert CONTRIBUTION_HOOKS == ["octavo_register_backends", "octavo_register_models"]
+        "octavo_attention_backend", "octavo_available_kv_cache_memory", "octavo_quant_kernels",
+        "octavo_worker_class"]
+    assert CONTRIBUTION_HOOKS == ["octavo_register_backends", "octavo_register_models",
+                                  "octavo_register_quantization_methods"]
 
 
 def test_plugin_manager_knows_exactly_these_hooks():

@@ -49,6 +49,9 @@ class ModelConfig:
     tokenizer: Path | None = None
     # Let transformers run code shipped in the model/tokenizer folder (custom config/tokenizer).
     trust_remote_code: bool = False
+    # Quantization method the weights run with (a registered name: "fp8", "awq", "gptq",
+    # "gguf", ...; octavo.model_executor.layers.quantization), None for dense weights.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

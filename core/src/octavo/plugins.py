@@ -17,7 +17,10 @@ logger = logging.getLogger(__name__)
 _trace_logger = logging.getLogger("octavo.hooks")
 
 ENTRY_POINT_GROUP = "octavo"
-_BUILTIN_PLUGINS = ("octavo.model_executor.models.builtin_plugin",)
+_BUILTIN_PLUGINS = (
+    "octavo.model_executor.models.builtin_plugin",
+    "octavo.model_executor.layers.quantization.builtin_plugin",
+)
 
 
 def build_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:

@@ -31,6 +31,10 @@ plugin = BackendPlugin(
             head_dims=None,  # any: C++ kernels for multiples of 16, torch for the others
             block_sizes=None,  # any block size
             cuda_graphs=False,
+            # Every built-in method: fp8 weights dequantized to the activations' dtype in the
+            # matmul, int4 AWQ/GPTQ and GGUF blocks dequantized tile by tile (GGUF through the
+            # backend's C++ op where it is built, octavo_cpu.quant_kernels).
+            quantization_methods=("fp8", "compressed-tensors", "awq", "gptq", "gguf"),
             # No limit of its own on max_num_seqs / max_model_len (host memory decides);
             # logprobs come from the core's sampler, so every count and prompt logprobs.
         ),

@@ -9,6 +9,7 @@ class and its KV-cache memory sizing. A backend's ``plugin.py`` therefore only d
         attention="octavo_mydev.attention:make_attention_backend",
         worker="octavo_mydev.worker:MyDevWorker",
         kv_cache_memory="octavo_mydev.memory:available_kv_cache_memory",
+        quant_kernels="octavo_mydev.quant:quant_kernels",  # optional
     )
 
 and its entry point names the object (``mydev = "octavo_mydev.plugin:plugin"``). The pieces
@@ -51,13 +52,19 @@ class BackendPlugin:
     :param worker: reference to the ``octavo.worker.worker.Worker`` subclass.
     :param kv_cache_memory: reference to ``f(worker, cache_config) -> int`` (bytes the KV
         cache may take on the worker's device).
+    :param quant_kernels: optional reference to ``f(method) -> object | None``: the backend's
+        kernels for a quantization method (``octavo_quant_kernels``).
     """
 
     def __init__(
-        self, backend: Backend, *, attention: str, worker: str, kv_cache_memory: str
+        self, backend: Backend, *, attention: str, worker: str, kv_cache_memory: str,
+        quant_kernels: str | None = None,
     ) -> None:
-        for name, reference in (("attention", attention), ("worker", worker),
-                                ("kv_cache_memory", kv_cache_memory)):
+        references = [("attention", attention), ("worker", worker),
+                      ("kv_cache_memory", kv_cache_memory)]
+        if quant_kernels is not None:
+            references.append(("quant_kernels", quant_kernels))
+        for name, reference in references:
             if ":" not in reference:
                 raise ValueError(
                     f"BackendPlugin({backend.name!r}): {name} must be a 'module:attribute' "
@@ -67,6 +74,7 @@ class BackendPlugin:
         self.attention = attention
         self.worker = worker
         self.kv_cache_memory = kv_cache_memory
+        self.quant_kernels = quant_kernels
 
     def __repr__(self) -> str:
         return f"BackendPlugin({self.backend.name!r})"
@@ -99,3 +107,10 @@ class BackendPlugin:
     ) -> type[Worker] | None:
         return self._piece(backend, self.worker)
 
+
+    @hookimpl
+    def octavo_quant_kernels(self, backend: str, method: str) -> Any | None:
+        if self.quant_kernels is None:
+            return None
+        provide = self._piece(backend, self.quant_kernels)
+        return None if provide is None else provide(method)

@@ -24,7 +24,7 @@ TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 #: Model/KV-cache dtypes the kernels handle (float32 dots precision: TritonLaunchConfig).
 TRITON_DTYPES = ("bfloat16", "float16", "float32")
 #: What a GPU backend running these kernels through the core's GPU worker supports: the
-#: kernels' dtypes and head sizes, the block sizes they are tested and tuned for, decode CUDA
+#: kernels' dtypes and head sizes, the quantization methods, the block sizes they are tested and tuned for, decode CUDA
 #: (or HIP) graphs unless --enforce-eager, and async scheduling (the device runs apart from
 #: the host). No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
 #: logprobs come from the core's sampler, so every count and prompt logprobs.
@@ -34,6 +34,9 @@ TRITON_GPU_CAPABILITIES = BackendCapabilities(
     block_sizes=(8, 16, 32, 64),
     cuda_graphs=True,
     async_scheduling=True,
+    # fp8 through torch._scaled_mm (dequantized where the GPU has no FP8 tensor cores), int4
+    # AWQ/GPTQ and GGUF through the Triton dequantize-in-GEMM kernels.
+    quantization_methods=("fp8", "compressed-tensors", "awq", "gptq", "gguf"),
 )
 
 

@@ -143,7 +143,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.attn_backend, self.device, self.pm,
-                                self.parallel)
+                                self.parallel, backend=self.config.backend)
         if self.parallel.ranks.pp_size > 1:
             self.stage_io = StageIO(self.parallel, self.model_config.hf_config.hidden_size,
                                     self.model_config.dtype, self.device)
