@@ -19,5 +19,7 @@ def builtin_methods() -> list[type]:
         CompressedTensorsConfig,
     )
     from octavo.model_executor.layers.quantization.fp8 import Fp8Config
+    from octavo.model_executor.layers.quantization.gguf import GGUFConfig
+    from octavo.model_executor.layers.quantization.int4 import AWQConfig, GPTQConfig
 
-    return [Fp8Config, CompressedTensorsConfig]
+    return [Fp8Config, CompressedTensorsConfig, GPTQConfig, AWQConfig, GGUFConfig]
