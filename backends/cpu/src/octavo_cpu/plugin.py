@@ -35,6 +35,9 @@ plugin = BackendPlugin(
             # matmul, int4 AWQ/GPTQ and GGUF blocks dequantized tile by tile (GGUF through the
             # backend's C++ op where it is built, octavo_cpu.quant_kernels).
             quantization_methods=("fp8", "compressed-tensors", "awq", "gptq", "gguf"),
+            # fp8 (e4m3) KV cache through the torch attention path (the C++ kernels take
+            # 16/32-bit caches only).
+            kv_cache_dtypes=("auto", "fp8"),
             # No limit of its own on max_num_seqs / max_model_len (host memory decides);
             # logprobs come from the core's sampler, so every count and prompt logprobs.
         ),

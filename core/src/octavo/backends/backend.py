@@ -62,9 +62,13 @@ class BackendCapabilities:
     # silently dequantized. Empty: dense weights only (a GGUF file is then dequantized while
     # loading unless --quantization gguf is asked for, which is refused).
     quantization_methods: tuple[str, ...] = ()
+    # --kv-cache-dtype values the attention kernels read and write ("auto": the model's
+    # dtype; "fp8": float8 e4m3 with per-tensor scales, which also admits "fp8_e4m3").
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def __post_init__(self) -> None:
-        for name in ("dtypes", "head_dims", "block_sizes", "quantization_methods"):
+        for name in ("dtypes", "head_dims", "block_sizes", "quantization_methods",
+                     "kv_cache_dtypes"):
             # lists are accepted, kept as tuples
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -77,6 +81,11 @@ class BackendCapabilities:
             raise ValueError(
                 "BackendCapabilities.quantization_methods must be a tuple of method names, "
                 f"got {self.quantization_methods!r}"
+            )
+        if "auto" not in self.kv_cache_dtypes or not set(self.kv_cache_dtypes) <= {"auto", "fp8"}:
+            raise ValueError(
+                "BackendCapabilities.kv_cache_dtypes must hold 'auto' and optionally 'fp8', "
+                f"got {self.kv_cache_dtypes!r}"
             )
         for name in ("head_dims", "block_sizes"):
             values = getattr(self, name)

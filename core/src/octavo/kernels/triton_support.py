@@ -8,6 +8,7 @@ Importable without Triton or torch: backend plugins built on these kernels (cuda
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -37,6 +38,8 @@ TRITON_GPU_CAPABILITIES = BackendCapabilities(
     # fp8 through torch._scaled_mm (dequantized where the GPU has no FP8 tensor cores), int4
     # AWQ/GPTQ and GGUF through the Triton dequantize-in-GEMM kernels.
     quantization_methods=("fp8", "compressed-tensors", "awq", "gptq", "gguf"),
+    # fp8 (e4m3) KV cache: the write kernel quantizes, the attention kernels upcast.
+    kv_cache_dtypes=("auto", "fp8"),
 )
 
 
@@ -46,6 +49,7 @@ def triton_gpu_backend_plugin(
     package: str,
     attention: str,
     description: str,
+    kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8"),
 ) -> BackendPlugin:
     """The declaration of a backend for GPUs that torch addresses as ``cuda`` (NVIDIA through
     CUDA, AMD through ROCm/HIP) running these kernels: the core's ``GPUWorker`` (device
@@ -55,6 +59,7 @@ def triton_gpu_backend_plugin(
     torch build is CUDA or HIP, never both).
 
     :param attention: reference to the backend's attention factory (its launch settings).
+    :param kv_cache_dtypes: the --kv-cache-dtype values the backend's devices run.
     """
     backend = Backend(
         name=name,
@@ -63,7 +68,8 @@ def triton_gpu_backend_plugin(
         is_available=is_available,
         package=package,
         dist_backend="nccl",
-        capabilities=TRITON_GPU_CAPABILITIES,
+        capabilities=dataclasses.replace(TRITON_GPU_CAPABILITIES,
+                                         kv_cache_dtypes=kv_cache_dtypes),
         description=description,
     )
     return BackendPlugin(
