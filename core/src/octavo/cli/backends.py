@@ -23,6 +23,7 @@ _LABELS = {
     "async_scheduling": "async scheduling",
     "max_logprobs": "max top logprobs",
     "quantization_methods": "quantization",
+    "kv_cache_dtypes": "kv cache dtypes",
 }
 
 
