@@ -134,4 +134,7 @@ def test_int4_checkpoint_on_two_tensor_parallel_ranks_matches_one(dense_folder, 
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     one = [o.outputs[0].token_ids for o in make_llm(folder).generate(PROMPTS, params)]
     two = make_llm(folder, device="cpu", tensor_parallel_size=2)
-    assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == one
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == one
+    finally:
+        two.llm_engine.shutdown()  # ends the worker processes (else they outlive the test)
