@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"version", "envs", "logger", "errors", "sampling_params", "outputs", "transfer"},
     {"messages"},
     {"backends", "hookspecs", "plugins"},
-    {"config"},
+    {"config", "reasoning"},
     {"attention", "kernels", "sample", "kv_cache", "distributed"},
     {"model_executor", "transformers_utils"},
     {"worker", "scheduler", "structured_output"},

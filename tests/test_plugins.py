@@ -23,6 +23,15 @@ from octavo.model_executor.models.llama import LlamaForCausalLM
 from octavo.plugins import ENTRY_POINT_GROUP, build_plugin_manager, get_plugin_manager
 from octavo.worker.worker import Worker
 
+# Octavo's own plugin modules, registered before any installed plugin.
+BUILTIN_PLUGINS = (
+    "octavo.model_executor.models.builtin_plugin",
+    "octavo.model_executor.layers.quantization.builtin_plugin",
+    "octavo.sample.builtin_logits_processors",
+    "octavo.reasoning.builtin_plugin",
+    "octavo.entrypoints.openai.tool_parsers.builtin_plugin",
+)
+
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -130,12 +139,10 @@ def test_allow_list_and_block_list(monkeypatch):
     monkeypatch.setenv("OCTAVO_PLUGINS", "cpu")
     pm = build_plugin_manager()
     assert pm.get_plugin("cpu") is not None
-    assert all(name in ("cpu", "octavo.model_executor.models.builtin_plugin")
-               for name, _ in pm.list_name_plugin())
+    assert all(name in ("cpu", *BUILTIN_PLUGINS) for name, _ in pm.list_name_plugin())
     monkeypatch.setenv("OCTAVO_PLUGINS", "")  # empty allow-list: no entry point at all
     pm = build_plugin_manager()
-    assert [name for name, _ in pm.list_name_plugin()] == [
-        "octavo.model_executor.models.builtin_plugin"]
+    assert [name for name, _ in pm.list_name_plugin()] == list(BUILTIN_PLUGINS)
     monkeypatch.delenv("OCTAVO_PLUGINS")
     monkeypatch.setenv("OCTAVO_DISABLE_PLUGINS", " cpu , nosuch")
     pm = build_plugin_manager()
@@ -347,3 +354,22 @@ def test_too_little_kv_memory_is_a_clear_error(tiny_llama, register_plugin):
     register_plugin(FixedMemoryPlugin(num_blocks=0))
     with pytest.raises(RuntimeError, match="no memory left for the KV cache"):
         _llm(tiny_llama)
+
+
+def test_register_quantization_methods_adds_a_method(register_plugin):
+    """A plugin's method is listed beside the built-in ones (what --quantization accepts)."""
+    from octavo.model_executor.layers.quantization.fp8 import Fp8Config
+    from octavo.model_executor.layers.quantization.registry import build_quantization_registry
+
+    class MyFp8(Fp8Config):
+        name = "my-fp8"
+
+    class QuantPlugin:
+        @hookimpl
+        def octavo_register_quantization_methods(self, register):
+            register("my-fp8", MyFp8)
+
+    register_plugin(QuantPlugin())
+    registry = build_quantization_registry(get_plugin_manager())
+    assert registry.get("my-fp8") is MyFp8
+    assert {"fp8", "gguf", "gptq", "awq", "compressed-tensors"} <= set(registry.names())

@@ -5,6 +5,7 @@
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-latency] [quant-w1] [quant-w1-kv]
+#                                    [bench-swap]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -63,6 +64,20 @@ for stage in "${stages[@]}"; do
         --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
         --max-num-seqs 256 2>>"$OUT/bench-offline.err" | tee -a "$OUT/bench-offline.log"
       tail -3 "$OUT/bench-offline.err"
+      ;;
+    bench-swap)
+      # W1 (LLM.generate) with the KV pool forced to a quarter of what the workload can use
+      # (256 x 2048 tokens = 32768 blocks of 16; 8192 here): preemption by recompute, then by
+      # swapping to 16 GiB of pinned host memory. Output tok/s and preemptions of each.
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      for mode in recompute swap; do
+        echo "== preemption mode $mode"
+        octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 256 \
+          --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+          --max-num-seqs 256 --num-gpu-blocks-override 8192 --preemption-mode $mode \
+          --swap-space 16 2>"$OUT/bench-swap-$mode.err" | tee "$OUT/bench-swap-$mode.log"
+        tail -3 "$OUT/bench-swap-$mode.err"
+      done
       ;;
     bench-offline-sync)
       # As bench-offline, one step at a time (no async scheduling): what the overlap buys.

@@ -191,7 +191,11 @@ def test_api_server_module_is_octavo_serve(tmp_path):
     (["--tokenizer", "./tok"], "tokenizer", "./tok"),
     (["--dtype", "half"], "dtype", "half"),
     (["--disable-log-requests"], None, None),
-    (["--generation-config", "vllm"], None, None),
+    (["--generation-config", "vllm"], "generation_config", "vllm"),
+    (["--generation-config", "auto"], "generation_config", "auto"),
+    (["--swap-space", "2"], "swap_space", 2.0),
+    (["--preemption-mode", "swap"], "preemption_mode", "swap"),
+    (["--scheduling-policy", "priority"], "scheduling_policy", "priority"),
 ])
 def test_vllm_flags_with_the_same_meaning_are_accepted(flags, field, value):
     for command in (["generate", "hi"], ["serve"], ["bench", "throughput"]):
@@ -200,13 +204,14 @@ def test_vllm_flags_with_the_same_meaning_are_accepted(flags, field, value):
             assert getattr(args, field) == value
 
 
-def test_vllm_generation_config_auto_is_refused_with_what_octavo_does(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["serve", "--generation-config", "auto"])
-    assert info.value.code == 2
+def test_generation_config_defaults_to_auto_and_refuses_a_missing_folder(tiny_llama, tmp_path,
+                                                                         capsys):
+    assert build_parser().parse_args(["serve"]).generation_config == "auto"
+    code = main(["generate", "hi", "--model", str(tiny_llama), "--device", "cpu",
+                 "--generation-config", str(tmp_path / "nowhere")])
+    assert code == 1
     err = capsys.readouterr().err
-    assert "octavo serve: error: --generation-config auto: Octavo does not take default " \
-           "sampling settings from the model's generation_config.json" in err
+    assert "octavo generate: error: --generation-config" in err and "folder" in err
 
 
 def test_dtype_half_runs_in_float16(tiny_llama):

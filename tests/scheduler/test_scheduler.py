@@ -219,7 +219,7 @@ def test_preemption_of_the_newest_and_identical_resumption() -> None:
             preempted_at = i
             assert new_req.status == RequestStatus.PREEMPTED and old.status == RequestStatus.RUNNING
             assert "new" in so.finished_req_ids  # the worker drops its state
-            assert scheduler.waiting[0] is new_req and new_req.num_computed_tokens == 0
+            assert scheduler.waiting.peek() is new_req and new_req.num_computed_tokens == 0
             assert scheduler.kv_cache_manager.get_block_ids("new") == []
             num_generated_before = len(new_req.output_token_ids)
             assert num_generated_before > 0

@@ -29,7 +29,9 @@ KINDS = ["json", "regex", "choice", "grammar"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    # head_dim 64: one the Triton kernels take.
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", hidden_size=256,
+                           intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.mark.parametrize("vocab_size", [151936, 49152, 100])

@@ -52,6 +52,13 @@ class ModelConfig:
     # Quantization method the weights run with (a registered name: "fp8", "awq", "gptq",
     # "gguf", ...; octavo.model_executor.layers.quantization), None for dense weights.
     quantization: str | None = None
+    # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k,
+    # min_p, repetition_penalty) that a request uses for the fields it does not set; empty with
+    # --generation-config vllm (see octavo.model_executor.generation_config).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # Name of the reasoning parser (octavo.reasoning) that splits the model's thinking from its
+    # answer; None: the output is all answer.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -140,6 +147,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Exact number of KV blocks (tests use it to force preemption); wins over memory sizing.
     num_gpu_blocks_override: int | None = None
+    # Host memory (GiB per device) for KV blocks of requests preempted by swapping; only
+    # allocated when SchedulerConfig.preemption_mode is "swap" (vLLM's --swap-space).
+    swap_space: float = 4.0
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * 2**30)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -169,6 +183,9 @@ class CacheConfig:
             raise ValueError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}"
             )
+        if (isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float))
+                or not self.swap_space >= 0):
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space!r}")
 
 
 @dataclass(slots=True)
@@ -184,8 +201,21 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while step N runs on the device (see octavo.engine_core.core).
     async_scheduling: bool = False
+    # How a request preempted for lack of KV blocks gets its KV back: "recompute" (prompt and
+    # generated tokens run again as a prompt) or "swap" (its blocks go to host memory and come
+    # back; short requests are still recomputed, see octavo.scheduler.preemption).
+    preemption_mode: str = "recompute"
+    # Order of service: "fcfs" (arrival) or "priority" (a request's priority, lower first;
+    # preemption takes the lowest priority first).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
@@ -193,6 +223,11 @@ class SchedulerConfig:
                 "max_num_batched_tokens must be a positive integer, got "
                 f"{self.max_num_batched_tokens!r}"
             )
+
+
+# How preempted requests get their KV back, and the orders of service (SchedulerConfig).
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
@@ -207,8 +242,14 @@ class ParallelConfig:
     # process per rank, this host), "ray" (one Ray actor per rank, on a Ray cluster). None:
     # "uni" for one rank, else "mp".
     distributed_executor_backend: str | None = None
+    # torch threads of each CPU worker (None: OMP_NUM_THREADS, else the cores / the ranks).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and (
+                isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
+                or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -11,8 +11,9 @@ Two kinds of hooks:
 
 * **Contribution hooks** take a ``register`` callback and may be implemented by any number of
   plugins (``octavo_register_backends``, ``octavo_register_models``,
-  ``octavo_register_quantization_methods``). New keyword arguments can
-  be added to ``register`` later without breaking plugins.
+  ``octavo_register_quantization_methods``, ``octavo_register_tool_parsers``,
+  ``octavo_register_reasoning_parsers``). New keyword arguments can be added to ``register``
+  later without breaking plugins.
 * **Selection hooks** are ``firstresult``: pluggy calls implementations (latest registered and
   ``tryfirst`` ones first) and stops at the first non-``None`` result. Every selection hook gets
   the chosen ``backend`` name first; an implementation returns ``None`` for a backend that is not
@@ -22,12 +23,16 @@ Two kinds of hooks:
 When each hook is called (every spec's docstring says it exactly): ``octavo_register_backends``
 whenever backends are listed or one is selected (engine creation, ``octavo backends``);
 ``octavo_worker_class`` by the executor in the engine process; ``octavo_attention_backend``,
-``octavo_register_models``, ``octavo_register_quantization_methods``, ``octavo_quant_kernels``
-and ``octavo_available_kv_cache_memory`` in the worker while it loads the model and sizes the KV
-cache (the quantization methods are also listed in the engine process, to resolve
-``--quantization``). With today's uniproc executor all of them run in the engine's
-process. ``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps the two
-in step.
+``octavo_register_models``, ``octavo_register_quantization_methods``, ``octavo_quant_kernels``,
+``octavo_available_kv_cache_memory`` and ``octavo_kv_block_mover`` in the worker while it loads
+the model and sizes the KV cache (the quantization methods are also listed in the engine
+process, to resolve ``--quantization``); ``octavo_register_logits_processors`` in the front end
+(to check requests) and in the worker (to run them). With today's uniproc executor all of them
+run in the engine's process. ``octavo_register_tool_parsers`` and
+``octavo_register_reasoning_parsers`` are called by the front end (the OpenAI server,
+``octavo serve``'s flag checks and ``EngineArgs``), never by a worker.
+``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps the two in
+step.
 """
 
 from __future__ import annotations
@@ -38,10 +43,14 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    import torch
+
     from octavo.attention.base import AttentionBackend
     from octavo.backends.backend import Backend
     from octavo.config import CacheConfig, ModelConfig, ParallelConfig
     from octavo.model_executor.layers.quantization.base import QuantizationConfig
+    from octavo.sample.logits_processor import LogitsProcessor
+    from octavo.worker.kv_block_mover import KVBlockMover
     from octavo.worker.worker import Worker
 
 PROJECT_NAME = "octavo"
@@ -178,4 +187,79 @@ def octavo_quant_kernels(backend: str, method: str) -> Any | None:
     :return: an object with the method's kernel functions, or ``None`` if ``backend`` is not
         this plugin's or it has no kernels for ``method``.
         Stops at the first non-``None`` result.
+    """
+
+
+@hookspec(firstresult=True)
+def octavo_kv_block_mover(
+    backend: str, attn_backend: AttentionBackend, device: torch.device
+) -> KVBlockMover | None:
+    """Return what moves whole KV blocks on this worker: to and from its host block pool
+    (preemption by swapping, ``--preemption-mode swap``) and within its device cache
+    (copy-on-write of blocks shared by the completions of an n > 1 request or by beams).
+
+    Called once per engine in each worker process, when the KV cache is allocated
+    (``ModelRunner.initialize_kv_cache``). Every move of a step is one call over all its
+    blocks (batched: a gather and a scatter per layer, never a copy per block), made before the
+    step's forward. ``octavo.worker.kv_block_mover.TorchKVBlockMover`` is what the built-in
+    backends return (``BackendPlugin``'s default); a backend with its own cache layout or copy
+    engine returns its own.
+
+    :param backend: name of the selected backend.
+    :param attn_backend: the attention implementation, which fixes the cache layout (the
+        blocks are on its ``kv_cache_block_dim``).
+    :param device: this worker's device.
+    :return: an ``octavo.worker.kv_block_mover.KVBlockMover``; ``None`` if ``backend`` is not
+        this plugin's. Stops at the first non-``None`` result.
+    """
+
+
+@hookspec
+def octavo_register_tool_parsers(register: Callable[[str, type[Any]], None]) -> None:
+    """Add tool-call parsers, the formats ``--tool-call-parser NAME`` can read.
+
+    Called each time the registry is built, in the front-end process: when ``octavo serve``
+    checks its flags and when the OpenAI server starts
+    (``octavo.entrypoints.openai.tool_parsers.tool_parsers``). Octavo's own parsers
+    (``hermes``, ``llama3_json``, ``mistral``) register through this same hook
+    (``octavo.entrypoints.openai.tool_parsers.builtin_plugin``, ``tryfirst``), so a later
+    registration of a name by a plugin replaces a built-in one.
+
+    :param register: call ``register("myformat", MyToolParser)``; the class subclasses
+        ``octavo.entrypoints.openai.tool_parsers.ToolParser`` (one instance per completion,
+        ``feed``/``finish`` for streamed text, ``extract`` for a whole text).
+    """
+
+
+@hookspec
+def octavo_register_logits_processors(
+    register: Callable[[str, type[LogitsProcessor]], None],
+) -> None:
+    """Add logits processors that requests select by name (``logits_processors``).
+
+    Called every time the registry is built: once in the front end, to check the names and
+    arguments of requests (``octavo.engine.processor``), and once in each worker process, to
+    run them (``octavo.sample.logits_processor.LogitsProcessors``). Built-in processors register
+    through this same hook (``octavo.sample.builtin_logits_processors``). Registering a name
+    twice is an error.
+
+    :param register: call ``register("my_name", MyProcessor)``; the class follows the contract
+        of ``octavo.sample.logits_processor.LogitsProcessor`` (constructed once per worker with
+        ``(vocab_size, device)``, then ``apply`` on the rows of every step that selected it,
+        batched on the device).
+    """
+
+
+@hookspec
+def octavo_register_reasoning_parsers(register: Callable[[str, type[Any]], None]) -> None:
+    """Add reasoning parsers, the formats ``--reasoning-parser NAME`` can split.
+
+    Called each time the registry is built, in the front-end process: when the engine options
+    are checked (``EngineArgs.create_engine_config``) and when the OpenAI server starts
+    (``octavo.reasoning.reasoning_parsers``). Octavo's own parsers (``deepseek_r1``,
+    ``qwen3``) register through this same hook (``octavo.reasoning.builtin_plugin``,
+    ``tryfirst``), so a later registration of a name by a plugin replaces a built-in one.
+
+    :param register: call ``register("myformat", MyReasoningParser)``; the class subclasses
+        ``octavo.reasoning.ReasoningParser`` (its tags, and where the text starts).
     """

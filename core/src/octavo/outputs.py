@@ -79,3 +79,27 @@ class RequestOutput:
     finished: bool
     # Timings.
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One sequence a beam search returns (vLLM's shape)."""
+
+    # The prompt's token ids followed by the generated ones.
+    tokens: list[int]
+    # Per generated token: its id -> Logprob (the chosen token only).
+    logprobs: list[PositionLogprobs]
+    # Sum of the generated tokens' logprobs (the score is this / generated length **
+    # length_penalty).
+    cum_logprob: float
+    # The text of ``tokens`` (prompt and generated).
+    text: str
+    # "stop" (ended by EOS) or "length".
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The result of one prompt's beam search: ``beam_width`` sequences, best score first."""
+
+    sequences: list[BeamSearchSequence]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from octavo.errors import InvalidRequestError, InvalidRequestTypeError
 
@@ -94,6 +95,16 @@ class StructuredOutputsParams:
 
 
 @dataclass(slots=True)
+class LogitsProcessorSpec:
+    """A logits processor a request selects (``SamplingParams.logits_processors``): the name a
+    plugin registered it under (``octavo_register_logits_processors``) and its keyword
+    arguments for this request. The engine checks both at admission."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """Sampling settings of one request; every field is checked in ``__post_init__``.
 
@@ -141,8 +152,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
     structured_outputs: StructuredOutputsParams | None = None
+    # Generate best_of completions and return the n with the highest cumulative logprob
+    # (None: n). They share the prompt's KV blocks like n > 1 does.
+    best_of: int | None = None
+    # Words never generated: the token sequence of each (with and without a leading space)
+    # cannot be completed; its last token is masked when the output ends with the others.
+    bad_words: list[str] | None = None
+    # Only these token ids may be generated (None: any).
+    allowed_token_ids: list[int] | None = None
+    # Keep only the last k prompt tokens (-1: the last max_model_len); None keeps all.
+    truncate_prompt_tokens: int | None = None
+    # Logits processors registered by plugins, by name (a string, a LogitsProcessorSpec or a
+    # {"name"/"qualname": ..., "kwargs": {...}} dict), applied in this order.
+    logits_processors: list[LogitsProcessorSpec] | None = None
     # Filled in by the engine: EOS token ids of the model (not user-settable).
     all_stop_token_ids: set[int] = field(default_factory=set)
+    # Filled in by the engine: the token sequences of bad_words (not user-settable).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,7 +180,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.logits_processors is not None:
+            self.logits_processors = _logits_processor_specs(self.logits_processors)
         self._validate()
+        self._validate_additions()
 
     def _validate(self) -> None:
         _check_int("n", self.n, low=1)
@@ -215,6 +246,49 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}", param="structured_outputs")
 
+    def _validate_additions(self) -> None:
+        """Checks of best_of, bad_words, allowed_token_ids, truncate_prompt_tokens."""
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, low=1)
+            if self.best_of < self.n:
+                raise InvalidRequestError(
+                    f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise InvalidRequestTypeError(
+                    f"bad_words must be a list of non-empty strings, got {self.bad_words!r}",
+                    param="bad_words")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise InvalidRequestError(
+                    "allowed_token_ids must be a non-empty list of token ids, got "
+                    f"{self.allowed_token_ids!r}", param="allowed_token_ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for tid in self.allowed_token_ids:
+                _check_int("allowed_token_ids", tid, low=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise InvalidRequestError(
+                    "truncate_prompt_tokens must be >= 1 (or -1 for max_model_len), got 0",
+                    param="truncate_prompt_tokens")
+
+    @property
+    def num_completions(self) -> int:
+        """Completions generated for the request: best_of if set, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_output_token_ids(self) -> bool:
+        """True when sampling a token needs every earlier generated token id on the host:
+        penalties, bad words of several tokens, logits processors."""
+        return (
+            self.uses_penalties
+            or bool(self.logits_processors)
+            or any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
+        )
+
     @property
     def greedy(self) -> bool:
         """True when the most likely token is always taken."""
@@ -241,6 +315,9 @@ class SamplingParams:
             and self.min_tokens == 0
             and self.logprobs is None
             and self.structured_outputs is None
+            and not self.bad_words
+            and self.allowed_token_ids is None
+            and not self.logits_processors
         )
 
     @property
@@ -248,6 +325,87 @@ class SamplingParams:
         """Largest token id this request names anywhere (for vocab checks), or -1."""
         ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
         return max(ids) if ids else -1
+
+
+def _logits_processor_specs(items: object) -> list[LogitsProcessorSpec]:
+    """``logits_processors`` as specs: names, specs, or ``{"name"|"qualname", "kwargs"}``
+    dicts (vLLM's ``LogitsProcessorConstructor`` shape; positional ``args`` are refused)."""
+    if not isinstance(items, (list, tuple)):
+        raise InvalidRequestTypeError(
+            f"logits_processors must be a list of names, got {items!r}", param="logits_processors")
+    specs = []
+    for item in items:
+        if isinstance(item, LogitsProcessorSpec):
+            spec = item
+        elif isinstance(item, str):
+            spec = LogitsProcessorSpec(item)
+        elif isinstance(item, dict):
+            unknown = set(item) - {"name", "qualname", "kwargs", "args"}
+            name = item.get("name", item.get("qualname"))
+            if unknown or not isinstance(name, str):
+                raise InvalidRequestError(
+                    "a logits processor is a name or {\"qualname\": NAME, \"kwargs\": {...}}, got "
+                    f"{item!r}", param="logits_processors")
+            if item.get("args"):
+                raise InvalidRequestError(
+                    f"logits processor {name!r}: positional args are not supported; pass "
+                    "kwargs", param="logits_processors")
+            kwargs = item.get("kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise InvalidRequestTypeError(
+                    f"logits processor {name!r}: kwargs must be an object, got {kwargs!r}",
+                    param="logits_processors")
+            spec = LogitsProcessorSpec(name, dict(kwargs))
+        else:
+            raise InvalidRequestTypeError(
+                f"logits_processors must list names, got {item!r}", param="logits_processors")
+        if not spec.name:
+            raise InvalidRequestError("a logits processor name must not be empty",
+                                      param="logits_processors")
+        specs.append(spec)
+    return specs
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Settings of a beam search (``LLM.beam_search``; ``use_beam_search`` on the server).
+
+    The engine keeps ``beam_width`` sequences, forking their KV blocks, and scores finished
+    ones as Hugging Face transformers' ``num_beams`` does: cumulative logprob divided by
+    ``generated_length ** length_penalty``. ``early_stopping`` is transformers': ``True``
+    stops once ``beam_width`` sequences finished, ``False`` when no running beam can still beat
+    the worst finished one at its current length, ``"never"`` at the best length it could
+    reach. Only ``temperature=0`` (deterministic) beam search is supported.
+    """
+
+    # Beams kept, and sequences returned.
+    beam_width: int
+    # Most tokens generated per sequence.
+    max_tokens: int
+    # Keep extending beams past the EOS token.
+    ignore_eos: bool = False
+    # Only 0.0 (vLLM's field; sampling beam search is not supported).
+    temperature: float = 0.0
+    # Exponent of the length normalisation of finished sequences' scores.
+    length_penalty: float = 1.0
+    # Accepted for vLLM compatibility (beam search has no stop strings).
+    include_stop_str_in_output: bool = False
+    # When the search stops (see the class docstring).
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0)
+        if self.temperature != 0.0:
+            raise InvalidRequestError(
+                f"beam search is deterministic: temperature must be 0, got {self.temperature}",
+                param="temperature")
+        _check_float("length_penalty", self.length_penalty)
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidRequestError(
+                f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}",
+                param="early_stopping")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

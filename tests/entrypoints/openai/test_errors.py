@@ -42,7 +42,7 @@ def still_healthy(server, http):
 
 @pytest.mark.parametrize("fields, param", [
     ({"suffix": "x"}, "suffix"),
-    ({"best_of": 3}, "best_of"),
+    ({"best_of": 3, "n": 4}, "best_of"),  # best_of must be >= n
     ({"frobnicate": 1}, "frobnicate"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
@@ -56,9 +56,16 @@ def test_unsupported_chat_fields_are_named(http) -> None:
             "audio": {"voice": "alloy"}, "prediction": {"type": "content", "content": "x"}}
     error = assert_error(http.post("/v1/chat/completions", json=body), 400, param="audio")
     assert "audio" in error["message"] and "prediction" in error["message"]
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "functions": [{"name": "f"}], "function_call": "auto"}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, param="functions")
+    assert "functions" in error["message"] and "function_call" in error["message"]
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function"}]}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param="tools[0].function")
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     assert_error(http.post("/v1/chat/completions", json=body), 400, contains="image_url")
-    body = {"model": SERVED_NAME, "messages": [{"role": "tool", "content": "x"}]}
+    body = {"model": SERVED_NAME, "messages": [{"role": "function", "content": "x"}]}
     assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages[0].role")
 
 

@@ -13,6 +13,9 @@ def test_every_metric_is_exported_and_moves(server, client) -> None:
         suffix = {"counter": "_total", "histogram": "_count"}.get(kind, "")
         if name == "request_success":
             assert 'octavo:request_success_total{finished_reason="length"}' in before
+        elif name == "num_preemptions":
+            for mode in ("recompute", "swap"):
+                assert f'octavo:num_preemptions_total{{mode="{mode}"}}' in before
         else:
             assert f"octavo:{name}{suffix}" in before, name
     resp = client.completions.create(model=SERVED_NAME, prompt=["Hello world", "Hello there"], max_tokens=5,

@@ -183,11 +183,14 @@ def test_unsupported_type_is_refused_with_the_way_out(tmp_path):
         config.linear_method("model.layers.0.self_attn.o_proj", ())
 
 
-def test_llm_on_the_gguf_matches_transformers_loading_it(mixed_gguf, tiny_folder):
+def test_llm_on_the_gguf_matches_transformers_loading_it(mixed_gguf, tiny_folder, monkeypatch):
     """``octavo.LLM`` on the file keeps every linear weight in its blocks; its greedy ids and
-    logprobs equal transformers' GGUF loader's (which dequantizes the file)."""
+    logprobs equal transformers' GGUF loader's (which dequantizes the file). The CPU backend's
+    C++ kernels are off here (they round activations to int8: backends/cpu/tests check them),
+    so the gguf method's exact torch path runs."""
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setenv("OCTAVO_CPU_GGUF_KERNELS", "0")
     llm = make_llm(mixed_gguf, tokenizer=str(tiny_folder))
     assert llm.llm_engine.config.model_config.quantization == "gguf"
     worker_model = llm.llm_engine.engine_core.executor.worker.model
@@ -212,14 +215,24 @@ def test_llm_on_the_gguf_matches_transformers_loading_it(mixed_gguf, tiny_folder
 
 
 @pytest.mark.slow
-def test_default_model_kept_quantized_matches_transformers_logprobs(smollm2_llm, smollm2_hf):
-    """The default SmolLM2 GGUF runs kept quantized; its logprobs equal transformers' (which
-    dequantizes the file) within float32 summation order."""
-    assert smollm2_llm.llm_engine.config.model_config.quantization == "gguf"
+def test_default_model_kept_quantized_matches_transformers_logprobs(smollm2_gguf, smollm2_hf,
+                                                                    monkeypatch):
+    """The default SmolLM2 GGUF runs kept quantized (its linear layers and its Q8_0 tied
+    embedding / LM head); on the gguf method's torch path (the CPU backend's C++ kernels off:
+    they round activations to int8, backends/cpu/tests/test_cpu_gguf_model.py) its logprobs
+    equal transformers' (which dequantizes the file) within float32 summation order."""
+    import octavo
+    from octavo.model_executor.layers.quantization.gguf import GGUFEmbeddingMethod
+
+    monkeypatch.setenv("OCTAVO_CPU_GGUF_KERNELS", "0")
+    llm = octavo.LLM(kv_cache_memory_bytes=32 * 2**20)
+    assert llm.llm_engine.config.model_config.quantization == "gguf"
+    worker_model = llm.llm_engine.engine_core.executor.worker.model
+    assert isinstance(worker_model.lm_head.quant_method, GGUFEmbeddingMethod)
     model, tokenizer = smollm2_hf
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     for prompt in ("The capital of France is", "def fibonacci(n):"):
-        out = smollm2_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         full = torch.cat([ids, torch.tensor([out.token_ids[:-1]])], dim=1)
         with torch.inference_mode():
@@ -228,3 +241,55 @@ def test_default_model_kept_quantized_matches_transformers_logprobs(smollm2_llm,
         assert out.token_ids == reference.argmax(dim=-1).tolist()
         for i, token in enumerate(out.token_ids):
             assert abs(out.logprobs[i][token].logprob - float(reference[i, token])) < 1e-3
+    llm.llm_engine.shutdown()
+
+
+def test_embedding_and_lm_head_stay_in_their_blocks():
+    """A Q8_0 / Q4_K token table is kept as uint8 blocks: lookups and logits equal the table
+    dequantized while loading, and a backend's ``gguf_dequantize``/``gguf_matmul`` are used."""
+    from octavo.kernels.gguf import dequantize_rows, gguf_matmul_reference
+    from octavo.model_executor.layers.quantization.gguf import GGUFEmbeddingMethod
+    from octavo.model_executor.layers.vocab import VocabParallelEmbedding, compute_logits
+    from octavo.model_executor.loader.gguf_loader import GGUFBlocks
+    from octavo.model_executor.model_loader import _quantize_embeddings
+
+    calls = []
+
+    class Kernels:
+        @staticmethod
+        def gguf_matmul(x, blocks, qtype, in_features):
+            calls.append("matmul")
+            return gguf_matmul_reference(x, blocks, qtype, in_features)
+
+        @staticmethod
+        def gguf_dequantize(blocks, qtype, in_features):
+            calls.append("dequantize")
+            return dequantize_rows(blocks, qtype, in_features)
+
+    vocab, hidden = 40, 256
+    generator = torch.Generator().manual_seed(0)
+    for qtype in ("Q8_0", "Q4_K"):
+        if qtype in _K_SCALE:
+            data = random_k_blocks(qtype, vocab, hidden, generator)
+        else:
+            values = torch.randn(vocab, hidden, generator=generator).numpy()
+            data = gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])
+        blocks = GGUFBlocks(np.ascontiguousarray(data).reshape(-1), qtype, (vocab, hidden))
+        model = torch.nn.Module()
+        model.embed_tokens = VocabParallelEmbedding(vocab, hidden, ParallelState.single())
+        config = GGUFConfig({"embed_tokens.weight": qtype})
+        config.kernels = Kernels()
+        _quantize_embeddings(model, config)
+        layer = model.embed_tokens
+        assert isinstance(layer.quant_method, GGUFEmbeddingMethod)
+        assert layer.weight.dtype == torch.uint8
+        layer.weight.weight_loader(layer.weight, blocks, None)
+        table = blocks.load()
+        ids = torch.tensor([[3, 0], [39, 3]])
+        assert torch.equal(layer(ids), table[ids])
+        x = torch.randn(5, hidden, generator=generator)
+        torch.testing.assert_close(compute_logits(x, layer), x @ table.t(), rtol=1e-5, atol=1e-4)
+        assert calls == ["dequantize", "matmul"]
+        calls.clear()
+    with pytest.raises(ValueError, match="expected Q4_K blocks"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(vocab, hidden), None)

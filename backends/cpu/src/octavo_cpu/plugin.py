@@ -46,4 +46,5 @@ plugin = BackendPlugin(
     attention="octavo_cpu.attention:make_attention_backend",
     worker="octavo_cpu.worker:CPUWorker",
     kv_cache_memory="octavo_cpu.memory:available_kv_cache_memory",
+    quant_kernels="octavo_cpu.quant:quant_kernels",
 )

@@ -140,6 +140,9 @@ class AttentionBackend(ABC):
 
     #: Short name shown in logs, e.g. ``"cpu-torch"`` or ``"triton"``.
     name: str = "unnamed"
+    #: Dimension of ``get_kv_cache_shape`` that indexes blocks (what the KV block mover gathers
+    #: and scatters on: swaps and copies-on-write). A backend with another layout changes both.
+    kv_cache_block_dim: int = 1
 
     def get_kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

@@ -1,8 +1,9 @@
 """``BackendPlugin``: a whole hardware backend's hook surface from one declaration.
 
-Every backend answers the same four hooks the same way: register its ``Backend``, and for its
+Every backend answers the same five hooks the same way: register its ``Backend``, and for its
 own name (``None`` for any other) import and return its attention implementation, its worker
-class and its KV-cache memory sizing. A backend's ``plugin.py`` therefore only declares::
+class, its KV-cache memory sizing and what moves its KV blocks (by default the core's
+``octavo.worker.kv_block_mover``). A backend's ``plugin.py`` therefore only declares::
 
     plugin = BackendPlugin(
         Backend(name="mydev", ...),
@@ -28,6 +29,8 @@ from octavo.backends.backend import Backend
 from octavo.hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    import torch
+
     from octavo.attention.base import AttentionBackend
     from octavo.config import CacheConfig, ModelConfig, ParallelConfig
     from octavo.worker.worker import Worker
@@ -44,6 +47,10 @@ def import_reference(reference: str) -> Any:
         raise ImportError(f"{module_name!r} has no attribute {attribute!r} ({reference})") from None
 
 
+# The mover every built-in backend uses (see octavo.worker.kv_block_mover).
+DEFAULT_KV_BLOCK_MOVER = "octavo.worker.kv_block_mover:default_kv_block_mover"
+
+
 class BackendPlugin:
     """The registration and selection hooks of one backend (see the module docstring).
 
@@ -54,14 +61,17 @@ class BackendPlugin:
         cache may take on the worker's device).
     :param quant_kernels: optional reference to ``f(method) -> object | None``: the backend's
         kernels for a quantization method (``octavo_quant_kernels``).
+    :param kv_block_mover: reference to ``f(attn_backend, device) -> KVBlockMover`` (swaps and
+        copies of whole KV blocks; the default is the core's batched torch mover).
     """
 
     def __init__(
         self, backend: Backend, *, attention: str, worker: str, kv_cache_memory: str,
+        kv_block_mover: str = DEFAULT_KV_BLOCK_MOVER,
         quant_kernels: str | None = None,
     ) -> None:
         references = [("attention", attention), ("worker", worker),
-                      ("kv_cache_memory", kv_cache_memory)]
+                      ("kv_cache_memory", kv_cache_memory), ("kv_block_mover", kv_block_mover)]
         if quant_kernels is not None:
             references.append(("quant_kernels", quant_kernels))
         for name, reference in references:
@@ -74,6 +84,7 @@ class BackendPlugin:
         self.attention = attention
         self.worker = worker
         self.kv_cache_memory = kv_cache_memory
+        self.kv_block_mover = kv_block_mover
         self.quant_kernels = quant_kernels
 
     def __repr__(self) -> str:
@@ -107,6 +118,12 @@ class BackendPlugin:
     ) -> type[Worker] | None:
         return self._piece(backend, self.worker)
 
+    @hookimpl
+    def octavo_kv_block_mover(
+        self, backend: str, attn_backend: AttentionBackend, device: torch.device
+    ) -> Any:
+        make = self._piece(backend, self.kv_block_mover)
+        return None if make is None else make(attn_backend, device)
 
     @hookimpl
     def octavo_quant_kernels(self, backend: str, method: str) -> Any | None:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from octavo.cli.options import RawDescriptionHelpFormatter, add_engine_options
 from octavo.engine.arg_utils import EngineArgs
+from octavo.testing.json_schemas import SCHEMA_CASES
 
 # `octavo bench throughput --help`: plain text (the module docstring is reStructuredText).
 _THROUGHPUT_DESCRIPTION = """\
@@ -112,8 +113,9 @@ def add_parser(sub) -> None:
     tp.add_argument("--structured", choices=("none", "json"), default="none",
                     help="json: constrain request i to JSON schema i mod 12 of "
                          "octavo.testing.json_schemas (nested objects, arrays, enums, anyOf, "
-                         "...), then run the same requests unconstrained with the same output "
-                         "lengths on the same engine and print the ratio of output tok/s")
+                         "...) after an untimed warm-up (one request per schema), then run the "
+                         "same requests unconstrained with the same output lengths on the same "
+                         "engine and print the ratio of output tok/s")
     tp.add_argument("--compare-hf", action="store_true",
                     help="also run HF transformers generate on the same token ids and print the ratio")
     tp.add_argument("--hf-batch-size", type=int, default=None,
@@ -129,6 +131,13 @@ def add_parser(sub) -> None:
     lat.add_argument("--output-len", type=_positive_int, default=128, help="output tokens")
     lat.add_argument("--num-iters", type=_positive_int, default=3, help="timed requests")
     lat.add_argument("--num-iters-warmup", type=int, default=1, help="untimed requests first")
+    lat.add_argument("--compare-llama-cpp", action="store_true",
+                     help="also run llama.cpp (llama-cpp-python) on the same GGUF file, one "
+                          "request of each in turn, and print the decode and prompt-processing "
+                          "ratios and whether the greedy tokens agree")
+    lat.add_argument("--llama-cpp-threads", type=_positive_int, default=None, metavar="N",
+                     help="llama.cpp's n_threads (default: --cpu-threads, else the cores this "
+                          "process may use)")
     add_engine_options(lat)
     lat.set_defaults(func=run_latency)
 
@@ -141,10 +150,12 @@ class _OctavoRun:
     elapsed_s: float
     # Output tokens generated (all completions).
     num_output_tokens: int
-    # Requests preempted (recomputed) during the run.
+    # Requests preempted during the run.
     num_preemptions: int
     # Output tokens of each request, in workload order.
     output_lens: list[int]
+    # Of num_preemptions, those that swapped the request's blocks to host memory.
+    num_preemptions_swap: int = 0
 
 
 def _throughput_params(output_lens: list[int], ignore_eos: bool):
@@ -158,21 +169,31 @@ def _json_schema_params(output_lens: list[int]):
     """Request i constrained to shared schema i mod 12; EOS ends it when its JSON is complete
     (an ignored EOS would leave the grammar nothing to accept)."""
     from octavo import SamplingParams, StructuredOutputsParams
-    from octavo.testing.json_schemas import SCHEMA_CASES
 
     return [SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=StructuredOutputsParams(
                 json=SCHEMA_CASES[i % len(SCHEMA_CASES)].schema))
             for i, n in enumerate(output_lens)]
 
 
+def _warmup_workload(workload: Workload) -> Workload:
+    """One one-token request per shared schema, untimed: the grammar engine's tokenizer tables
+    (built once per engine, about a second) and the grammars' compilation are not what a
+    steady-state throughput measures (``octavo serve`` pays them once, at the first
+    constrained request, and caches each grammar)."""
+    prompts = [workload.prompts[i % len(workload.prompts)] for i in range(len(SCHEMA_CASES))]
+    return Workload(prompts, [1] * len(prompts))
+
+
 def _run_offline(llm, workload: Workload, params) -> _OctavoRun:
     preempted_before = llm.llm_engine.stats().num_preemptions
+    swapped_before = llm.llm_engine.stats().num_preemptions_swap
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
     lens = [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
-    return _OctavoRun(elapsed, sum(lens), llm.llm_engine.stats().num_preemptions - preempted_before,
-                      lens)
+    stats = llm.llm_engine.stats()
+    return _OctavoRun(elapsed, sum(lens), stats.num_preemptions - preempted_before, lens,
+                      stats.num_preemptions_swap - swapped_before)
 
 
 async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
@@ -188,6 +209,7 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     from tqdm.auto import tqdm
 
     preempted_before = engine.scheduler_stats.num_preemptions
+    swapped_before = engine.scheduler_stats.num_preemptions_swap
     run_id = uuid.uuid4().hex[:8]  # request ids unique across runs on one engine
     bar = tqdm(total=len(workload.prompts), desc="octavo (async engine)", unit="req",
                dynamic_ncols=True)
@@ -206,8 +228,9 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     finally:
         bar.close()
     elapsed = time.perf_counter() - start
-    return _OctavoRun(elapsed, sum(counts),
-                      engine.scheduler_stats.num_preemptions - preempted_before, list(counts))
+    stats = engine.scheduler_stats
+    return _OctavoRun(elapsed, sum(counts), stats.num_preemptions - preempted_before,
+                      list(counts), stats.num_preemptions_swap - swapped_before)
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
@@ -245,8 +268,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     # With --structured json: the constrained run, then the same requests unconstrained.
     runs: list[_OctavoRun] = []
     if args.async_engine:
+        from octavo.cli.serve import front_end_threads
         from octavo.engine.async_llm import AsyncLLM
 
+        # As `octavo serve`: the model runs in the engine core's process (restored for HF).
+        front_end_threads_before = front_end_threads()
         engine = AsyncLLM(engine_args)
         config = engine.config
         workload = _make_workload(args, engine.tokenizer, config.model_config)
@@ -255,6 +281,8 @@ def run_throughput(args: argparse.Namespace) -> int:
             try:
                 await engine.start()
                 if structured:
+                    await _run_async(engine, _warmup_workload(workload), _json_schema_params(
+                        [1] * len(SCHEMA_CASES)))
                     runs.append(await _run_async(engine, workload, _json_schema_params(workload.output_lens)))
                     lens = runs[0].output_lens
                     runs.append(await _run_async(engine, workload, _throughput_params(lens, True)))
@@ -265,6 +293,9 @@ def run_throughput(args: argparse.Namespace) -> int:
                 await engine.shutdown()  # frees the device before HF runs
 
         asyncio.run(run_async())
+        import torch
+
+        torch.set_num_threads(front_end_threads_before)
     else:
         from octavo import LLM
 
@@ -272,6 +303,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         config = llm.llm_engine.config
         workload = _make_workload(args, llm.llm_engine.tokenizer, config.model_config)
         if structured:
+            _run_offline(llm, _warmup_workload(workload), _json_schema_params([1] * len(SCHEMA_CASES)))
             runs.append(_run_offline(llm, workload, _json_schema_params(workload.output_lens)))
             runs.append(_run_offline(llm, workload, _throughput_params(runs[0].output_lens, True)))
         else:
@@ -299,6 +331,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "output_tokens_per_s": round(num_out / elapsed, 2),
         "total_tokens_per_s": round((num_out + workload.num_prompt_tokens) / elapsed, 2),
         "preemptions": run.num_preemptions,
+        "preemptions_swap": run.num_preemptions_swap,
         "host": platform.node(),
     }
     label = "json    " if structured else "octavo  "
@@ -354,19 +387,33 @@ def run_latency(args: argparse.Namespace) -> int:
                              (args.output_len, args.output_len), vocab, 0)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llama = None
+    if args.compare_llama_cpp:
+        try:
+            llama = _LlamaCppTurns(args, engine.config, workload)
+        except Exception:
+            engine.shutdown()
+            raise
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(prompts), desc="latency (warm-up first)", unit="req", dynamic_ncols=True)
     for prompt in prompts[: args.num_iters_warmup]:
         llm.generate(prompt, params, use_tqdm=False)
+        if llama is not None:
+            llama.warm_up(prompt["prompt_token_ids"])
         bar.update(1)
     latencies = []
     ttfts = []
+    octavo_ids = []
     for prompt in prompts[args.num_iters_warmup :]:
+        # With --compare-llama-cpp the two engines take turns, so both see the same load.
         start = time.perf_counter()
         out = llm.generate(prompt, params, use_tqdm=False)[0]
         latencies.append(time.perf_counter() - start)
         ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+        octavo_ids.append(list(out.outputs[0].token_ids))
+        if llama is not None:
+            llama.run(prompt["prompt_token_ids"])
         bar.update(1)
     bar.close()
     mean = sum(latencies) / len(latencies)
@@ -384,11 +431,82 @@ def run_latency(args: argparse.Namespace) -> int:
         "mean_latency_s": round(mean, 4),
         "mean_ttft_s": round(ttft, 4),
         "ms_per_output_token": round(per_token_ms, 3),
+        "decode_tokens_per_s": round(1000 / per_token_ms, 2) if per_token_ms > 0 else None,
+        "prompt_tokens_per_s": round(args.input_len / ttft, 1),
     }
     print(f"latency : {mean:.3f} s per request, TTFT {ttft * 1000:.1f} ms, "
           f"{per_token_ms:.2f} ms per output token")
+    if llama is not None:
+        result.update(llama.summary(result, octavo_ids))
     print(json.dumps(result))
     return 0
+
+
+class _LlamaCppTurns:
+    """llama.cpp on the latency workload's prompts, one request after each of Octavo's."""
+
+    def __init__(self, args: argparse.Namespace, config, workload: Workload) -> None:
+        import os
+
+        from octavo.benchmarks import llama_cpp_baseline
+
+        gguf_file = config.model_config.gguf_file
+        if args.output_len < 2:
+            raise ValueError("--compare-llama-cpp compares decode speed: give --output-len 2 "
+                             "or more")
+        if gguf_file is None:
+            raise ValueError("--compare-llama-cpp needs a GGUF model (llama.cpp reads only "
+                             "GGUF); pass --model FILE.gguf, or leave --model out for the "
+                             "default SmolLM2 GGUF")
+        threads = (args.llama_cpp_threads or config.parallel_config.cpu_threads
+                   or len(os.sched_getaffinity(0)))
+        self.baseline = llama_cpp_baseline
+        self.output_len = args.output_len
+        n_ctx = max(len(p) for p in workload.prompts) + args.output_len + 8
+        # ImportError (with the install hint) when llama-cpp-python is missing.
+        try:
+            self.llm = llama_cpp_baseline.load_llama_cpp(gguf_file, threads, n_ctx)
+        except ImportError as exc:
+            raise RuntimeError(str(exc)) from None
+        self.threads = threads
+        self.requests = []
+
+    def warm_up(self, prompt: list[int]) -> None:
+        self.baseline.greedy_generate(self.llm, prompt, min(self.output_len, 8))
+
+    def run(self, prompt: list[int]) -> None:
+        self.requests.append(self.baseline.greedy_generate(self.llm, prompt, self.output_len))
+
+    def summary(self, octavo: dict, octavo_ids: list[list[int]]) -> dict:
+        import llama_cpp
+
+        self.llm.close()
+        run = self.baseline.LlamaCppResult(self.requests, self.threads,
+                                           getattr(llama_cpp, "__version__", "?"))
+        diverged = [self.baseline.first_divergence(mine, r.output_ids)
+                    for mine, r in zip(octavo_ids, self.requests)]
+        same = sum(d is None for d in diverged)
+        out = {
+            "llama_cpp_version": run.version,
+            "llama_cpp_threads": run.n_threads,
+            "llama_cpp_decode_tokens_per_s": round(run.decode_tokens_per_s, 2),
+            "llama_cpp_prompt_tokens_per_s": round(run.prompt_tokens_per_s, 1),
+            "decode_ratio_vs_llama_cpp": round(
+                octavo["decode_tokens_per_s"] / run.decode_tokens_per_s, 3),
+            "prompt_ratio_vs_llama_cpp": round(
+                octavo["prompt_tokens_per_s"] / run.prompt_tokens_per_s, 3),
+            "greedy_identical_to_llama_cpp": f"{same}/{len(diverged)}",
+            "greedy_first_divergence": diverged,
+        }
+        print(f"llama.cpp: {out['llama_cpp_decode_tokens_per_s']:.1f} decode tok/s, "
+              f"{out['llama_cpp_prompt_tokens_per_s']:.0f} prompt tok/s "
+              f"(llama-cpp-python {run.version}, n_threads={run.n_threads})")
+        print(f"octavo   : {octavo['decode_tokens_per_s']:.1f} decode tok/s, "
+              f"{octavo['prompt_tokens_per_s']:.0f} prompt tok/s")
+        print(f"ratio    : decode {out['decode_ratio_vs_llama_cpp']:.2f}x, prompt "
+              f"{out['prompt_ratio_vs_llama_cpp']:.2f}x; greedy tokens identical in "
+              f"{out['greedy_identical_to_llama_cpp']} requests (first divergence: {diverged})")
+        return out
 
 
 def _duration(seconds: float) -> str:

@@ -4,8 +4,7 @@
   ``--max-tokens``), and every option's default shown in ``--help``. Sub-commands made with
   ``add_subparsers`` inherit the class, so the rules hold for all of them.
 - ``add_engine_options``: the engine options (``EngineArgs``) plus the vLLM flags users type by
-  habit that Octavo takes differently: accepted where the meaning is the same, refused with one
-  line saying what Octavo does instead.
+  habit whose meaning is Octavo's default behaviour: accepted, changing nothing.
 """
 
 from __future__ import annotations
@@ -44,20 +43,6 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-class _Refuse(argparse.Action):
-    """A vLLM flag Octavo does not take: the command stops with one line saying what to do."""
-
-    def __init__(self, *args: Any, instead: str, accept: tuple[str, ...] = (), **kwargs: Any):
-        self.instead = instead
-        self.accept = accept
-        super().__init__(*args, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if values in self.accept:
-            return  # the value that means what Octavo always does
-        parser.error(f"{option_string} {values}: {self.instead}")
-
-
 class _Ignore(argparse.Action):
     """A vLLM flag whose meaning is Octavo's default behaviour: accepted, changes nothing."""
 
@@ -77,11 +62,3 @@ def add_engine_options(parser: argparse.ArgumentParser, with_model: bool = True)
         "--disable-log-requests", nargs=0, action=_Ignore,
         help="accepted for vLLM compatibility and changes nothing: Octavo never logs requests "
         "(`octavo serve --access-log` logs HTTP requests)")
-    group.add_argument(
-        "--generation-config", metavar="vllm", action=_Refuse, accept=("vllm",),
-        instead="Octavo does not take default sampling settings from the model's "
-        "generation_config.json (vLLM's 'auto'); every request uses its own sampling options "
-        "with Octavo's defaults (vLLM's 'vllm', the only value accepted). The model's EOS "
-        "token ids from generation_config.json are always used.",
-        help="only 'vllm' is accepted (request sampling options default to Octavo's, not to "
-        "generation_config.json; its EOS ids are always used)")

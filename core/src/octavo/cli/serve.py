@@ -44,6 +44,12 @@ def add_parser(sub) -> None:
     group.add_argument("--vllm-metric-names", action="store_true",
                        help="also export every /metrics series under its vLLM name (vllm:...), "
                        "so dashboards built for vLLM work unchanged")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide to call tools (tool_choice 'auto', the default "
+                       "when a request gives tools), read with --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="format of the model's tool calls: hermes (Qwen2.5, Qwen3, Hermes), "
+                       "llama3_json (Llama 3.1+), mistral, or one a plugin registers")
     add_engine_options(parser)
     parser.set_defaults(func=run)
 
@@ -62,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     # The port first: a busy one is reported now, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
+    front_end_threads()
     engine_args = EngineArgs.from_cli_args(args)
     # Fail here, with one clear line, on a missing model or backend or a bad option or template
     # (cheap: reads config.json; the weights load in the engine-core process).
@@ -70,6 +77,13 @@ def run(args: argparse.Namespace) -> int:
         from octavo.entrypoints.openai.chat_template import ChatTemplate, load_chat_template
 
         ChatTemplate(load_chat_template(args.chat_template, None), None)
+    if args.tool_call_parser is not None:
+        from octavo.entrypoints.openai.tool_parsers import get_tool_parser
+
+        get_tool_parser(args.tool_call_parser)
+    elif args.enable_auto_tool_choice:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the format of "
+                         "the model's tool calls, e.g. hermes)")
     server_args = ServerArgs(
         engine_args=engine_args,
         host=args.host,
@@ -83,5 +97,19 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         access_log=args.access_log,
         vllm_metric_names=args.vllm_metric_names,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     return run_server(server_args, sock)
+
+
+def front_end_threads() -> int:
+    """This process only serves HTTP, tokenizes and detokenizes; the model runs in the engine
+    core's process. One torch thread here, so the two do not compete for the same cores (the
+    engine core's process is spawned fresh and plans its own threads). Returns the previous
+    count."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return previous

@@ -14,6 +14,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from octavo.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from octavo.model_executor.generation_config import load_sampling_defaults
 from octavo.model_executor.model_files import (
     derive_max_model_len,
     load_hf_config,
@@ -101,6 +102,24 @@ class EngineArgs:
         0.9, "share of GPU memory the engine may use (GPU backends)", type=float)
     num_gpu_blocks_override: int | None = _option(
         None, "exact number of KV blocks (testing)", type=int)
+    swap_space: float = _option(
+        4.0, "host memory per device, in GiB, for the KV blocks of requests preempted by "
+        "swapping (allocated only with --preemption-mode swap; pinned on GPUs)", type=float,
+        metavar="GIB")
+    preemption_mode: str = _option(
+        "recompute", "how a request preempted for lack of KV blocks gets its KV back: "
+        "recompute (run its prompt and generated tokens again) or swap (copy its blocks to "
+        "host memory and back; requests shorter than one sixteenth of the token budget are "
+        "still recomputed, which is cheaper)", choices=["recompute", "swap"])
+    scheduling_policy: str = _option(
+        "fcfs", "order of service: fcfs (arrival) or priority (each request's priority, lower "
+        "value first; ties by arrival; preemption takes the lowest priority first)",
+        choices=["fcfs", "priority"])
+    generation_config: str = _option(
+        "auto", "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for "
+        "fields a request does not set: auto (the model's generation_config.json), vllm "
+        "(Octavo's own defaults, ignoring the file) or a folder holding a "
+        "generation_config.json", metavar="auto|vllm|FOLDER")
     tensor_parallel_size: int = _option(
         1, "devices each layer is split across (tensor parallelism; -tp)", type=int)
     pipeline_parallel_size: int = _option(
@@ -111,6 +130,10 @@ class EngineArgs:
         "host), ray (a Ray actor per rank on a running Ray cluster; RAY_ADDRESS or "
         "ray.init(address='auto')). Default: uni for one rank, else mp",
         choices=["uni", "mp", "ray"])
+    cpu_threads: int | None = _option(
+        None, "threads each CPU worker computes with, pinned to cores (CPU backend; default: "
+        "$OMP_NUM_THREADS, else the cores this process may use, divided among the ranks)",
+        type=int, metavar="N")
     load_format: str = _option(
         "auto", "auto: the checkpoint's weights; dummy: random weights of the config's shape, "
         "each rank making only its own slices, no checkpoint read (benchmarks)",
@@ -121,6 +144,9 @@ class EngineArgs:
     max_n: int = _option(
         128, "most completions one request may ask for (n; the server also counts every "
         "prompt of a batched /v1/completions request)", type=int)
+    reasoning_parser: str | None = _option(
+        None, "split reasoning models' thinking from their answer: deepseek_r1 or qwen3 (or one "
+        "a plugin registers); the server returns it as reasoning_content", metavar="NAME")
     enforce_eager: bool = _option(
         False, "never use CUDA graphs (GPU backends); run every step eagerly", cli=_SWITCH)
     async_scheduling: bool | None = _option(
@@ -169,6 +195,7 @@ class EngineArgs:
             max_model_len=fit_max_model_len(
                 backend, derive_max_model_len(hf_config, self.max_model_len), self.max_model_len
             ),
+            sampling_defaults=load_sampling_defaults(model_dir, self.generation_config),
         ))
         config = EngineConfig(
             model_config=model_config,
@@ -182,6 +209,10 @@ class EngineArgs:
             backend_capabilities=backend.capabilities,
             dist_backend=backend.dist_backend,
         )
+        if self.reasoning_parser is not None:
+            from octavo.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser, pm)  # ValueError naming the choices
         check_config(backend, config, others=list_backends(pm))
         check_parallel_config(config, backend.device_type)
         return config

@@ -36,7 +36,9 @@ from octavo.messages.engine_core import (
     EngineCoreUtilityResult,
 )
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.plugins import get_plugin_manager
+from octavo.sample.logits_processor import LogitsProcessorRegistry
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ class AsyncLLM:
             self.model_config, self.tokenizer, eos_token_ids(self.model_config, self.tokenizer),
             backend=self.config.backend, capabilities=self.config.backend_capabilities,
             clip_max_tokens=clip_max_tokens,
+            scheduling_policy=self.config.scheduler_config.scheduling_policy,
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
+            logits_processors=LogitsProcessorRegistry(get_plugin_manager()),
         )
         # The front end's one record of live requests and their completions.
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -134,11 +139,13 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> asyncio.Queue[RequestOutput | BaseException]:
-        """Validate and queue a request, all or nothing.
+        """Validate and queue a request, all or nothing (a ``BeamSearchParams``: a beam
+        search, with one output when it finishes; ``priority``: see ``--scheduling-policy``).
 
         :raises octavo.errors.InvalidRequestError: bad input (``ValueError``/``TypeError``);
             nothing was recorded.
@@ -148,7 +155,12 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = self.processor.process(request_id, prompt, params, arrival_time)
+        if isinstance(params, BeamSearchParams):
+            processed = self.processor.process_beam_search(request_id, prompt, params,
+                                                           arrival_time, priority)
+        else:
+            processed = self.processor.process(request_id, prompt, params, arrival_time,
+                                               priority)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.output_processor.add_request(request_id, processed, output_kind)
         self._queues[request_id] = queue
@@ -165,16 +177,17 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; the last one has ``finished`` set.
 
         :raises ValueError: bad input (before anything is yielded) or refused by the core.
         :raises EngineDeadError: the engine core died.
         """
-        queue = self.add_request(request_id, prompt, params, output_kind)
+        queue = self.add_request(request_id, prompt, params, output_kind, priority=priority)
         async for output in self.iterate_outputs(request_id, queue):
             yield output
 

@@ -16,7 +16,9 @@ from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
 from octavo.engine_core.core import EngineCore
 from octavo.messages import SchedulerStats
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.plugins import get_plugin_manager
+from octavo.sample.logits_processor import LogitsProcessorRegistry
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,9 @@ class LLMEngine:
         self.processor = Processor(
             config.model_config, self.tokenizer, eos_token_ids(config.model_config, self.tokenizer),
             backend=config.backend, capabilities=config.backend_capabilities,
+            scheduling_policy=config.scheduler_config.scheduling_policy,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            logits_processors=LogitsProcessorRegistry(get_plugin_manager()),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         core_start = time.perf_counter()
@@ -64,9 +69,10 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        priority: int = 0,
     ) -> ProcessedPrompt:
         """Validate and queue a request, all or nothing; return it as the engine core got it
         (each completion's resolved ``sampling_params``: ``max_tokens`` clipped to the room
@@ -77,10 +83,17 @@ class LLMEngine:
 
         ``output_kind`` says what ``step()`` returns for it: a snapshot every step it changed
         (CUMULATIVE), only what is new (DELTA), or one snapshot when it finishes (FINAL_ONLY).
+        ``params`` may be a ``BeamSearchParams``: a beam search, whose one output comes when
+        it finishes. ``priority`` orders requests under ``--scheduling-policy priority``.
         """
         if self.output_processor.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = self.processor.process(request_id, prompt, params, arrival_time)
+        if isinstance(params, BeamSearchParams):
+            processed = self.processor.process_beam_search(request_id, prompt, params,
+                                                           arrival_time, priority)
+        else:
+            processed = self.processor.process(request_id, prompt, params, arrival_time,
+                                               priority)
         for core_request in processed.core_requests:
             self.engine_core.add_request(core_request)
         self.output_processor.add_request(request_id, processed, output_kind)

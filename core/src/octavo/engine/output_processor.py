@@ -1,4 +1,5 @@
-"""Turns ``EngineCoreOutput``s into ``RequestOutput``s: detokenization, stop strings, n > 1.
+"""Turns ``EngineCoreOutput``s into ``RequestOutput``s: detokenization, stop strings, n > 1,
+best_of and beam search results.
 
 Lives in the front-end process and is the front end's one record of live requests: each user
 request (a parent) and its ``n`` completions (children, the engine core's requests), with one
@@ -8,6 +9,10 @@ counts what the front end's metrics need (``IterationStats``).
 
 Each request chooses how its outputs come (``RequestOutputKind``): whole snapshots every step
 (the offline ``LLM``), only what is new every step (streaming), or only the finished request.
+A request with ``best_of > n`` and a beam search have an output only when finished, whatever
+the kind: their best completions are known only then (``best_of``: the ``n`` completions of
+highest cumulative logprob, best first; a beam search: its ``beam_width`` sequences, best
+score first).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.processor import ProcessedPrompt
 from octavo.engine.stats import FinishedRequestStats, IterationStats
 from octavo.messages import EngineCoreOutput, LogprobsLists
+from octavo.messages.engine_core import BeamSequence
 from octavo.outputs import (
     CompletionOutput,
     Logprob,
@@ -28,6 +34,7 @@ from octavo.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from octavo.sampling_params import SamplingParams
 
 
 class RequestOutputKind(enum.Enum):
@@ -76,10 +83,26 @@ class _RequestState:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # DELTA outputs: the prompt logprobs go out once, with the first output.
     prompt_logprobs_sent: bool = False
+    # best_of > n: the n completions of highest cumulative logprob are returned, at the end.
+    best_of: int | None = None
+    # A beam search: its completions arrive at the end (EngineCoreOutput.beam_sequences).
+    beam_search: bool = False
+    # Aborted by the caller (a beam search then has no completions).
+    aborted: bool = False
+    # The engine-core request ids (the completions', or the beam search's one).
+    core_request_ids: list[str] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
+        if self.aborted:
+            return True
+        if self.beam_search and not self.completions:
+            return False
         return all(c.finish_reason is not None for c in self.completions.values())
+
+    @property
+    def output_only_when_finished(self) -> bool:
+        return self.beam_search or (self.best_of is not None and self.best_of > self.n)
 
 
 @dataclass(slots=True)
@@ -112,18 +135,23 @@ class OutputProcessor:
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         params = processed.params
+        beam_search = processed.beam_search is not None
+        best_of = params.best_of if params.best_of is not None and params.best_of > params.n else None
         completions = {}
         for index, core_request in enumerate(processed.core_requests):
+            self._child_to_parent[core_request.request_id] = request_id
+            if beam_search:
+                continue  # its sequences come at the end
             completions[core_request.request_id] = _CompletionState(
                 index=index,
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, processed.prompt_token_ids, params,
-                    defer=output_kind is RequestOutputKind.FINAL_ONLY,
+                    defer=output_kind is RequestOutputKind.FINAL_ONLY or best_of is not None,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None,
+                cumulative_logprob=(0.0 if params.logprobs is not None or best_of is not None
+                                    else None),
             )
-            self._child_to_parent[core_request.request_id] = request_id
         self._pending_prompt_tokens += len(processed.prompt_token_ids)
         arrival = processed.core_requests[0].arrival_time
         self._requests[request_id] = _RequestState(
@@ -133,9 +161,12 @@ class OutputProcessor:
             completions=completions,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             metrics=RequestMetrics(arrival_time=arrival),
-            n=params.n,
+            n=processed.beam_search.beam_width if beam_search else params.n,
             max_tokens=params.max_tokens,
             output_kind=output_kind,
+            best_of=best_of,
+            beam_search=beam_search,
+            core_request_ids=[r.request_id for r in processed.core_requests],
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -149,7 +180,7 @@ class OutputProcessor:
     def child_ids(self, request_id: str) -> list[str]:
         """The engine-core ids of an unfinished request's completions ([] if unknown)."""
         state = self._requests.get(request_id)
-        return list(state.completions) if state else []
+        return list(state.core_request_ids) if state else []
 
     def parent_id(self, child_id: str) -> str | None:
         """The user request a completion belongs to (None if unknown or finished)."""
@@ -160,8 +191,10 @@ class OutputProcessor:
         state = self._requests.pop(request_id, None)
         if state is None:
             return None
-        for child_id, completion in state.completions.items():
+        state.aborted = True
+        for child_id in state.core_request_ids:
             self._child_to_parent.pop(child_id, None)
+        for completion in state.completions.values():
             if completion.finish_reason is None:
                 completion.finish_reason = "abort"
                 self._pending_aborts += 1
@@ -183,6 +216,13 @@ class OutputProcessor:
             if parent_id is None:
                 continue  # aborted or stopped by us while the step ran
             state = self._requests[parent_id]
+            if state.beam_search:
+                if out.beam_sequences is not None:
+                    self._add_beam_sequences(state, out.beam_sequences, now, stats)
+                    if out.first_scheduled_time is not None:
+                        state.metrics.first_scheduled_time = out.first_scheduled_time
+                    changed[parent_id] = state
+                continue
             completion = state.completions[out.request_id]
             if completion.finish_reason is not None:
                 continue
@@ -210,12 +250,15 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = now
                 del self._requests[parent_id]
-                for child_id in state.completions:
+                for child_id in state.core_request_ids:
                     self._child_to_parent.pop(child_id, None)
                 stats.finish_reasons.extend(
                     c.finish_reason or "abort" for c in state.completions.values())
                 stats.finished_requests.append(_finished_stats(state, now))
-            if state.output_kind is RequestOutputKind.CUMULATIVE:
+            if state.output_only_when_finished:
+                if finished:
+                    request_outputs.append(self._snapshot(state))
+            elif state.output_kind is RequestOutputKind.CUMULATIVE:
                 request_outputs.append(self._snapshot(state))
             elif state.output_kind is RequestOutputKind.FINAL_ONLY:
                 if finished:
@@ -228,11 +271,12 @@ class OutputProcessor:
 
     def _add_tokens(self, completion: _CompletionState, out: EngineCoreOutput) -> None:
         completion.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None and completion.logprobs is not None:
-            positions = self._position_logprobs(out.new_logprobs)
-            completion.logprobs.extend(positions)
-            for token_id, position in zip(out.new_token_ids, positions):
-                completion.cumulative_logprob += position[token_id].logprob
+        if out.new_logprobs is not None:
+            if completion.cumulative_logprob is not None:
+                # Column 0 is the sampled token's logprob.
+                completion.cumulative_logprob += sum(row[0] for row in out.new_logprobs.logprobs)
+            if completion.logprobs is not None:
+                completion.logprobs.extend(self._position_logprobs(out.new_logprobs))
         finished = out.finish_reason is not None
         stop_string = completion.detokenizer.update(out.new_token_ids, finished)
         if stop_string is not None:
@@ -241,6 +285,27 @@ class OutputProcessor:
         elif finished:
             completion.finish_reason = out.finish_reason
             completion.stop_reason = out.stop_reason
+
+    def _add_beam_sequences(self, state: _RequestState, sequences: list[BeamSequence],
+                            now: float, stats: IterationStats) -> None:
+        """A beam search ended: its sequences (best first) become the completions."""
+        for index, sequence in enumerate(sequences):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
+                                                 _BEAM_TEXT_PARAMS, defer=True)
+            detokenizer.update(sequence.token_ids, True)
+            positions = [
+                {token_id: Logprob(logprob=logprob, decoded_token=self.tokenizer.decode([token_id]))}
+                for token_id, logprob in zip(sequence.token_ids, sequence.logprobs)
+            ]
+            state.completions[f"{state.request_id}#{index}"] = _CompletionState(
+                index=index, detokenizer=detokenizer, last_token_time=now,
+                token_ids=list(sequence.token_ids), logprobs=positions,
+                cumulative_logprob=sequence.cumulative_logprob,
+                finish_reason=sequence.finish_reason)
+            stats.num_generation_tokens += len(sequence.token_ids)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+            stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
 
     def _position_logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
         positions = []
@@ -301,6 +366,8 @@ class OutputProcessor:
 
     def _snapshot(self, state: _RequestState) -> RequestOutput:
         completions = sorted(state.completions.values(), key=lambda c: c.index)
+        if state.best_of is not None and state.finished:
+            return self._best_of_snapshot(state, completions)
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -321,6 +388,36 @@ class OutputProcessor:
             finished=state.finished,
             metrics=state.metrics,
         )
+
+
+    def _best_of_snapshot(self, state: _RequestState,
+                          completions: list[_CompletionState]) -> RequestOutput:
+        """The n completions of highest cumulative logprob, best first, indexed 0..n-1."""
+        best = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))[: state.n]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=[
+                CompletionOutput(
+                    index=index,
+                    text=c.detokenizer.output_text,
+                    token_ids=list(c.token_ids),
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for index, c in enumerate(best)
+            ],
+            finished=True,
+            metrics=state.metrics,
+        )
+
+
+# How beam search sequences are turned into text.
+_BEAM_TEXT_PARAMS = SamplingParams(max_tokens=None)
 
 
 def _finished_stats(state: _RequestState, now: float) -> FinishedRequestStats:

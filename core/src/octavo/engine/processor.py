@@ -32,7 +32,8 @@ from octavo.errors import (
     InvalidRequestTypeError,
 )
 from octavo.messages import EngineCoreRequest
-from octavo.sampling_params import SamplingParams
+from octavo.sample.logits_processor import LogitsProcessorRegistry
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 from octavo.structured_output.grammar import validate as validate_structured_outputs
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
@@ -55,8 +56,11 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     # The user's params with all_stop_token_ids filled in (a copy of the user's).
     params: SamplingParams
-    # One per completion (n of them), each with its own resolved params.
+    # One per completion (n of them, or best_of), each with its own resolved params; one for a
+    # beam search.
     core_requests: list[EngineCoreRequest]
+    # The beam search's settings (None: sampling).
+    beam_search: BeamSearchParams | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,8 +72,12 @@ class KVCacheCapacity:
     # Tokens per block.
     block_size: int
 
+    def blocks(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` tokens take."""
+        return -(-num_tokens // self.block_size)
+
     def fits(self, num_tokens: int) -> bool:
-        return -(-num_tokens // self.block_size) <= self.num_blocks
+        return self.blocks(num_tokens) <= self.num_blocks
 
 
 class Processor:
@@ -80,6 +88,9 @@ class Processor:
     :param clip_max_tokens: True (offline ``LLM``): a ``max_tokens`` beyond the room left in
         ``max_model_len`` is lowered to that room. False (the OpenAI server): it is refused
         with ``context_length_exceeded``, as OpenAI does.
+    :param scheduling_policy: the engine's (``priority`` must be 0 unless it is "priority").
+    :param max_num_seqs: the engine's sequence cap (a beam search needs ``beam_width`` at once).
+    :param logits_processors: the registered logits processors requests may name (None: none).
     """
 
     def __init__(
@@ -90,6 +101,9 @@ class Processor:
         backend: str | None = None,
         capabilities: BackendCapabilities | None = None,
         clip_max_tokens: bool = True,
+        scheduling_policy: str = "fcfs",
+        max_num_seqs: int | None = None,
+        logits_processors: LogitsProcessorRegistry | None = None,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -99,6 +113,9 @@ class Processor:
         self.backend = backend
         self.capabilities = capabilities
         self.clip_max_tokens = clip_max_tokens
+        self.scheduling_policy = scheduling_policy
+        self.max_num_seqs = max_num_seqs
+        self.logits_processors = logits_processors
         # Set once the engine core has allocated the KV cache (None: not checked yet).
         self.kv_cache: KVCacheCapacity | None = None
 
@@ -144,28 +161,124 @@ class Processor:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> ProcessedPrompt:
-        """Validate one request and make its ``n`` engine-core requests."""
+        """Validate one request and make its ``n`` (or ``best_of``) engine-core requests; the
+        completions after the first fork its prompt blocks (``fork_from``)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestTypeError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}")
         self._check_params(params)
+        self._check_priority(priority)
         text, token_ids = self.tokenize(prompt)
+        text, token_ids = self._truncate(text, token_ids, params.truncate_prompt_tokens)
         max_tokens = self._check_length(len(token_ids), params.max_tokens)
         if self.kv_cache is not None:
             self._check_fits_kv_cache(len(token_ids), max_tokens)
-        params = dataclasses.replace(params, all_stop_token_ids=set(self.eos_token_ids))
+        params = dataclasses.replace(params, all_stop_token_ids=set(self.eos_token_ids),
+                                     bad_words_token_ids=self._bad_words_token_ids(params))
         arrival = arrival_time if arrival_time is not None else time.time()
+        num = params.num_completions
         core_requests = [
             EngineCoreRequest(
-                request_id=child_request_id(request_id, i, params.n),
+                request_id=child_request_id(request_id, i, num),
                 prompt_token_ids=token_ids,
                 sampling_params=_completion_params(params, i, max_tokens),
                 arrival_time=arrival,
+                priority=priority,
+                fork_from=child_request_id(request_id, 0, num) if i else None,
             )
-            for i in range(params.n)
+            for i in range(num)
         ]
         return ProcessedPrompt(text, token_ids, params, core_requests)
+
+    def process_beam_search(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: BeamSearchParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> ProcessedPrompt:
+        """Validate a beam search and make its one engine-core request (its beams are the
+        engine core's; see ``octavo.scheduler.beam_search``)."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestTypeError(
+                f"beam search params must be a BeamSearchParams, got {type(params).__name__}")
+        self._check_priority(priority)
+        if self.max_num_seqs is not None and params.beam_width > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"beam_width ({params.beam_width}) must be at most max_num_seqs "
+                f"({self.max_num_seqs}): every beam runs in each step", param="beam_width")
+        eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        num_candidates = max(2, 1 + len(eos)) * params.beam_width
+        if num_candidates > self.model_config.vocab_size:
+            raise InvalidRequestError(
+                f"beam_width {params.beam_width} needs {num_candidates} candidates per step, more "
+                f"than the vocabulary's {self.model_config.vocab_size} tokens", param="beam_width")
+        text, token_ids = self.tokenize(prompt)
+        max_tokens = self._check_length(len(token_ids), params.max_tokens)
+        if self.kv_cache is not None:
+            capacity = self.kv_cache
+            blocks = capacity.blocks(len(token_ids)) + params.beam_width * (
+                capacity.blocks(max_tokens) + 1)
+            if blocks > capacity.num_blocks:
+                raise InvalidRequestError(
+                    f"a beam search of width {params.beam_width} over {len(token_ids)} prompt "
+                    f"tokens and up to {max_tokens} generated needs up to {blocks} KV blocks; the "
+                    f"cache has {capacity.num_blocks}. Lower beam_width or max_tokens, or give the "
+                    "KV cache more memory.", param="max_tokens", code=CODE_KV_CACHE_TOO_SMALL)
+        # The beams' steps: greedy, with the top candidates' logprobs; EOS ends nothing by
+        # itself (the search decides).
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                  logprobs=num_candidates, all_stop_token_ids=set(self.eos_token_ids))
+        if self.capabilities is not None:
+            assert self.backend is not None, "checked in __init__"
+            check_request(self.backend, self.capabilities, sampling)
+        core_request = EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority, beam_search=params)
+        return ProcessedPrompt(text, token_ids, sampling, [core_request], beam_search=params)
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not (
+                -(2**63) <= priority < 2**63):
+            raise InvalidRequestTypeError(
+                f"priority must be a 64-bit integer, got {priority!r}", param="priority")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} was given but the engine schedules first come first served; "
+                "start it with --scheduling-policy priority (or leave priority at 0)",
+                param="priority")
+
+    def _truncate(self, text: str | None, token_ids: list[int],
+                  truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:
+        """Keep the last ``truncate_prompt_tokens`` prompt tokens (-1: ``max_model_len``); the
+        text becomes the kept tokens' text when anything was cut."""
+        keep = truncate_prompt_tokens
+        if keep is None:
+            return text, token_ids
+        if keep == -1:
+            keep = self.model_config.max_model_len
+        if len(token_ids) <= keep:
+            return text, token_ids
+        kept = token_ids[len(token_ids) - keep:]
+        return self.tokenizer.decode(kept), kept
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """Each bad word's token sequence as generated at the start of the output and after
+        a space (vLLM's rule: the spaced form only when it differs and is as long)."""
+        if not params.bad_words:
+            return None
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (plain, spaced):
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _check_params(self, params: SamplingParams) -> None:
         if params.n > self.model_config.max_n:
@@ -186,6 +299,20 @@ class Processor:
                     f"of {len(stop)}", param="stop", code=CODE_TOO_MANY,
                 )
         vocab = self.model_config.vocab_size
+        for token_id in params.allowed_token_ids or []:
+            if token_id >= vocab:
+                raise InvalidRequestError(
+                    f"token id {token_id} in allowed_token_ids is out of the vocabulary "
+                    f"[0, {vocab})", param="allowed_token_ids")
+        if params.logits_processors:
+            if self.logits_processors is None:
+                raise InvalidRequestError("this engine has no logits processors",
+                                          param="logits_processors")
+            self.logits_processors.validate(params.logits_processors)
+        if params.num_completions > self.model_config.max_n:
+            raise InvalidRequestError(
+                f"best_of must be at most {self.model_config.max_n} (max_n), got "
+                f"{params.num_completions}", param="best_of", code=CODE_TOO_MANY)
         if params.max_token_id >= vocab:
             named_in_stop_ids = params.max_token_id in params.stop_token_ids
             param = "stop_token_ids" if named_in_stop_ids else "logit_bias"
@@ -266,16 +393,25 @@ def _completion_params(params: SamplingParams, index: int, max_tokens: int) -> S
     """Completion ``index``'s own settings: its seed, the effective max_tokens, ``n`` of 1.
 
     Prompt logprobs are the same for every completion: only the first computes them (the
-    others may then reuse its prompt blocks through the prefix cache).
+    others fork its prompt blocks). With ``best_of > n`` every completion reports its sampled
+    tokens' logprobs (at least), which rank them.
     """
+    num = params.num_completions
+    logprobs = params.logprobs
+    if num > params.n and logprobs is None:
+        logprobs = 0
     return dataclasses.replace(
         params,
         n=1,
-        seed=child_seed(params.seed, index, params.n),
+        best_of=None,
+        seed=child_seed(params.seed, index, num),
         max_tokens=max_tokens,
         min_tokens=min(params.min_tokens, max_tokens),
+        logprobs=logprobs,
         prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+        truncate_prompt_tokens=None,
         all_stop_token_ids=params.all_stop_token_ids,
+        bad_words_token_ids=params.bad_words_token_ids,
     )
 
 

@@ -61,12 +61,16 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.executor: Executor = create_executor(config)
+        swap = config.scheduler_config.preemption_mode == "swap"
         try:
             num_blocks = self.executor.initialize_kv_cache()
+            num_host_blocks = self.executor.initialize_swap_space() if swap else 0
         except BaseException:
             self.executor.shutdown()
             raise
         self.num_blocks = num_blocks
+        # Host blocks for swapped-out requests (0 unless --preemption-mode swap).
+        self.num_host_blocks = num_host_blocks
         pp_size = config.parallel_config.pipeline_parallel_size
         self.scheduler = Scheduler(
             config.scheduler_config,
@@ -74,6 +78,7 @@ class EngineCore:
             num_blocks=num_blocks,
             max_model_len=config.model_config.max_model_len,
             pipeline_parallel_size=pp_size,
+            num_host_blocks=num_host_blocks,
         )
         self._block_hasher = block_hasher(config.cache_config.block_size)
         # Steps launched and not recorded yet, oldest first, and how many may be.
@@ -102,10 +107,14 @@ class EngineCore:
             sampling_params=request.sampling_params,
             block_hasher=self._block_hasher,
             arrival_time=request.arrival_time,
+            priority=request.priority,
         )
+        if request.beam_search is not None:
+            self.scheduler.add_beam_search(core_request, request.beam_search)
+            return
         constraint = request.sampling_params.structured_outputs
         if constraint is None:
-            self.scheduler.add_request(core_request)
+            self.scheduler.add_request(core_request, fork_from=request.fork_from)
             return
         self._awaiting_grammar[request.request_id] = core_request
         self.structured_outputs.submit(request.request_id, constraint)
@@ -133,8 +142,9 @@ class EngineCore:
             return failed + self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if scheduler_output.finished_req_ids:
-                self.executor.execute_model(scheduler_output)  # lets the worker drop state
+            if scheduler_output.has_worker_updates:
+                # Lets the workers drop state and move blocks (a swap-out).
+                self.executor.execute_model(scheduler_output)
             return failed
         try:
             rows, _ = self._constrained_rows(scheduler_output)
@@ -162,8 +172,9 @@ class EngineCore:
                 pending = self.executor.execute_model_async(scheduler_output)
                 self._in_flight.append(_InFlightStep(scheduler_output, pending))
                 launched = True
-            elif scheduler_output.finished_req_ids:
-                self.executor.execute_model(scheduler_output)  # lets the workers drop state
+            elif scheduler_output.has_worker_updates:
+                # Lets the workers drop state and move blocks (a swap-out).
+                self.executor.execute_model(scheduler_output)
             if not self._in_flight or (launched and len(self._in_flight) < self.max_in_flight):
                 return []  # the pipeline is still filling
             oldest = self._in_flight[0]

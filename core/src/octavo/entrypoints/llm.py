@@ -12,8 +12,8 @@ from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import RequestOutputKind
 from octavo.engine.processor import PromptType
-from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 ChatMessage = dict[str, Any]
 
@@ -56,29 +56,39 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's sampling defaults (its generation_config.json,
+        unless the engine was started with ``generation_config="vllm"``)."""
+        return SamplingParams(**self.llm_engine.config.model_config.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in the prompts' order.
 
         ``prompts``: a string, a list of token ids, a dict with ``prompt`` or
         ``prompt_token_ids``, or a list of any of those. ``sampling_params``: one for all
-        prompts or one per prompt (default: ``SamplingParams()``).
+        prompts or one per prompt (default: ``get_default_sampling_params()``). ``priority``:
+        one per prompt, lower served first (needs ``scheduling_policy="priority"``).
         """
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(sampling_params, len(prompt_list),
+                                      self.get_default_sampling_params)
+        priorities = _as_priority_list(priority, len(prompt_list))
         request_ids = []
         # (asked, given) max_tokens of the prompts whose max_tokens was cut to fit.
         clipped: list[tuple[int, int]] = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, prio in zip(prompt_list, params_list, priorities):
                 request_id = str(next(self._counter))
                 # Only finished requests are returned: no per-step snapshots to build.
                 processed = self.llm_engine.add_request(
-                    request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY
+                    request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY,
+                    priority=prio,
                 )
                 request_ids.append(request_id)
                 given = processed.core_requests[0].sampling_params.max_tokens
@@ -90,6 +100,43 @@ class LLM:
         if clipped:
             self._warn_clipped(clipped, len(prompt_list))
         return self._run_engine(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over every prompt (in the engine: the beams share and fork their KV
+        blocks); one ``BeamSearchOutput`` per prompt, in order, with ``params.beam_width``
+        sequences, best score first (see ``BeamSearchParams`` for the scoring)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
+        request_ids = []
+        try:
+            for prompt in prompt_list:
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params,
+                                            output_kind=RequestOutputKind.FINAL_ONLY)
+                request_ids.append(request_id)
+        except BaseException:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        tokenizer = self.get_tokenizer()
+        results = []
+        for output in self._run_engine(request_ids, use_tqdm):
+            results.append(BeamSearchOutput(sequences=[
+                BeamSearchSequence(
+                    tokens=list(output.prompt_token_ids) + list(c.token_ids),
+                    logprobs=list(c.logprobs or []),
+                    cum_logprob=c.cumulative_logprob or 0.0,
+                    text=tokenizer.decode(list(output.prompt_token_ids) + list(c.token_ids)),
+                    finish_reason=c.finish_reason,
+                )
+                for c in output.outputs
+            ]))
+        return results
 
     def _warn_clipped(self, clipped: list[tuple[int, int]], num_prompts: int) -> None:
         """One warning per call: max_tokens was lowered so prompt + completion fit
@@ -110,15 +157,21 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Render conversations with the tokenizer's chat template (or ``chat_template``), then generate."""
+        """Render conversations with the tokenizer's chat template (or ``chat_template``), then generate.
+
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts) are given to the
+        template, which shows them to the model if it supports tools; the calls the model
+        writes stay in the output text (the OpenAI server parses them).
+        """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt, tools=tools,
             )
             ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
@@ -164,9 +217,18 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     return prompts
 
 
-def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
+def _as_priority_list(priority: Any, count: int) -> list[int]:
+    if priority is None:
+        return [0] * count
+    priority = list(priority)
+    if len(priority) != count:
+        raise ValueError(f"got {len(priority)} priorities for {count} prompts; give one per prompt")
+    return priority
+
+
+def _as_params_list(params: Any, count: int, default: Any = SamplingParams) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(count)]
+        return [default() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     if not isinstance(params, (list, tuple)):

@@ -2,8 +2,9 @@
 
 An executor owns every worker of the model (one today; one per rank once the model is split
 over devices) and hides where they run. The engine core calls exactly these methods, in this
-order: ``initialize_kv_cache`` once, then ``execute_model`` / ``execute_model_async`` once
-per step (followed by ``sample_tokens`` for a step launched with ``sampling_deferred``;
+order: ``initialize_kv_cache`` once (then ``initialize_swap_space`` once with
+``--preemption-mode swap``), then ``execute_model`` / ``execute_model_async`` once per step
+(followed by ``sample_tokens`` for a step launched with ``sampling_deferred``;
 ``discard_in_flight`` after a failed step), ``check_health`` whenever asked, and ``shutdown``
 last.
 """
@@ -29,6 +30,11 @@ class Executor(Protocol):
     def initialize_kv_cache(self) -> int:
         """Size the KV cache on every worker, allocate it, and return the number of blocks
         (the same on every worker: the smallest any of them can hold)."""
+        ...
+
+    def initialize_swap_space(self) -> int:
+        """Allocate the host KV block pool of swapped-out requests on every worker (``swap_space``
+        GiB each) and return its number of blocks (the smallest any of them holds)."""
         ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

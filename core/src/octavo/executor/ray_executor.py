@@ -193,6 +193,11 @@ class RayExecutor:
         self._call("initialize_cache", num_blocks)
         return num_blocks
 
+    def initialize_swap_space(self) -> int:
+        num_blocks = min(self._call("determine_num_host_blocks"))
+        self._call("initialize_host_cache", num_blocks)
+        return num_blocks
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
 

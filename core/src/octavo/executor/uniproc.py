@@ -31,6 +31,11 @@ class UniprocExecutor:
         self.worker.initialize_cache(num_blocks)
         return num_blocks
 
+    def initialize_swap_space(self) -> int:
+        num_blocks = self.worker.determine_num_host_blocks()
+        self.worker.initialize_host_cache(num_blocks)
+        return num_blocks
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 

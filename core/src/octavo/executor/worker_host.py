@@ -80,6 +80,11 @@ class WorkerHost:
             elif call.method == "initialize_cache":
                 assert call.arg is not None, "initialize_cache needs the number of blocks"
                 worker.initialize_cache(call.arg)
+            elif call.method == "determine_num_host_blocks":
+                value = worker.determine_num_host_blocks()
+            elif call.method == "initialize_host_cache":
+                assert call.arg is not None, "initialize_host_cache needs the number of blocks"
+                worker.initialize_host_cache(call.arg)
             elif call.method != "check_health":
                 raise ValueError(f"unknown worker method {call.method!r}")
             return WorkerCallResult(call_id=call.call_id, rank=self.rank, value=value)

@@ -3,6 +3,13 @@
 The scheduler talks to this class only: it asks which prefix of a request is already cached,
 asks for slots for the tokens it wants to run this step, and frees a request's blocks. It never
 sees the free queue.
+
+Blocks are shared by reference count: prefix-cache hits, and requests forked from another
+(``fork``: the completions of an n > 1 request, the beams of a beam search). A step that writes
+into a shared block that is not full gets its own copy first (copy-on-write): the copy is
+recorded for the workers (``take_block_copies``). Requests preempted by swapping move their
+blocks to a second pool of host-memory blocks (``swap_out`` / ``swap_in``); the workers copy
+the contents (``SchedulerOutput.blocks_to_swap_out`` / ``blocks_to_swap_in``).
 """
 
 from __future__ import annotations
@@ -37,11 +44,19 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates, caches and frees the KV blocks of requests."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        # Host-memory blocks of swapped-out requests (None: no swap space).
+        self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks > 0 else None
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._req_host_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Copy-on-write decided since the last take_block_copies(): (source, destination)
+        # block ids, and per request the (index, new block id) of each replaced block.
+        self._copies: list[tuple[int, int]] = []
+        self._replaced: dict[str, list[tuple[int, int]]] = {}
         # Per request: how many of its leading blocks have been offered to the prefix index.
         # A block is offered once it is full and its tokens are known (with async scheduling
         # a block's last token may still be in flight when the block is allocated).
@@ -102,7 +117,9 @@ class KVCacheManager:
         adopted now. Returns the ids of newly added blocks (hits included), or ``None`` when
         the pool cannot provide enough blocks — nothing is changed then.
         """
-        if not new_computed_blocks and self._fits_without_change(request, num_new_tokens):
+        shared_index = self._shared_write_target(request)
+        if (shared_index is None and not new_computed_blocks
+                and self._fits_without_change(request, num_new_tokens)):
             return []  # the common decode step: room in the last block, no block becomes full
         new_computed_blocks = new_computed_blocks or []
         blocks = self._req_blocks.setdefault(request.request_id, [])
@@ -111,10 +128,13 @@ class KVCacheManager:
         num_required = self.blocks_needed(total_tokens) - len(blocks) - len(new_computed_blocks)
         # Hits sitting in the free queue stop being free once adopted.
         num_hits_in_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_required, 0) > self.block_pool.num_free_blocks - num_hits_in_queue:
+        num_copies = 0 if shared_index is None else 1
+        if max(num_required, 0) + num_copies > self.block_pool.num_free_blocks - num_hits_in_queue:
             if not blocks:
                 del self._req_blocks[request.request_id]
             return None
+        if shared_index is not None:
+            self._copy_on_write(request.request_id, blocks, shared_index)
         self.block_pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_required, 0))
@@ -133,6 +153,103 @@ class KVCacheManager:
             self._num_indexed[request.request_id] = num_full
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
 
+    def _shared_write_target(self, request: Request) -> int | None:
+        """Index of the block the request's next token is written into when that block is
+        shared with another request and already holds tokens (so it must be copied first)."""
+        blocks = self._req_blocks.get(request.request_id)
+        offset = request.num_computed_tokens % self.block_size
+        index = request.num_computed_tokens // self.block_size
+        if not blocks or offset == 0 or index >= len(blocks):
+            return None
+        return index if blocks[index].ref_cnt > 1 else None
+
+    def _copy_on_write(self, request_id: str, blocks: list[KVCacheBlock], index: int) -> None:
+        """Give the request its own copy of its shared block ``index`` (one block must be free)."""
+        shared = blocks[index]
+        (own,) = self.block_pool.get_new_blocks(1)
+        self.block_pool.free_blocks([shared])  # the other holders keep it
+        blocks[index] = own
+        self._copies.append((shared.block_id, own.block_id))
+        self._replaced.setdefault(request_id, []).append((index, own.block_id))
+
+    def take_block_copies(self) -> tuple[list[tuple[int, int]], dict[str, list[tuple[int, int]]]]:
+        """The copies-on-write decided since the last call: ``(source, destination)`` block
+        ids in order, and per request its replaced blocks ``(index, new block id)``."""
+        copies, replaced = self._copies, self._replaced
+        self._copies, self._replaced = [], {}
+        return copies, replaced
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """``child`` shares every block of ``parent`` (one more reference each). Its next write
+        into the last, partly filled block copies that block first (copy-on-write)."""
+        assert child.request_id not in self._req_blocks, f"{child.request_id} already has blocks"
+        blocks = self._req_blocks.get(parent.request_id, [])
+        self.block_pool.touch(blocks)
+        self._req_blocks[child.request_id] = list(blocks)
+        self._num_indexed[child.request_id] = self._num_indexed.get(parent.request_id, 0)
+
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks ``allocate_slots(request, num_new_tokens)`` would take from the pool now
+        (a request that holds blocks; no prefix hits): new ones plus a copy-on-write."""
+        blocks = self._req_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + num_new_tokens
+        num_copies = 0 if self._shared_write_target(request) is None else 1
+        return max(self.blocks_needed(total) - len(blocks), 0) + num_copies
+
+    # ---- swapping to host memory -------------------------------------------------------
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_blocks if self.host_pool is not None else 0
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks if self.host_pool is not None else 0
+
+    def host_usage(self) -> float:
+        """Fraction of host blocks holding swapped-out requests (0 without swap space)."""
+        return self.host_pool.usage() if self.host_pool is not None else 0.0
+
+    def num_blocks_held(self, request: Request) -> int:
+        return len(self._req_blocks.get(request.request_id, []))
+
+    def can_swap_out(self, requests: list[Request]) -> bool:
+        """Whether the host pool has room for every block of ``requests``."""
+        needed = sum(self.num_blocks_held(r) for r in requests)
+        return self.host_pool is not None and needed <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to host blocks (the caller checked ``can_swap_out``):
+        its device blocks are released (tail first); returns the (device block, host block)
+        pairs whose contents the workers must copy before any of them is reused."""
+        assert self.host_pool is not None, "no swap space"
+        blocks = self._req_blocks.pop(request.request_id, [])
+        self._num_indexed.pop(request.request_id, None)
+        host_blocks = self.host_pool.get_new_blocks(len(blocks))
+        self._req_host_blocks[request.request_id] = host_blocks
+        self.block_pool.free_blocks(reversed(blocks))
+        return [(b.block_id, h.block_id) for b, h in zip(blocks, host_blocks)]
+
+    def num_blocks_to_swap_in(self, request: Request, num_new_tokens: int) -> int:
+        """Device blocks a swapped request needs back, plus those for ``num_new_tokens``."""
+        num_host = len(self._req_host_blocks.get(request.request_id, []))
+        total = request.num_computed_tokens + num_new_tokens
+        return max(num_host, self.blocks_needed(total))
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Give a swapped request device blocks for its host blocks (the caller checked there
+        are enough free); returns the (host block, device block) pairs to copy. Its host
+        blocks are released: the copy runs before anything can reuse them (the next step)."""
+        assert self.host_pool is not None, "no swap space"
+        host_blocks = self._req_host_blocks.pop(request.request_id)
+        blocks = self.block_pool.get_new_blocks(len(host_blocks))
+        self._req_blocks[request.request_id] = blocks
+        self.host_pool.free_blocks(host_blocks)
+        return [(h.block_id, b.block_id) for h, b in zip(host_blocks, blocks)]
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self._req_host_blocks
+
     def _fits_without_change(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's blocks already hold ``num_new_tokens`` more tokens and no
         block is left to index (so there is nothing to allocate or to index)."""
@@ -146,11 +263,16 @@ class KVCacheManager:
         return num_full <= self._num_indexed.get(request.request_id, 0)
 
     def free(self, request: Request) -> None:
-        """Release all blocks of a request; the tail goes back first so it is evicted first."""
+        """Release all blocks of a request (device blocks tail first, so they are evicted
+        first; host blocks of a swapped request too)."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_indexed.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+        host_blocks = self._req_host_blocks.pop(request.request_id, None)
+        if host_blocks:
+            assert self.host_pool is not None
+            self.host_pool.free_blocks(host_blocks)
 
     def begin_step(self) -> None:
         """Allocations from now on belong to a new step (scheduled, not yet run)."""
@@ -178,7 +300,8 @@ class KVCacheManager:
         return [b.block_id for b in self._req_blocks.get(request_id, [])]
 
     def num_requests_holding_blocks(self) -> int:
-        return len(self._req_blocks)
+        """Requests holding device or host blocks."""
+        return len(self._req_blocks) + len(self._req_host_blocks)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

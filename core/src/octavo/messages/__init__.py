@@ -19,6 +19,7 @@ from octavo.messages.request import BlockHash, Request, RequestId, RequestStatus
 from octavo.messages.runner_output import ModelRunnerOutput
 from octavo.messages.scheduler_output import (
     CachedRequestData,
+    ForkedRequestData,
     GrammarBitmask,
     NewRequestData,
     SchedulerOutput,
@@ -29,6 +30,7 @@ __all__ = [
     "CachedRequestData",
     "EngineCoreOutput",
     "EngineCoreRequest",
+    "ForkedRequestData",
     "GrammarBitmask",
     "LogprobsLists",
     "ModelRunnerOutput",

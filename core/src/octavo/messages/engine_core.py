@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from octavo.messages.logprobs import LogprobsLists
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
@@ -25,6 +25,27 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     # time.time() when the front end received the request.
     arrival_time: float = 0.0
+    # Scheduling priority (--scheduling-policy priority): lower is served first.
+    priority: int = 0
+    # For completions 1.. of an n > 1 (or best_of) request: the id of its first completion,
+    # whose prompt blocks this one shares (forked when that one's prompt is computed).
+    fork_from: str | None = None
+    # A beam search instead of sampling (sampling_params then hold the beams' greedy logprob
+    # settings); the outputs come once, as beam_sequences.
+    beam_search: BeamSearchParams | None = None
+
+
+class BeamSequence(msgspec.Struct, kw_only=True):
+    """One finished sequence of a beam search."""
+
+    # Generated token ids (the EOS that ended it included).
+    token_ids: list[int]
+    # Sum of the logprobs of token_ids.
+    cumulative_logprob: float
+    # Logprob of each token of token_ids.
+    logprobs: list[float]
+    # "stop" (ended by EOS) or "length".
+    finish_reason: str
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
@@ -46,6 +67,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0
     # time.time() when the scheduler first scheduled the request (for queue/prefill times).
     first_scheduled_time: float | None = None
+    # A finished beam search: its best sequences, best first (new_token_ids is then empty).
+    beam_sequences: list[BeamSequence] | None = None
 
 
 # ---- the engine-core process protocol ---------------------------------------------------------
@@ -103,6 +126,13 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_preemptions: int
     # Tokens (prompt chunks and decodes) of the most recently scheduled step.
     num_batched_tokens: int = 0
+    # Of num_preemptions, those that swapped the request's blocks to host memory (the others
+    # recomputed it).
+    num_preemptions_swap: int = 0
+    # Requests swapped out to host memory, waiting to be swapped back in.
+    num_swapped: int = 0
+    # Fraction of the host KV block pool (--swap-space) in use, in [0, 1].
+    host_kv_cache_usage: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -19,7 +19,8 @@ from octavo.messages.runner_output import ModelRunnerOutput
 from octavo.messages.scheduler_output import GrammarBitmask, SchedulerOutput
 
 # The lifecycle methods a WorkerCall may name, in the order an executor calls them.
-WORKER_METHODS = ("start", "determine_num_blocks", "initialize_cache", "check_health")
+WORKER_METHODS = ("start", "determine_num_blocks", "initialize_cache", "determine_num_host_blocks",
+                  "initialize_host_cache", "check_health")
 
 
 class WorkerCall(msgspec.Struct, tag="call", kw_only=True):
@@ -29,6 +30,7 @@ class WorkerCall(msgspec.Struct, tag="call", kw_only=True):
     call_id: int
     # One of WORKER_METHODS: "start" (bind the device, join the ranks, load this rank's
     # weights), "determine_num_blocks", "initialize_cache" (arg: the number of blocks),
+    # "determine_num_host_blocks", "initialize_host_cache" (arg: the number of host blocks),
     # "check_health".
     method: str
     # The method's one integer argument, if it takes one.
@@ -68,7 +70,8 @@ class WorkerCallResult(msgspec.Struct, tag="call_result", kw_only=True):
 
     call_id: int
     rank: int
-    # The method's result (an integer for determine_num_blocks), None otherwise or on error.
+    # The method's result (an integer for determine_num_blocks / determine_num_host_blocks),
+    # None otherwise or on error.
     value: int | None = None
     # What went wrong (exception type and message), None on success.
     error: str | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import NewType
+from typing import Any, NewType
 
 from octavo.sampling_params import SamplingParams
 
@@ -21,6 +21,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Preempted by swapping: its KV blocks are in host memory.
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -42,8 +44,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence: its tokens, progress, blocks' hashes and stopping rules.
 
-    For ``n > 1`` the front end sends one ``Request`` per completion; they share the prompt's
-    KV blocks through the prefix cache. ``sampling_params`` are the completion's own: its
+    For ``n > 1`` the front end sends one ``Request`` per completion; the others fork the
+    first one's prompt blocks (``fork_from``). ``sampling_params`` are the completion's own: its
     ``max_tokens`` is already clipped to the room left in ``max_model_len`` and its ``seed`` is
     the completion's effective seed (see ``octavo.engine.processor``).
 
@@ -59,6 +61,7 @@ class Request:
         sampling_params: SamplingParams,
         block_hasher: BlockHasher | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         if sampling_params.max_tokens is None:
             raise ValueError(f"request {request_id}: sampling_params.max_tokens must be resolved")
@@ -88,6 +91,19 @@ class Request:
         # so recomputed positions are not sent twice).
         self.num_prompt_logprobs_sent = 0
         self.stop_reason: int | str | None = None
+        # Scheduling priority (lower first under --scheduling-policy priority).
+        self.priority = priority
+        # Position in the queues: (priority or 0, arrival time, admission number, beam index);
+        # set by the scheduler when the request is added.
+        self.sort_key: tuple[float, ...] = ()
+        # Completions forked from this one once its prompt is computed (n > 1).
+        self.pending_forks: list[Request] = []
+        # The workers do not know this request yet although it holds blocks (a forked beam):
+        # its next scheduling sends NewRequestData.
+        self.new_to_workers = False
+        # The beam search this request is a beam of (an
+        # octavo.scheduler.beam_search.BeamSearchGroup), None for a sampled request.
+        self.beam_group: Any = None
         self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []
         if block_hasher is not None:
@@ -134,6 +150,21 @@ class Request:
     def skip_prefix_cache(self) -> bool:
         """Prompt logprobs need logits of every prompt token, so no cached prefix is used."""
         return self.sampling_params.prompt_logprobs is not None
+
+    def fork(self, request_id: RequestId) -> Request:
+        """A new request with this one's tokens, hashes, settings and progress (a beam of a
+        beam search forked from its parent); its KV blocks are the caller's to share."""
+        child = Request(request_id, self.prompt_token_ids, self.sampling_params,
+                        arrival_time=self.arrival_time, priority=self.priority)
+        child._block_hasher = self._block_hasher
+        child.block_hashes = list(self.block_hashes)
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        child.status = self.status
+        return child
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -27,8 +27,12 @@ class NewRequestData:
     sampling_params: SamplingParams
     # All its KV blocks so far, in order (prefix-cache hits first).
     block_ids: list[int]
-    # Tokens already in the cache (prefix-cache hits).
+    # Tokens already in the cache (prefix-cache hits, tokens kept across a swap, or a
+    # forked beam's parent's tokens).
     num_computed_tokens: int
+    # The scheduler chooses this request's tokens (a beam of a beam search): the worker never
+    # appends what it samples; new tokens come in CachedRequestData.new_token_ids.
+    tokens_from_scheduler: bool = False
 
 
 @dataclass(slots=True)
@@ -43,8 +47,30 @@ class CachedRequestData:
     num_computed_tokens: int
     # Tokens generated since the request was last scheduled. Only under pipeline parallelism,
     # where no stage but the last sees the sampled tokens; otherwise every rank keeps the
-    # tokens it sampled itself and this stays empty.
+    # tokens it sampled itself and this stays empty (also for beams, whose tokens the
+    # scheduler chooses: see NewRequestData.tokens_from_scheduler).
     new_token_ids: list[int] = field(default_factory=list)
+    # Blocks replaced by copy-on-write this step: (index in the request's block list, new
+    # block id). The copy itself is in SchedulerOutput.blocks_to_copy.
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ForkedRequestData:
+    """A completion forked from another request in this step (n > 1, best_of): it shares the
+    parent's KV blocks and samples its first token from the parent's last logits of this step
+    (the step that completes the parent's prompt). It computes no token itself this step."""
+
+    # Request id.
+    req_id: str
+    # The request it forks (scheduled in this step; its prompt is this one's).
+    parent_req_id: str
+    # How to sample (this completion's own settings: its own seed).
+    sampling_params: SamplingParams
+    # Its KV blocks: the parent's, shared.
+    block_ids: list[int]
+    # Tokens in the cache once this step has run (the parent's prompt).
+    num_computed_tokens: int
 
 
 @dataclass(slots=True)
@@ -80,15 +106,31 @@ class SchedulerOutput:
     # The masks depend on a token still in flight: the step's forward pass runs now and its
     # sampling waits for ``Executor.sample_tokens`` (async scheduling with structured outputs).
     sampling_deferred: bool = False
+    # Requests forked this step (they sample from their parent's row; no tokens of their own).
+    forked_reqs: list[ForkedRequestData] = field(default_factory=list)
+    # KV block moves the workers make before this step's forward, in this order: device ->
+    # host (requests preempted by swapping), device -> device (copy-on-write of shared blocks),
+    # host -> device (swapped requests resumed). (source block id, destination block id).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
+        """No token to compute (there may still be worker updates: see has_worker_updates)."""
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_worker_updates(self) -> bool:
+        """Whether the workers must see this step even when it computes nothing: state to drop
+        or KV blocks to move."""
+        return bool(self.finished_req_ids or self.blocks_to_swap_out or self.blocks_to_copy
+                    or self.blocks_to_swap_in)
 
     def num_computed_before(self, req_id: str) -> int:
         """Tokens a scheduled request had in the cache before this step (a linear search:
         for the rare per-request lookups, e.g. prompt logprobs)."""
-        for data in (*self.scheduled_new_reqs, *self.scheduled_cached_reqs):
+        for data in (*self.scheduled_new_reqs, *self.scheduled_cached_reqs, *self.forked_reqs):
             if data.req_id == req_id:
                 return data.num_computed_tokens
         raise KeyError(f"request {req_id!r} is not in this step")

@@ -13,6 +13,7 @@ from octavo.attention.base import AttentionBackend
 from octavo.config import ModelConfig
 from octavo.distributed.parallel_state import ParallelState
 from octavo.model_executor.layers.quantization.base import (
+    LinearShape,
     QuantizationConfig,
     UnquantizedLinearMethod,
 )
@@ -100,9 +101,30 @@ def build_model(
     torch.set_default_dtype(model_config.dtype)
     try:
         with torch.device(device):
-            return model_cls(model_config.hf_config, attn_backend, **kwargs)
+            model = model_cls(model_config.hf_config, attn_backend, **kwargs)
+            if kwargs.get("quant_config") is not None:
+                _quantize_embeddings(model, kwargs["quant_config"])
+            return model
     finally:
         torch.set_default_dtype(previous_dtype)
+
+
+def _quantize_embeddings(model: torch.nn.Module, quant_config: QuantizationConfig) -> None:
+    """Give each token embedding / LM head the method's ``EmbeddingMethod``, where it has one
+    (one rank only: a split vocabulary stays dense)."""
+    from octavo.model_executor.layers.vocab import VocabParallelEmbedding
+
+    for path, module in model.named_modules():  # a tied LM head is the embedding: once
+        if not isinstance(module, VocabParallelEmbedding) or module.parallel.tp_size != 1:
+            continue
+        method = quant_config.embedding_method(path, module.rows_per_rank,
+                                               module.weight.shape[1])
+        if method is not None:
+            method.create_weights(module, LinearShape(
+                input_size=module.weight.shape[1], output_sizes=(module.rows_per_rank,),
+                full_input_size=module.weight.shape[1], input_start=0,
+                params_dtype=module.weight.dtype))
+            module.quant_method = method
 
 
 def load_model(

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from octavo.sample.logits_processor import LogitsProcessorBatch, LogitsProcessorRegistry
+from octavo.sample.token_masks import TokenMasks
 from octavo.sampling_params import SamplingParams
 from octavo.transfer import host_to_device
 
@@ -104,6 +106,10 @@ class SamplingMetadata:
     # constrained.
     grammar_row_ids: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
+    # allowed_token_ids and bad_words masks (octavo.sample.token_masks); None if unused.
+    token_masks: TokenMasks | None = None
+    # Plugins' logits processors to run (octavo.sample.logits_processor); None if unused.
+    logits_processors: LogitsProcessorBatch | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -117,11 +123,13 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         grammar: GrammarRows | None = None,
+        logits_processors: LogitsProcessorRegistry | None = None,
     ) -> SamplingMetadata:
         """Batch ``rows`` into tensors on ``device``; row ``i`` describes logits row ``i``.
         ``grammar`` gives the token bitmasks of the constrained rows (structured outputs).
 
-        Raises ``ValueError`` when ``vocab_size`` is not positive.
+        ``logits_processors``: where the rows' named processors come from (needed when a row
+        selects one). Raises ``ValueError`` when ``vocab_size`` is not positive.
         """
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
@@ -207,7 +215,18 @@ class SamplingMetadata:
             max_num_logprobs=max(asked) if asked else None,
             grammar_row_ids=None if grammar is None else longs(grammar.row_ids),
             grammar_bitmask=None if grammar is None else host_to_device(grammar.bitmask, device),
+            token_masks=TokenMasks.from_rows(rows, vocab_size, device),
+            logits_processors=_processor_batch(rows, logits_processors, vocab_size, device),
         )
+
+
+def _processor_batch(rows: list[SamplingRow], registry: LogitsProcessorRegistry | None,
+                     vocab_size: int, device: torch.device | str) -> LogitsProcessorBatch | None:
+    if not any(row.params.logits_processors for row in rows):
+        return None
+    if registry is None:
+        raise ValueError("rows select logits processors but no registry was given")
+    return LogitsProcessorBatch.from_rows(rows, registry, vocab_size, device)
 
 
 def step_seed(seed: int, position: int) -> int:

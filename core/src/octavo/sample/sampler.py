@@ -4,7 +4,9 @@ Per step, on the logits' device, in float32 (a copy: the caller's logits are nev
 
 0. structured outputs: tokens a constrained row's grammar does not allow get ``-inf`` (its
    bitmask, unpacked on the device: no loop over rows or the vocabulary);
-1. ``logit_bias`` is added;
+1. ``logit_bias`` is added; tokens outside ``allowed_token_ids`` and the last token of a
+   ``bad_words`` sequence the output is completing get ``-inf`` (``token_masks.py``); the
+   request's logits processors run (``logits_processor.py``);
 2. ``min_tokens``: until a row has generated ``min_tokens`` tokens, its stop tokens
    (``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS ids) get ``-inf``;
 3. penalties: repetition (HF: on tokens in prompt or output, ``logit / p`` if positive else
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from octavo.sample.logits_processor import LogitsProcessorRegistry, apply_logits_processors
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import GrammarRows, SamplingMetadata, SamplingRow
+from octavo.sample.token_masks import apply_token_masks
 
 # Smallest exponential draw used: keeps probs / q finite and never 0 / 0.
 _MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
@@ -44,7 +48,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless batched sampler; see the module docstring for the exact pipeline."""
+    """Stateless batched sampler; see the module docstring for the exact pipeline.
+
+    :param logits_processors: the registered logits processors rows may select (None: rows
+        must select none).
+    """
+
+    def __init__(self, logits_processors: LogitsProcessorRegistry | None = None) -> None:
+        self.logits_processors = logits_processors
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarRows | None = None
@@ -61,7 +72,8 @@ class Sampler:
             raise ValueError(
                 f"logits have {logits.shape[0]} rows but {len(rows)} sampling rows were given"
             )
-        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device, grammar)
+        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device, grammar,
+                                              self.logits_processors)
         return self.sample(logits, metadata)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
@@ -77,6 +89,8 @@ class Sampler:
             and metadata.bias_row_ids is None
             and metadata.min_tokens_row_ids is None
             and metadata.grammar_row_ids is None
+            and metadata.token_masks is None
+            and metadata.logits_processors is None
         ):
             # Fast path of the common greedy batch: nothing to process, no float32 copy.
             sampled = logits.argmax(dim=-1)
@@ -104,6 +118,8 @@ class Sampler:
         out = logits.to(torch.float32, copy=True)  # [batch, vocab]
         apply_grammar_bitmask(out, metadata)
         apply_logit_bias(out, metadata)
+        apply_token_masks(out, metadata.token_masks)
+        apply_logits_processors(out, metadata.logits_processors)
         apply_min_tokens(out, metadata)
         apply_penalties(out, metadata)
         return out

@@ -147,16 +147,16 @@ class StructuredOutputManager:
         """The token bitmask of ``request_ids`` (one row each, in order). A request without a
         matcher (it finished while its step was in flight) gets a row allowing everything:
         what it samples is thrown away."""
-        import llguidance.torch as llg_torch
-        import torch
+        # llguidance.numpy, not llguidance.torch: importing the latter imports torch._dynamo
+        # (seconds, on the engine thread, at the first constrained step).
+        import llguidance.numpy as llg_numpy
 
-        rows = torch.full((len(request_ids), self.num_words), -1, dtype=torch.int32)
+        rows = np.full((len(request_ids), self.num_words), -1, dtype=np.int32)
         pairs = [(self._matchers[r], i) for i, r in enumerate(request_ids) if r in self._matchers]
         if pairs:
-            llg_torch.fill_next_token_bitmask_par(self._mask_executor(), pairs, rows)
-        data: np.ndarray = rows.numpy()
+            llg_numpy.fill_next_token_bitmask_par(self._mask_executor(), pairs, rows)
         return GrammarBitmask(req_ids=list(request_ids), num_words=self.num_words,
-                              data=data.tobytes())
+                              data=rows.tobytes())
 
     # ---- compile thread ------------------------------------------------------------------
 

@@ -54,6 +54,11 @@ class BlockTable:
         self._table[row, start:end] = block_ids
         self._lengths[row] = end
 
+    def replace(self, row: int, index: int, block_id: int) -> None:
+        """Put ``block_id`` at position ``index`` of ``row`` (a block copied on write)."""
+        assert index < self._lengths[row], f"row {row} has no block at {index}"
+        self._table[row, index] = block_id
+
     def free_row(self, row: int) -> None:
         """Give ``row`` back; its entries are zeroed so a later owner starts clean."""
         self._table[row, : self._lengths[row]] = 0

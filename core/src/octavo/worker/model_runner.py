@@ -34,6 +34,7 @@ from octavo.messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, Sc
 from octavo.model_executor.layers.attention import Attention
 from octavo.model_executor.model_loader import load_model
 from octavo.model_executor.models.interfaces import IntermediateTensors
+from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import GrammarRows, SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput
@@ -42,6 +43,7 @@ from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
 from octavo.worker.graph_runner import GraphRunner
+from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
 from octavo.worker.pipeline import StageIO
 
 logger = logging.getLogger(__name__)
@@ -71,8 +73,11 @@ class CachedRequestState:
     block_table_row: int = -1
     # Greedy with nothing that changes the logits and no logprobs: argmax is the whole sampler.
     plain_greedy: bool = False
-    # Penalties need every generated token id on the host before sampling.
+    # Penalties (bad words, logits processors) need every generated token id on the host
+    # before sampling.
     needs_token_history: bool = False
+    # The scheduler chooses its tokens (a beam): what this worker samples is not appended.
+    tokens_from_scheduler: bool = False
     # Row of this request in the sampled-token tensor of the last step that sampled for it:
     # its next input while that token is not in token_ids yet.
     sampled_row: int = -1
@@ -124,13 +129,17 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # Host block pool of swapped-out requests, per layer (empty without swap space).
+        self.host_kv_caches: list[torch.Tensor] = []
+        # Moves whole blocks (swaps, copies-on-write); set with the KV cache.
+        self.kv_block_mover: KVBlockMover | None = None
         self.requests: dict[str, CachedRequestState] = {}
         # Block ids of every request in self.requests, one persistent row each.
         self.block_table = BlockTable(
             num_rows=config.scheduler_config.max_num_seqs,
             num_cols=-(-config.model_config.max_model_len // self.block_size),
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(LogitsProcessorRegistry(pm))
         # The last launched step; its sampled tokens may not be on the host yet.
         self._last_step: StepOutput | None = None
         # A launched step waiting for sample_tokens: its output, hidden states and inputs.
@@ -177,6 +186,26 @@ class ModelRunner:
         self.kv_caches = [
             torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
+        mover = self.pm.hook.octavo_kv_block_mover(
+            backend=self.config.backend, attn_backend=self.attn_backend, device=self.device)
+        self.kv_block_mover = mover or default_kv_block_mover(self.attn_backend, self.device)
+
+    def initialize_host_cache(self, num_blocks: int) -> None:
+        """Allocate the host block pool of swapped-out requests (after the KV cache)."""
+        assert self.kv_block_mover is not None, "initialize_kv_cache() must run first"
+        self.host_kv_caches = self.kv_block_mover.allocate_host_cache(self.kv_caches, num_blocks)
+
+    def _move_blocks(self, so: SchedulerOutput) -> None:
+        """The step's block moves, before its forward: swap-outs, copies, swap-ins."""
+        if not (so.blocks_to_swap_out or so.blocks_to_copy or so.blocks_to_swap_in):
+            return
+        mover = self.kv_block_mover
+        assert mover is not None, "initialize_kv_cache() must run first"
+        if so.blocks_to_swap_out or so.blocks_to_swap_in:
+            assert self.host_kv_caches, "the scheduler swaps but no host cache was allocated"
+        mover.swap_out(self.kv_caches, self.host_kv_caches, so.blocks_to_swap_out)
+        mover.copy(self.kv_caches, so.blocks_to_copy)
+        mover.swap_in(self.host_kv_caches, self.kv_caches, so.blocks_to_swap_in)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor | None:
@@ -246,6 +275,7 @@ class ModelRunner:
         if self._last_step is not None:
             self._last_step.wait_previous()  # keeps at most one step in flight behind this one
         self._update_states(scheduler_output)
+        self._move_blocks(scheduler_output)
         if scheduler_output.is_empty:
             return PendingStepOutput.ready(ModelRunnerOutput())
         inputs = self._prepare_inputs(scheduler_output)
@@ -299,17 +329,39 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 block_table_row=self.block_table.add_row(new.block_ids),
                 plain_greedy=new.sampling_params.is_plain_greedy,
-                needs_token_history=new.sampling_params.uses_penalties,
+                needs_token_history=new.sampling_params.needs_output_token_ids,
+                tokens_from_scheduler=new.tokens_from_scheduler,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            if self.tokens_from_scheduler and cached.new_token_ids:
+            if cached.new_token_ids and (self.tokens_from_scheduler
+                                         or state.tokens_from_scheduler):
                 state.token_ids.extend(cached.new_token_ids)
                 state.output_token_ids.extend(cached.new_token_ids)
+            for index, block_id in cached.replaced_block_ids:
+                state.block_ids[index] = block_id
+                self.block_table.replace(state.block_table_row, index, block_id)
             if cached.new_block_ids:
                 state.block_ids.extend(cached.new_block_ids)
                 self.block_table.append(state.block_table_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for fork in so.forked_reqs:
+            parent = self.requests[fork.parent_req_id]
+            self._forget(fork.req_id)
+            params = fork.sampling_params
+            self.requests[fork.req_id] = CachedRequestState(
+                req_id=fork.req_id,
+                num_prompt_tokens=parent.num_prompt_tokens,
+                token_ids=list(parent.token_ids),
+                prompt_token_ids=parent.prompt_token_ids,
+                output_token_ids=list(parent.output_token_ids),
+                sampling_params=params,
+                block_ids=list(fork.block_ids),
+                num_computed_tokens=fork.num_computed_tokens,
+                block_table_row=self.block_table.add_row(fork.block_ids),
+                plain_greedy=params.is_plain_greedy,
+                needs_token_history=params.needs_output_token_ids,
+            )
 
     def _forget(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
@@ -333,6 +385,8 @@ class ModelRunner:
         num_tokens_before_sample: list[int] = []
         samples: list[bool] = []
         prompt_positions: dict[str, tuple[list[int], list[int]]] = {}
+        # Forks sample the logits of their parent's last row: (flat index, tokens) per parent.
+        sample_of: dict[str, tuple[int, int]] = {}
         # Inputs still on the device: (flat index, row in the last step's sampled tokens).
         pending_flat: list[int] = []
         pending_rows: list[int] = []
@@ -369,6 +423,8 @@ class ModelRunner:
             if does_sample:
                 sample_indices.append(flat_start + num_new - 1)
                 num_tokens_before_sample.append(end)
+                if so.forked_reqs:
+                    sample_of[req_id] = (flat_start + num_new - 1, end)
             if state.sampling_params.prompt_logprobs is not None:
                 # Position p predicts prompt token p + 1.
                 last = min(end, state.num_prompt_tokens - 1)
@@ -376,6 +432,12 @@ class ModelRunner:
                     flat = [flat_start + p - start for p in range(start, last)]
                     targets = state.token_ids[start + 1 : last + 1]
                     prompt_positions[req_id] = (flat, targets)
+        for fork in so.forked_reqs:
+            flat_index, end = sample_of[fork.parent_req_id]
+            req_ids.append(fork.req_id)
+            samples.append(True)
+            sample_indices.append(flat_index)
+            num_tokens_before_sample.append(end)
         # One host-to-device copy for every per-token vector and index.
         num_tokens = len(input_ids)
         num_pending = len(pending_flat)
@@ -477,7 +539,7 @@ class ModelRunner:
             if sampled is not None:
                 token_ids = host[0].tolist()
                 for i, state, token_id in zip(step_rows, states, token_ids):
-                    if not self.tokens_from_scheduler:
+                    if not (self.tokens_from_scheduler or state.tokens_from_scheduler):
                         state.token_ids.append(token_id)
                         state.output_token_ids.append(token_id)
                     output.sampled_token_ids[i] = [token_id]

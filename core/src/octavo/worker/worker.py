@@ -9,6 +9,7 @@ hook (``create_worker``).
 from __future__ import annotations
 
 import logging
+import os
 
 import pluggy
 import torch
@@ -27,6 +28,14 @@ from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host in bytes (0 when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
 
 
 def create_worker(config: EngineConfig, pm: pluggy.PluginManager, rank: int = 0,
@@ -177,6 +186,32 @@ class Worker:
             model.max_model_len,
         )
         return num_blocks
+
+    def determine_num_host_blocks(self) -> int:
+        """Blocks of the host pool for swapped-out requests: ``swap_space`` GiB divided by the
+        bytes of one of this rank's blocks. Refuses a pool that would take most of the host's
+        memory, or that holds not even one block."""
+        cache = self.config.cache_config
+        per_block = self.kv_cache_bytes_per_block()
+        wanted = cache.swap_space_bytes
+        total = host_memory_bytes()
+        if total and wanted > 0.7 * total:
+            raise ValueError(
+                f"--swap-space {cache.swap_space} GiB per device is more than 70% of this "
+                f"host's {total / 2**30:.1f} GiB of memory; lower --swap-space")
+        num_blocks = wanted // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"--swap-space {cache.swap_space} GiB holds no KV block ({per_block} bytes "
+                "each); raise --swap-space or use --preemption-mode recompute")
+        logger.info("swap space: %d host KV blocks (%.2f GiB) on %s", num_blocks,
+                    num_blocks * per_block / 2**30, self.device)
+        return num_blocks
+
+    def initialize_host_cache(self, num_blocks: int) -> None:
+        """Allocate the host block pool (pinned for a GPU), after ``initialize_cache``."""
+        assert self.model_runner is not None
+        self.model_runner.initialize_host_cache(num_blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then let the backend capture what it can replay."""

@@ -53,6 +53,7 @@ from octavo.entrypoints.openai.protocol import (
 from octavo.entrypoints.openai.serving_chat import OpenAIServingChat
 from octavo.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from octavo.entrypoints.openai.serving_engine import invalid_request
+from octavo.entrypoints.openai.tool_calling import check_tools
 from octavo.errors import InvalidRequestError
 from octavo.version import __version__
 
@@ -93,6 +94,11 @@ class ServerArgs:
     access_log: bool = False
     # Also export every metric as vllm:<name>, for dashboards built for vLLM.
     vllm_metric_names: bool = False
+    # Parse the tool calls the model writes when a request's tool_choice is "auto" (needs
+    # tool_call_parser).
+    enable_auto_tool_choice: bool = False
+    # Name of the tool-call parser (octavo.entrypoints.openai.tool_parsers), e.g. "hermes".
+    tool_call_parser: str | None = None
 
 
 def build_app(args: ServerArgs) -> FastAPI:
@@ -137,7 +143,9 @@ def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs) -> None:
     state.engine = engine
     state.served_model_names = names
     state.completion = OpenAIServingCompletion(engine, names, **common)
-    state.chat = OpenAIServingChat(engine, names, chat_template=args.chat_template, **common)
+    state.chat = OpenAIServingChat(engine, names, chat_template=args.chat_template,
+                                   tool_parser=args.tool_call_parser,
+                                   enable_auto_tool_choice=args.enable_auto_tool_choice, **common)
     state.metrics = PrometheusStatLogger(names[0], vllm_names=args.vllm_metric_names)
     engine.stat_loggers.append(state.metrics)
     on_dead = getattr(state, "on_engine_dead", None)
@@ -199,7 +207,8 @@ def _add_routes(app: FastAPI) -> None:
             raise OpenAIError("give exactly one of prompt and messages", 400, param="prompt",
                               code="invalid_value")
         if body.messages is not None:
-            _, token_ids = chat.render(body.messages, body.add_generation_prompt)
+            tools = check_tools(body.tools) if body.tools is not None else None
+            _, token_ids = chat.render(body.messages, body.add_generation_prompt, tools)
         else:
             try:
                 text = check_text(body.prompt, "prompt")

@@ -72,16 +72,31 @@ class ChatTemplate:
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages`` (dicts with ``role`` and string ``content``)."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of ``messages`` (dicts with ``role`` and string ``content``; assistant
+        messages may have ``tool_calls``, tool messages ``tool_call_id``), with ``tools`` (the
+        OpenAI tool dicts, as Hugging Face templates expect them) when given."""
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 **self._special_tokens,
             )
         except ChatTemplateError:
             raise
         except Exception as exc:  # jinja errors (SecurityError from the sandbox too), bad types
             raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+
+    def renders_tools(self) -> bool:
+        """Whether the template shows the model the tools it is given (many do not)."""
+        probe_tool = {"type": "function", "function": {
+            "name": "octavo_probe_tool", "description": "probe",
+            "parameters": {"type": "object", "properties": {}}}}
+        messages = [{"role": "user", "content": "probe"}]
+        try:
+            with_tools = self.render(messages, True, [probe_tool])
+            return with_tools != self.render(messages, True, None)
+        except ChatTemplateError:
+            return False

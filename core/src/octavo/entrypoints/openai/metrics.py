@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from octavo.config import PREEMPTION_MODES
 from octavo.engine.stats import IterationStats
 from octavo.messages import SchedulerStats
 
@@ -34,11 +35,13 @@ _N_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 METRICS = (
     ("num_requests_running", "gauge", "Requests in the engine's running batch."),
     ("num_requests_waiting", "gauge", "Requests waiting to run (new or preempted)."),
+    ("num_requests_swapped", "gauge", "Requests preempted by swapping, their KV blocks in host memory."),
     ("kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks held by requests (0 to 1)."),
+    ("cpu_cache_usage_perc", "gauge", "Fraction of the host KV block pool (--swap-space) held by swapped requests (0 to 1)."),
     ("prefix_cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache / prompt tokens looked up, since start."),
     ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
-    ("num_preemptions", "counter", "Requests preempted to free KV blocks (recomputed later)."),
+    ("num_preemptions", "counter", "Requests preempted to free KV blocks, by mode (recompute, swap)."),
     ("prompt_tokens", "counter", "Prompt tokens of admitted requests."),
     ("generation_tokens", "counter", "Generated tokens."),
     ("request_success", "counter", "Finished completions, by finished_reason (stop, length, abort)."),
@@ -105,6 +108,7 @@ class PrometheusStatLogger:
         kinds = {name: (kind, text) for name, kind, text in METRICS}
         self._series: dict[str, _Series] = {}
         self._request_success: list[Counter] = []
+        self._preemptions: list[Counter] = []
         for name, (kind, text) in kinds.items():
             made = []
             for prefix in self.prefixes:
@@ -116,6 +120,12 @@ class PrometheusStatLogger:
                         counter.labels(model_name, reason)  # exported as 0 from the start
                     self._request_success.append(counter)
                     continue
+                if name == "num_preemptions":
+                    counter = Counter(full, text, ["model_name", "mode"], registry=self.registry)
+                    for mode in PREEMPTION_MODES:
+                        counter.labels(model_name, mode)  # exported as 0 from the start
+                    self._preemptions.append(counter)
+                    continue
                 if kind == "gauge":
                     metric = Gauge(full, text, ["model_name"], registry=self.registry)
                 elif kind == "counter":
@@ -125,7 +135,7 @@ class PrometheusStatLogger:
                                        buckets=_BUCKETS.get(name, _REQUEST_BUCKETS))
                 made.append(metric.labels(model_name))
             self._series[name] = _Series(made)
-        self._last_num_preemptions = 0
+        self._last_num_preemptions = {mode: 0 for mode in PREEMPTION_MODES}
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
 
@@ -133,9 +143,11 @@ class PrometheusStatLogger:
         s, sched, it = self._series, scheduler_stats, iteration_stats
         s["num_requests_running"].set(sched.num_running)
         s["num_requests_waiting"].set(sched.num_waiting)
+        s["num_requests_swapped"].set(sched.num_swapped)
         s["kv_cache_usage_perc"].set(sched.kv_cache_usage)
+        s["cpu_cache_usage_perc"].set(sched.host_kv_cache_usage)
         s["prefix_cache_hit_rate"].set(sched.prefix_cache_hit_rate)
-        self._count_since_last("num_preemptions", sched.num_preemptions, "_last_num_preemptions")
+        self._count_preemptions(sched)
         self._count_since_last("prefix_cache_queries", sched.prefix_cache_queries,
                                "_last_prefix_queries")
         self._count_since_last("prefix_cache_hits", sched.prefix_cache_hits, "_last_prefix_hits")
@@ -162,6 +174,16 @@ class PrometheusStatLogger:
         for reason in it.finish_reasons:
             for counter in self._request_success:
                 counter.labels(self.model_name, reason).inc()
+
+    def _count_preemptions(self, sched: SchedulerStats) -> None:
+        totals = {"swap": sched.num_preemptions_swap,
+                  "recompute": sched.num_preemptions - sched.num_preemptions_swap}
+        for mode, total in totals.items():
+            new = total - self._last_num_preemptions[mode]
+            if new > 0:
+                for counter in self._preemptions:
+                    counter.labels(self.model_name, mode).inc(new)
+            self._last_num_preemptions[mode] = total
 
     def _count_since_last(self, name: str, total: int, last_attr: str) -> None:
         """Counters of the engine core arrive as totals since start: add what is new."""

@@ -2,7 +2,7 @@
 
 Requests accept extra fields at parse time and ``unsupported_fields`` lists them afterwards, so
 the server can answer 400 *naming* every field it does not support (OpenAI fields such as
-``tools`` or ``suffix`` as much as typos) instead of silently ignoring them.
+``suffix`` or ``functions`` as much as typos) instead of silently ignoring them.
 
 Request fields are validated strictly: no coercion of booleans to integers (``[true, false]``
 is not a list of token ids) or of strings to numbers (``"0.5"`` is not a temperature); JSON
@@ -106,6 +106,14 @@ class SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's sampling extensions (see octavo.SamplingParams).
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    # Logits processors registered by plugins: names, or {"qualname": NAME, "kwargs": {...}}.
+    logits_processors: list[str | dict[str, Any]] | None = None
+    # Scheduling priority, lower first (only with --scheduling-policy priority).
+    priority: int = 0
     # Accepted for compatibility; not used.
     user: str | None = None
 
@@ -129,8 +137,12 @@ class CompletionRequest(SamplingFields):
     # Top logprobs per prompt token (vLLM's extension): returned in choices[i].prompt_logprobs;
     # echo + logprobs also asks for them, for the echoed prompt's logprobs.
     prompt_logprobs: int | None = None
-    # Only best_of == n (or unset) is supported.
+    # Sample best_of completions and return the n with the highest cumulative logprob.
     best_of: int | None = None
+    # vLLM's beam search: n beams (beam_width), scored cumulative logprob / length **
+    # length_penalty; deterministic (temperature 0 or unset).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Not supported (rejected when set).
     suffix: str | None = None
 
@@ -183,10 +195,51 @@ class ContentPart(OpenAIRequest):
     text: str | None = None
 
 
+class FunctionCall(OpenAIRequest):
+    name: str
+    # The arguments' JSON text (an object).
+    arguments: str
+
+
+class ToolCallParam(OpenAIRequest):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Assistant messages: the calls they made.
+    tool_calls: list[ToolCallParam] | None = None
+    # Tool messages: the call they answer.
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIRequest):
+    name: str
+    description: str | None = None
+    # JSON schema of the arguments (an object schema); absent: no arguments.
+    parameters: dict[str, Any] | None = None
+    # Accepted; the schema is enforced with tool_choice "required" or a named function.
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIRequest):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIRequest):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -197,11 +250,42 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     # End the rendered prompt with the assistant turn's opening (octavo extension).
     add_generation_prompt: bool = True
+    # Functions the model may call; given to the chat template.
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None: "auto" when tools are given, else "none".
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    # False: at most one call per answer.
+    parallel_tool_calls: bool = True
+
+
+class FunctionCallResponse(OpenAIResponse):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIResponse):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallResponse
 
 
 class ChatMessageResponse(OpenAIResponse):
     role: Literal["assistant"] = "assistant"
-    content: str
+    # None when the answer is only tool calls.
+    content: str | None
+    # The model's thinking, with --reasoning-parser (omitted when there is none).
+    reasoning_content: str | None = None
+    # Omitted when there are none.
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_empty(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class TopLogprob(OpenAIResponse):
@@ -234,9 +318,34 @@ class ChatCompletionResponse(OpenAIResponse):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIResponse):
+    # In a call's first delta only.
+    name: str | None = None
+    # The next fragment of the arguments' JSON text.
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(OpenAIResponse):
+    index: int
+    # id and type: in a call's first delta only.
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class DeltaMessage(OpenAIResponse):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: Any) -> dict[str, Any]:
@@ -285,6 +394,8 @@ class TokenizeRequest(OpenAIRequest):
     # ...or chat messages, rendered with the chat template first.
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # With messages: the tools given to the chat template.
+    tools: list[ChatCompletionToolsParam] | None = None
 
 
 class TokenizeResponse(OpenAIResponse):

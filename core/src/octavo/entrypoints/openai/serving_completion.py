@@ -32,6 +32,7 @@ from octavo.entrypoints.openai.serving_engine import (
 )
 from octavo.errors import InvalidRequestError
 from octavo.outputs import PositionLogprobs, RequestOutput
+from octavo.sampling_params import BeamSearchParams, SamplingParams
 
 
 class _Prompt:
@@ -52,26 +53,28 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(request.model)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported", 400, param="suffix", code="unsupported_field")
-        if request.best_of is not None and request.best_of != request.n:
-            raise OpenAIError(f"best_of must equal n ({request.n}) if given; best_of > n is not "
-                              "supported", 400, param="best_of", code="unsupported_value")
         prompts = self._prompts(request.prompt)
-        self.check_batch(len(prompts), request.n)
+        self.check_batch(len(prompts), max(request.n, request.best_of or 0))
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-        params = self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
+        params: SamplingParams | BeamSearchParams
+        if request.use_beam_search:
+            params = self._beam_search_params(request)
+        else:
+            params = self.sampling_params(request, request.max_tokens, request.logprobs,
+                                          prompt_logprobs, best_of=request.best_of)
         engine_prompts = [{"prompt": p.text, "prompt_token_ids": p.token_ids} for p in prompts]
         request_id = self.new_request_id()
         if request.stream:
             ids, streams = self.add_requests(request_id, engine_prompts, params,
-                                         RequestOutputKind.DELTA)
+                                             RequestOutputKind.DELTA, priority=request.priority)
             return SSEResponse(
                 self._stream(request_id, model, request, prompts, streams),
                 on_close=lambda: self.abort_all(ids),
             )
         ids, streams = self.add_requests(request_id, engine_prompts, params,
-                                         RequestOutputKind.FINAL_ONLY)
+                                         RequestOutputKind.FINAL_ONLY, priority=request.priority)
         try:
             outputs = await self.wait_or_disconnect(raw_request, _collect(streams))
         except ClientDisconnected:
@@ -83,6 +86,31 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             self.abort_all(ids)
         return JSONResponse(self._response(request_id, model, request, prompts, outputs).model_dump())
+
+    def _beam_search_params(self, request: CompletionRequest) -> BeamSearchParams:
+        """``use_beam_search``: ``n`` beams; the fields beam search has no use for are refused."""
+        for name in ("logprobs", "prompt_logprobs", "best_of", "seed", "top_p", "top_k",
+                     "min_p", "logit_bias", "stop", "structured_outputs", "response_format",
+                     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "bad_words", "allowed_token_ids", "logits_processors"):
+            if getattr(request, name) not in (None, []):
+                raise OpenAIError(f"{name} cannot be used with use_beam_search", 400,
+                                  param=name, code="unsupported_value")
+        if request.stream:
+            raise OpenAIError("use_beam_search does not stream: its sequences are chosen at the "
+                              "end; send stream=false", 400, param="stream",
+                              code="unsupported_value")
+        if request.max_tokens is None:
+            raise OpenAIError("use_beam_search needs max_tokens", 400, param="max_tokens",
+                              code="invalid_value")
+        try:
+            return BeamSearchParams(
+                beam_width=request.n, max_tokens=request.max_tokens,
+                ignore_eos=request.ignore_eos, temperature=request.temperature or 0.0,
+                length_penalty=request.length_penalty,
+                include_stop_str_in_output=request.include_stop_str_in_output)
+        except InvalidRequestError as exc:
+            raise invalid_request(exc, {"beam_width": "n"}) from None
 
     def _prompts(self, prompt: Any) -> list[_Prompt]:
         """Normalise the four prompt forms to (text, token ids), checked by the engine's

@@ -28,7 +28,7 @@ from octavo.entrypoints.openai.errors import OpenAIError, engine_dead_error
 from octavo.entrypoints.openai.protocol import SamplingFields, unsupported_fields
 from octavo.errors import InvalidRequestError
 from octavo.outputs import PositionLogprobs, RequestOutput
-from octavo.sampling_params import SamplingParams, StructuredOutputsParams
+from octavo.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from octavo.structured_output.grammar import validate as validate_structured_outputs
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,11 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         params_renamed: dict[str, str] | None = None,
+        best_of: int | None = None,
     ) -> SamplingParams:
-        """``SamplingParams`` from the request's fields (OpenAI defaults where unset).
+        """``SamplingParams`` from the request's fields; a sampling field the request leaves
+        unset takes the model's default (its generation_config.json, ``--generation-config``),
+        else OpenAI's.
 
         :param params_renamed: engine field -> the request's field, for error messages.
         """
@@ -133,7 +136,13 @@ class OpenAIServing:
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "skip_special_tokens": request.skip_special_tokens,
             "seed": request.seed,
+            "bad_words": request.bad_words,
+            "allowed_token_ids": request.allowed_token_ids,
+            "truncate_prompt_tokens": request.truncate_prompt_tokens,
+            "logits_processors": request.logits_processors,
+            "best_of": best_of,
         }
+        kwargs.update(self.engine.model_config.sampling_defaults)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(request, name)
@@ -163,9 +172,10 @@ class OpenAIServing:
         self,
         request_id: str,
         prompts: list[dict[str, Any]],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         output_kind: RequestOutputKind,
         params_renamed: dict[str, str] | None = None,
+        priority: int = 0,
     ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
         """Queue one engine request per prompt, all or none; return their ids and output streams.
 
@@ -175,13 +185,15 @@ class OpenAIServing:
         :param params_renamed: engine field -> the request's field, for error messages (for
             several prompts, ``"prompt"`` becomes ``"prompt[i]"`` by itself).
         """
-        self.check_admission(len(prompts) * params.n)
+        width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
+        self.check_admission(len(prompts) * width)
         added: list[tuple[str, asyncio.Queue[Any]]] = []
         try:
             for i, prompt in enumerate(prompts):
                 sub_id = f"{request_id}-{i}"
                 try:
-                    queue = self.engine.add_request(sub_id, prompt, params, output_kind)
+                    queue = self.engine.add_request(sub_id, prompt, params, output_kind,
+                                                    priority=priority)
                     added.append((sub_id, queue))
                 except InvalidRequestError as exc:
                     renamed = dict(params_renamed or {})

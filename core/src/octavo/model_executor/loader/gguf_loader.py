@@ -6,7 +6,7 @@ the config, the tokenizer (``octavo.engine.tokenizer``) and the weights share th
 Tensors are dequantized to float32 on load, or, for a model run with the ``gguf`` quantization
 method (``keep_quantized``), quantized 2-D weights of the types it keeps (Q4_0, Q4_1, Q8_0,
 Q4_K, Q6_K) come as ``GGUFBlocks``: their raw blocks for the method's layers, dequantized only
-by a dense parameter's loader (the embedding). Those five types are dequantized in vectorized
+by a dense parameter's loader (an embedding the method does not keep). Those five types are dequantized in vectorized
 torch (``octavo.kernels.gguf``); every other type goes through the reference
 ``gguf.quants.dequantize`` (numpy), which the torch versions match exactly.
 

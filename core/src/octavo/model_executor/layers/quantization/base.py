@@ -122,9 +122,27 @@ class QuantizationConfig(ABC):
         ``model.layers.0.mlp.gate_up_proj``) merging the projections ``shard_names`` (empty
         for a single one); ``None`` to leave the layer unquantized (an ignored module)."""
 
+    def embedding_method(self, prefix: str, vocab_rows: int,
+                         hidden_size: int) -> EmbeddingMethod | None:
+        """The method for the token embedding / LM head named ``prefix`` (``model.embed_tokens``,
+        ``lm_head``) holding ``vocab_rows`` rows of ``hidden_size`` on one rank, called once the
+        model is built and before its weights load; ``None`` (the default) keeps it dense."""
+        return None
+
     def describe(self) -> str:
         """One line for the start-up log."""
         return self.name
+
+
+class EmbeddingMethod(LinearMethod):
+    """How a token embedding (and, tied or not, the LM head) stores its table:
+    ``create_weights`` replaces the layer's ``weight``, ``apply`` computes the logits
+    ``x @ W^T`` and ``embedding`` looks rows up, ``[...]`` ids -> ``[..., hidden_size]`` in the
+    model dtype."""
+
+    @abstractmethod
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``input_ids``."""
 
 
 def add_param(layer: nn.Module, name: str, tensor: torch.Tensor,

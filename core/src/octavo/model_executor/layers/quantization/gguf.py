@@ -10,8 +10,12 @@ dequantizing the weight for the product only; projections of one type run as one
 
 Layers whose tensors are stored as floats (F32/F16/BF16) are dense; a layer of another
 quantized type (Q5_K, IQ4_XS, ...) is refused: ``--quantization none`` dequantizes the whole
-file while loading instead. The token embedding (and a tied LM head) is always dequantized
-while loading.
+file while loading instead.
+
+The token embedding and the LM head (tied or not) stay in their blocks too when their type is
+one of those and the model runs on one tensor-parallel rank (``GGUFEmbeddingMethod``): a lookup
+dequantizes only the rows it reads (``gguf_dequantize`` of the backend's kernels, else torch),
+the logits are ``gguf_linear``. Otherwise they are dequantized while loading.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from octavo.kernels.gguf import GGUF_BLOCKS, bytes_per_row, dequantize_rows, gguf_linear
 from octavo.model_executor.layers.quantization.base import (
+    EmbeddingMethod,
     LinearMethod,
     LinearShape,
     QuantizationConfig,
@@ -68,6 +73,16 @@ class GGUFConfig(QuantizationConfig):
                 f"Octavo does not keep quantized (it keeps {', '.join(GGUF_BLOCKS)}); run with "
                 "--quantization none to dequantize the file while loading")
         return GGUFLinearMethod(self, tuple(types))
+
+    def embedding_method(self, prefix: str, vocab_rows: int,
+                         hidden_size: int) -> EmbeddingMethod | None:
+        qtype = self.weight_types.get(f"{prefix}.weight")
+        if qtype is None and prefix == "lm_head":  # tied: the head is the embedding's table
+            qtype = self.weight_types.get("model.embed_tokens.weight")
+        if qtype not in GGUF_BLOCKS:
+            return None
+        bytes_per_row(qtype, hidden_size)  # whole blocks per row, else ValueError
+        return GGUFEmbeddingMethod(self, qtype)
 
     def describe(self) -> str:
         counts: dict[str, int] = {}
@@ -148,3 +163,48 @@ class GGUFLinearMethod(LinearMethod):
         """The dense ``[N, K]`` weight this layer multiplies by (tests, debugging)."""
         return torch.cat([dequantize_rows(blocks, qtype, layer.gguf_input_size)
                           for qtype, blocks in self._views(layer)]).to(dtype)
+
+
+class GGUFEmbeddingMethod(EmbeddingMethod):
+    """A token embedding / LM head table as uint8 ``weight [vocab_rows, bytes_per_row]`` of one
+    GGUF type."""
+
+    def __init__(self, config: GGUFConfig, qtype: str) -> None:
+        self.config = config
+        self.qtype = qtype
+
+    def create_weights(self, layer: nn.Module, shape: LinearShape) -> None:
+        hidden = shape.input_size
+        layer.gguf_hidden_size = hidden
+        layer.gguf_dtype = shape.params_dtype
+        rows = torch.empty(shape.output_size, bytes_per_row(self.qtype, hidden),
+                           dtype=torch.uint8)
+        delattr(layer, "weight")
+        param = add_param(layer, "weight", rows, ParamLayout(output_dim=None, input_dim=None))
+        param.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: nn.Parameter, loaded: Loaded, shard_name: str | None) -> None:
+        from octavo.model_executor.loader.gguf_loader import GGUFBlocks
+
+        if not isinstance(loaded, GGUFBlocks) or loaded.qtype != self.qtype:
+            found = loaded.qtype if isinstance(loaded, GGUFBlocks) else "dense"
+            raise ValueError(f"expected {self.qtype} blocks for the embedding, got a {found} "
+                             "tensor")
+        with torch.no_grad():
+            copy_checked(param.data, loaded.blocks(), f"{self.qtype} embedding rows")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        out = gguf_linear(x, layer.weight, self.qtype, layer.gguf_hidden_size,
+                          self.config.kernels)
+        return out if bias is None else out + bias
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = layer.weight.index_select(0, input_ids.reshape(-1))
+        dequantize = getattr(self.config.kernels, "gguf_dequantize", None) or dequantize_rows
+        table = dequantize(rows, self.qtype, layer.gguf_hidden_size)
+        return table.to(layer.gguf_dtype).reshape(*input_ids.shape, layer.gguf_hidden_size)
+
+    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The dense ``[vocab_rows, hidden_size]`` table (tests, debugging)."""
+        return dequantize_rows(layer.weight, self.qtype, layer.gguf_hidden_size).to(dtype)
