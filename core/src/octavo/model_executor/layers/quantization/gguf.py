@@ -151,11 +151,15 @@ class GGUFLinearMethod(LinearMethod):
         return [(qtype, layer.weight.narrow(0, offset, rows * row_bytes).view(rows, row_bytes))
                 for qtype, rows, row_bytes, offset in runs]
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # The per-type runs are fixed once loaded: made once, not at every step.
+        layer.gguf_runs = self._views(layer)
+
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         k = layer.gguf_input_size
-        outs = [gguf_linear(x, blocks, qtype, k, self.config.kernels)
-                for qtype, blocks in self._views(layer)]
+        runs = getattr(layer, "gguf_runs", None) or self._views(layer)
+        outs = [gguf_linear(x, blocks, qtype, k, self.config.kernels) for qtype, blocks in runs]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out + bias
 
