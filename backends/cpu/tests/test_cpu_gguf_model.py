@@ -1,5 +1,6 @@
 """The default model (SmolLM2-135M-Instruct GGUF) with its weights kept in GGUF blocks on the
-CPU, against the same engine with them dequantized to float32 (``OCTAVO_CPU_GGUF_KERNELS=0``).
+CPU backend's C++ kernels (the ``gguf`` quantization method, ``octavo_cpu.quant.quant_kernels``),
+against the same engine with them dequantized to float32 while loading (``quantization="none"``).
 
 The kept-quantized path quantizes activations to int8 per 32 values (octavo_cpu.quant), so its
 logits differ from the float path by that rounding only: the chosen tokens' logprobs agree
@@ -13,9 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 from octavo import LLM, SamplingParams
-from octavo.model_executor.gguf_quantized import GGUFEmbedding, GGUFLinear
+from octavo.model_executor.layers.quantization.gguf import (
+    GGUFEmbeddingMethod,
+    GGUFLinearMethod,
+)
 
 from octavo_cpu import quant
+
+_KEPT = (GGUFLinearMethod, GGUFEmbeddingMethod)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Here is a short poem about the sea:"]
 TOKENS = 16
@@ -55,7 +61,8 @@ def test_default_model_kept_quantized_matches_the_dequantized_path(smollm2_gguf,
     monkeypatch.setenv("OCTAVO_CPU_GGUF_KERNELS", "1")
     llm = LLM(kv_cache_memory_bytes=64 * 2**20)
     model = _model(llm)
-    kept = [m for m in model.modules() if isinstance(m, GGUFLinear | GGUFEmbedding)]
+    kept = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), _KEPT)]
+    assert all(isinstance(m.quant_method.config.kernels, quant.GGUFQuantKernels) for m in kept)
     # 30 layers x (qkv, o, gate_up, down) and the tied embedding / LM head.
     assert len(kept) >= 121, len(kept)
     weight_bytes = sum(t.numel() * t.element_size()
@@ -65,9 +72,9 @@ def test_default_model_kept_quantized_matches_the_dequantized_path(smollm2_gguf,
     llm.llm_engine.shutdown()
     del llm, model, kept
 
-    monkeypatch.setenv("OCTAVO_CPU_GGUF_KERNELS", "0")
-    llm = LLM(kv_cache_memory_bytes=64 * 2**20)
-    assert not any(isinstance(m, GGUFLinear | GGUFEmbedding) for m in _model(llm).modules())
+    llm = LLM(kv_cache_memory_bytes=64 * 2**20, quantization="none")
+    assert not any(isinstance(getattr(m, "quant_method", None), _KEPT)
+                   for m in _model(llm).modules())
     dequantized = _run(llm)
     llm.llm_engine.shutdown()
 

@@ -260,7 +260,7 @@ def test_without_the_kernels_the_torch_reference_runs(monkeypatch):
     x = torch.randn(3, 256)
     monkeypatch.setattr(quant, "_kernels", lambda: None)
     assert not quant.kernels_available()
-    assert quant.gguf_kernels() is None
+    assert quant.quant_kernels("gguf") is None  # the gguf method's torch path runs
     exact = x @ ref.dequantize(blocks, "Q6_K", 256).T
     torch.testing.assert_close(quant.gguf_matmul(x, blocks, "Q6_K", 256), exact)
     assert torch.equal(quant.dequantize(blocks, "Q6_K", 256), ref.dequantize(blocks, "Q6_K", 256))
@@ -281,3 +281,29 @@ def test_the_default_model_uses_only_covered_types():
     types = {t.qtype.name for t in read_gguf(path).tensors if len(t.shape) == 2}
     assert types == {"Q4_1", "Q8_0"}
     assert types <= set(QTYPES)
+
+
+def test_the_backend_gives_the_gguf_method_its_kernels(monkeypatch):
+    """``octavo_quant_kernels`` on the CPU backend: the C++ ops for ``gguf`` (nothing for the
+    other methods, nothing with ``OCTAVO_CPU_GGUF_KERNELS=0``); inputs the ops do not take
+    (float16, 3-D) are answered too."""
+    from octavo.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    assert pm.hook.octavo_quant_kernels(backend="cpu", method="fp8") is None
+    monkeypatch.setenv("OCTAVO_CPU_GGUF_KERNELS", "0")
+    assert pm.hook.octavo_quant_kernels(backend="cpu", method="gguf") is None
+    monkeypatch.setenv("OCTAVO_CPU_GGUF_KERNELS", "1")
+    if not quant.kernels_available():
+        pytest.fail("the C++ GGUF kernels did not build on this machine (see the warning)")
+    kernels = pm.hook.octavo_quant_kernels(backend="cpu", method="gguf")
+    assert isinstance(kernels, quant.GGUFQuantKernels)
+    blocks = make_blocks("Q4_0", 6, 64)
+    exact = ref.dequantize(blocks, "Q4_0", 64)
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(kernels.gguf_matmul(x, blocks, "Q4_0", 64), x @ exact.T,
+                               rtol=0.05, atol=0.05)
+    half = kernels.gguf_matmul(x[0].half(), blocks, "Q4_0", 64)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), x[0] @ exact.T, rtol=1e-2, atol=1e-2)
+    assert torch.equal(kernels.gguf_dequantize(blocks, "Q4_0", 64), exact)

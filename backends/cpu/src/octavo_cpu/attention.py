@@ -9,7 +9,8 @@ Torch path: decode rows (one new token) of a step are batched: their context blo
 gathered with the block table into one padded tensor and attended in a single masked matmul.
 Prefill rows (prompts, chunks after a cached prefix) use ``scaled_dot_product_attention`` one
 sequence at a time with a causal mask shifted by the cached context. Both paths are checked
-against ``octavo.attention.reference``.
+against ``octavo.attention.reference``. An fp8 KV cache (``--kv-cache-dtype fp8``) always takes
+the torch path: K/V are quantized as the reference does and read back times their scales.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
-from octavo.attention.reference import gather_context, write_kv_reference
+from octavo.attention.reference import gather_context, is_fp8, write_kv_reference
 from octavo.config import CacheConfig, ModelConfig
 
 from octavo_cpu.kernels import CPUKernels, load_kernels
@@ -60,7 +61,8 @@ class CPUAttentionImpl(AttentionImpl):
         if self.kernels is not None and self.kernels.covers(query, kv_cache):
             self.kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
             return self.kernels.paged_attention(query, kv_cache, metadata, self.scale)
-        write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_reference(key, value, kv_cache, metadata.slot_mapping, self.k_scale,
+                           self.v_scale)
         out = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         decode_rows = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
@@ -72,6 +74,10 @@ class CPUAttentionImpl(AttentionImpl):
                 if i not in decode_set and starts[i + 1] > starts[i]:
                     self._prefill(query, kv_cache, metadata, i, out)
         return out
+
+    def _cache_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """(k_scale, v_scale) to read ``kv_cache`` with: an fp8 cache's, else (1, 1)."""
+        return (self.k_scale, self.v_scale) if is_fp8(kv_cache) else (1.0, 1.0)
 
     def _decode(
         self,
@@ -94,13 +100,14 @@ class CPUAttentionImpl(AttentionImpl):
         group = self.num_heads // self.num_kv_heads
         q = query[token_index].view(batch, self.num_kv_heads, group, self.head_dim)
         # [batch, kv_heads, group, ctx]
-        scores = torch.einsum("bhgd,bchd->bhgc", q.float(), keys.float()) * self.scale
+        k_scale, v_scale = self._cache_scales(kv_cache)
+        scores = torch.einsum("bhgd,bchd->bhgc", q.float(), keys.float()) * (self.scale * k_scale)
         pad = torch.arange(ctx) >= seq_lens.unsqueeze(1)  # [batch, ctx]
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         # Padded slots were never written and may hold NaN; 0 * NaN would poison the sum.
         values = values.float().masked_fill(pad[:, :, None, None], 0.0)
-        result = torch.einsum("bhgc,bchd->bhgd", probs, values)
+        result = torch.einsum("bhgc,bchd->bhgd", probs, values) * v_scale
         out[token_index] = result.reshape(batch, self.num_heads, self.head_dim).to(out.dtype)
 
     def _prefill(
@@ -115,6 +122,9 @@ class CPUAttentionImpl(AttentionImpl):
         query_len = end - start
         seq_len = metadata.seq_lens_cpu[row]
         keys, values = gather_context(kv_cache, metadata.block_tables[row], seq_len)
+        if is_fp8(kv_cache):
+            keys = keys.to(torch.float32) * self.k_scale
+            values = values.to(torch.float32) * self.v_scale
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         k = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, dim]
         v = values.transpose(0, 1).unsqueeze(0)

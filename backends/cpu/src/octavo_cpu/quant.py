@@ -15,19 +15,28 @@ torch, and the tests hold the kernels to it.
 Where the C++ kernels cannot be had (no compiler, not x86-64 with AVX2) both functions fall
 back to the torch reference (``dequantize`` then a float matmul: correct, slower), after one
 warning from the kernel loader.
+
+:func:`quant_kernels` is the CPU backend's answer to ``octavo_quant_kernels``: for the ``gguf``
+quantization method it gives :class:`GGUFQuantKernels`, whose ``gguf_matmul`` and
+``gguf_dequantize`` the method's layers (linear layers, the token embedding and LM head) call.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
-from octavo.model_executor.gguf_quantized import GGUFKernels
+from octavo import envs
+from octavo.kernels.gguf import dequantize_rows, gguf_matmul_reference
 
 from octavo_cpu import quant_reference
 from octavo_cpu.kernels import CPUKernels, load_kernels
 from octavo_cpu.quant_reference import BLOCK_LAYOUTS, QTYPES, row_bytes
 
-__all__ = ["QTYPES", "BLOCK_LAYOUTS", "dequantize", "gguf_kernels", "gguf_matmul",
-           "kernels_available", "row_bytes"]
+__all__ = ["QTYPES", "BLOCK_LAYOUTS", "GGUFQuantKernels", "dequantize", "gguf_matmul",
+           "kernels_available", "quant_kernels", "row_bytes"]
+
+logger = logging.getLogger(__name__)
 
 # The C++ ops' qtype codes (csrc/quant_common.h, QType).
 _QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4}
@@ -95,10 +104,39 @@ def dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tens
     return kernels.gguf_dequantize_op(blocks, _QTYPE_CODES[qtype], in_features)
 
 
-def gguf_kernels() -> GGUFKernels | None:
-    """These kernels for the core's GGUF layers (``octavo.model_executor.gguf_quantized``);
-    ``None`` where the C++ kernels cannot be had (the model then runs dequantized)."""
-    if not kernels_available():
+class GGUFQuantKernels:
+    """The C++ GGUF kernels as the ``gguf`` quantization method calls them
+    (``QuantizationConfig.kernels``). Inputs the C++ ops do not take (float16 activations, a
+    tensor off the CPU) go to the core's torch reference, so every call is answered."""
+
+    def gguf_matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str,
+                    in_features: int) -> torch.Tensor:
+        """``x [..., in_features] @ W^T`` in ``x``'s dtype, ``W`` in ``qtype`` blocks."""
+        if (x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu"
+                or blocks.device.type != "cpu" or qtype not in _QTYPE_CODES):
+            return gguf_matmul_reference(x, blocks, qtype, in_features)
+        rows = x.reshape(-1, in_features)
+        out = gguf_matmul(rows, blocks, qtype, in_features)
+        return out.reshape(*x.shape[:-1], blocks.shape[0])
+
+    def gguf_dequantize(self, blocks: torch.Tensor, qtype: str,
+                        in_features: int) -> torch.Tensor:
+        """float32 ``[rows, in_features]`` of ``qtype`` blocks ``[rows, bytes_per_row]``."""
+        if blocks.device.type != "cpu" or qtype not in _QTYPE_CODES:
+            return dequantize_rows(blocks, qtype, in_features)
+        return dequantize(blocks, qtype, in_features)
+
+
+def quant_kernels(method: str) -> GGUFQuantKernels | None:
+    """The CPU backend's kernels for quantization ``method`` (``octavo_quant_kernels``): the C++
+    GGUF ops for ``gguf``; ``None`` for other methods, where the C++ kernels cannot be had, or
+    with ``OCTAVO_CPU_GGUF_KERNELS=0`` (the method's torch code then runs)."""
+    if method != "gguf":
         return None
-    return GGUFKernels(matmul=gguf_matmul, dequantize=dequantize, qtypes=QTYPES,
-                       dtypes=(torch.float32, torch.bfloat16))
+    if not envs.cpu_gguf_kernels():
+        logger.info("GGUF weights: the CPU backend's C++ kernels are off "
+                    "(OCTAVO_CPU_GGUF_KERNELS=0); the gguf method's torch path runs")
+        return None
+    if not kernels_available():
+        return None  # the kernel loader has warned once, naming the fix
+    return GGUFQuantKernels()

@@ -12,6 +12,12 @@ chunks). Attention is causal: new token ``i`` of a sequence sees cache positions
 ``< seq_len - query_len + i + 1``. The cache is allocated uninitialised: a kernel must never
 let a slot at or past ``seq_len`` influence its result (mask loads, or zero padded values
 before a matmul: 0 * NaN is NaN).
+
+fp8 KV cache (``--kv-cache-dtype fp8``): the cache tensors are ``torch.float8_e4m3fn`` and hold
+``key / k_scale`` and ``value / v_scale``, saturated to +-448; ``k_scale``/``v_scale`` are
+per-tensor, per-layer floats on the ``AttentionImpl`` (1.0 unless set). A kernel reading the
+cache multiplies by them. Every impl must accept such a cache when its backend lists "fp8" in
+``BackendCapabilities.kv_cache_dtypes``.
 """
 
 from __future__ import annotations
@@ -113,6 +119,9 @@ class AttentionImpl(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Per-tensor scales of an fp8 KV cache (stored = x / scale); unused by other caches.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @abstractmethod
     def forward(

@@ -66,9 +66,19 @@ class EngineArgs:
         "auto", "weights/activations dtype (auto: the checkpoint's; float32 for GGUF; half = "
         "float16, float = float32, as in vLLM)",
         choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
+    quantization: str | None = _option(
+        None, "how the weights are stored and multiplied: fp8, compressed-tensors, awq, gptq, "
+        "gguf, or a plugin's method (-q). Default: the checkpoint's own (its "
+        "quantization_config; gguf for a .gguf file when the backend runs GGUF kernels). fp8 "
+        "on a dense checkpoint quantizes it while loading; none runs dense weights (a .gguf "
+        "file dequantized while loading)", metavar="METHOD")
     max_model_len: int | None = _option(
         None, "longest prompt + completion in tokens (default: the model's)", type=int)
     block_size: int = _option(16, "tokens per KV-cache block", type=int)
+    kv_cache_dtype: str = _option(
+        "auto", "KV-cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 "
+        "e4m3 with a per-tensor scale per layer: half of bf16's memory, so about twice the "
+        "blocks and concurrent requests)", choices=["auto", "fp8", "fp8_e4m3"])
     enable_prefix_caching: bool = _option(
         True, "automatic prefix caching", cli=_TOGGLE)
     enable_chunked_prefill: bool = _option(
@@ -171,6 +181,7 @@ class EngineArgs:
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = backend.capabilities.async_scheduling
+        quantization = self._resolve_quantization(pm, backend, hf_config, gguf_file)
         model_config = ModelConfig(**self._options_of(
             ModelConfig,
             model=display,
@@ -180,6 +191,7 @@ class EngineArgs:
             dtype=resolve_dtype(self.dtype, hf_config, is_gguf=gguf_file is not None),
             tokenizer=resolve_tokenizer_path(self.tokenizer, download_dir=self.download_dir,
                                              trust_remote_code=self.trust_remote_code),
+            quantization=quantization,
             max_model_len=fit_max_model_len(
                 backend, derive_max_model_len(hf_config, self.max_model_len), self.max_model_len
             ),
@@ -187,7 +199,8 @@ class EngineArgs:
         ))
         config = EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(**self._options_of(CacheConfig)),
+            cache_config=CacheConfig(
+                **self._options_of(CacheConfig, cache_dtype=self.kv_cache_dtype)),
             scheduler_config=SchedulerConfig(
                 **self._options_of(SchedulerConfig, async_scheduling=async_scheduling)
             ),
@@ -203,6 +216,23 @@ class EngineArgs:
         check_config(backend, config, others=list_backends(pm))
         check_parallel_config(config, backend.device_type)
         return config
+
+    def _resolve_quantization(self, pm: Any, backend: Any, hf_config: Any,
+                              gguf_file: Any) -> str | None:
+        """The quantization method (``--quantization`` and the checkpoint), its settings read
+        once here so a variant no kernel runs is refused before anything loads."""
+        from octavo.model_executor.layers.quantization.registry import (
+            build_quantization_registry,
+            create_quantization_config,
+            resolve_quantization,
+        )
+
+        registry = build_quantization_registry(pm)
+        name = resolve_quantization(self.quantization, hf_config, gguf_file, registry,
+                                    backend.capabilities.quantization_methods)
+        if name is not None:
+            create_quantization_config(name, hf_config, gguf_file, registry)
+        return name
 
     def _options_of(self, config_cls: type, **resolved: Any) -> dict[str, Any]:
         """Keyword arguments of ``config_cls``: the options of the same name, then ``resolved``."""
@@ -229,7 +259,8 @@ class EngineArgs:
 
 
 # vLLM's short forms.
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
+                "quantization": "-q"}
 
 
 def _add_option(group: argparse._ArgumentGroup, option: Field) -> None:

@@ -9,7 +9,9 @@ ranges; rank ``r`` holds the rows of range ``r`` (padding rows are zero and neve
   gathered once, in rank order, then the padding is cut. Tied to the embedding, it uses the
   embedding's weight (the same partition).
 
-With one rank both are the plain ``F.embedding`` / ``F.linear`` over the whole vocabulary.
+With one rank both are the plain ``F.embedding`` / ``F.linear`` over the whole vocabulary, unless
+a quantization method keeps the table quantized (``quant_method``, an ``EmbeddingMethod`` set by
+``octavo.model_executor.model_loader.build_model``; GGUF blocks, one rank only).
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size),
                                    requires_grad=False)
         set_weight_loader(self.weight, self._load)
+        # An EmbeddingMethod holding the table quantized (it replaces ``weight``), or None.
+        self.quant_method = None
 
     def linear(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [n, rows_per_rank]
         """This rank's logits (as an LM head, or a tied embedding)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden_states, None)
         return F.linear(hidden_states, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, input_ids)
         if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start

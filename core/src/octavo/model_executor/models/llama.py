@@ -28,6 +28,7 @@ from torch import nn
 from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.distributed.parallel_state import ParallelState
 from octavo.model_executor.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
+from octavo.model_executor.layers.quantization.base import QuantizationConfig
 from octavo.model_executor.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -40,7 +41,7 @@ from octavo.model_executor.layers.vocab import (
     VocabParallelEmbedding,
     compute_logits,
 )
-from octavo.model_executor.layers.weights import Loaded, weight_loader_of
+from octavo.model_executor.layers.weights import Loaded, layout_of, weight_loader_of
 from octavo.model_executor.models.interfaces import IntermediateTensors
 
 
@@ -81,13 +82,16 @@ class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up merged into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 parallel: ParallelState, reduce_results: bool = True) -> None:
+                 parallel: ParallelState, reduce_results: bool = True,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.gate_up_proj = merged_column_parallel(
-            hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, parallel)
+            hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, parallel,
+            quant_config, f"{prefix}.gate_up_proj")
         # reduce_results=False: a split MLP returns this rank's partial sum (MoE shared experts).
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel,
-                                           reduce_results)
+                                           reduce_results, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
@@ -99,7 +103,8 @@ class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache (this rank's heads)."""
 
     def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
-                 attn_backend: AttentionBackend, parallel: ParallelState) -> None:
+                 attn_backend: AttentionBackend, parallel: ParallelState,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -110,9 +115,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj: ColumnParallelLinear = qkv_parallel(
             config.hidden_size, self.head_dim, total_heads, total_kv_heads, options.qkv_bias,
-            parallel)
+            parallel, quant_config, f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
-                                        options.o_bias, parallel)
+                                        options.o_bias, parallel, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -149,9 +155,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
                  attn_backend: AttentionBackend, parallel: ParallelState,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, options, rotary_emb, attn_backend, parallel)
+        self.self_attn = LlamaAttention(config, options, rotary_emb, attn_backend, parallel,
+                                        quant_config, f"{prefix}.self_attn")
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -179,9 +187,12 @@ class LlamaDecoderLayer(nn.Module):
 MakeMLP = Callable[[Any, int, ParallelState], nn.Module]
 
 
-def make_llama_mlp(config: Any, options: DecoderOptions, parallel: ParallelState) -> LlamaMLP:
-    """The dense SiLU-gated MLP of ``config.intermediate_size``."""
-    return LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias, parallel)
+def make_llama_mlp(config: Any, options: DecoderOptions, parallel: ParallelState,
+                   quant_config: QuantizationConfig | None = None, prefix: str = "") -> LlamaMLP:
+    """The dense SiLU-gated MLP of ``config.intermediate_size`` (``prefix``: its HF name, for
+    the quantization method)."""
+    return LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias, parallel,
+                    quant_config=quant_config, prefix=prefix)
 
 
 class LlamaModel(nn.Module):
@@ -192,7 +203,8 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, config: Any, options: DecoderOptions, attn_backend: AttentionBackend,
-                 parallel: ParallelState, make_mlp: MakeMLP | None = None) -> None:
+                 parallel: ParallelState, make_mlp: MakeMLP | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.parallel = parallel
         self.embed_tokens: VocabParallelEmbedding | None = None
@@ -204,10 +216,12 @@ class LlamaModel(nn.Module):
         # Indexed by the global layer number (HF names); layers of other stages are absent.
         if make_mlp is None:
             def make_mlp(config: Any, index: int, parallel: ParallelState) -> nn.Module:
-                return make_llama_mlp(config, options, parallel)
+                return make_llama_mlp(config, options, parallel, quant_config,
+                                      f"model.layers.{index}.mlp")
         self.layers = nn.ModuleDict({
             str(i): LlamaDecoderLayer(config, options, rotary_emb, attn_backend, parallel,
-                                      make_mlp(config, i, parallel))
+                                      make_mlp(config, i, parallel), quant_config,
+                                      f"model.layers.{i}")
             for i in self.layer_range
         })
         self.norm: RMSNorm | None = None
@@ -254,16 +268,23 @@ class LlamaForCausalLM(nn.Module):
     lazy_weights = True
     # Built for tensor and pipeline parallelism (a parallel= argument; IntermediateTensors).
     supports_parallel = True
+    # Its linear layers take their weights and matmul from a quantization method (a
+    # quant_config= argument; octavo.model_executor.layers.quantization).
+    supports_quantization = True
 
     def __init__(self, config: Any, attn_backend: AttentionBackend,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         parallel = parallel or ParallelState.single()
         self.config = config
         self.parallel = parallel
         self.options = self.decoder_options(config)
         self.sliding_window: int | None = self.sliding_window_of(config)
-        self.model = LlamaModel(config, self.options, attn_backend, parallel, self.make_mlp)
+        # Read by make_mlp while the layers are built.
+        self.quant_config = quant_config
+        self.model = LlamaModel(config, self.options, attn_backend, parallel, self.make_mlp,
+                                quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # The LM head: the embedding itself when tied and on this stage, else its own weight.
         self.lm_head: VocabParallelEmbedding | None = None
@@ -290,7 +311,8 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, config: Any, layer_index: int, parallel: ParallelState) -> nn.Module:
         """Layer ``layer_index``'s feed-forward block; mixture-of-experts subclasses override."""
-        return make_llama_mlp(config, self.options, parallel)
+        return make_llama_mlp(config, self.options, parallel, self.quant_config,
+                              f"model.layers.{layer_index}.mlp")
 
     def forward(
         self,
@@ -364,11 +386,17 @@ def load_hf_weights(
     shard_owner: dict[str, tuple[str, str]] = {}  # "<parent>.<shard>" -> (layer path, shard)
     declared: dict[str, tuple[str, str]] = {}  # checkpoint name -> (parameter, shard)
     expected: set[tuple[str, str | None]] = set()
+    # A quantization method may name a parameter differently from some checkpoints
+    # (LinearMethod.checkpoint_aliases): layer path -> {checkpoint name: parameter name}.
+    attr_aliases: dict[str, dict[str, str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         if callable(getattr(module, "checkpoint_weights", None)):
             for relative, (attr, shard) in module.checkpoint_weights().items():
                 declared[f"{path}.{relative}"] = (f"{path}.{attr}", shard)
                 expected.add((f"{path}.{attr}", shard))
+        method = getattr(module, "quant_method", None)
+        if method is not None and method.checkpoint_aliases:
+            attr_aliases[path] = method.checkpoint_aliases
         names = getattr(module, "shard_names", ())
         if isinstance(module, ColumnParallelLinear) and names:
             parent = path.rpartition(".")[0]
@@ -378,6 +406,8 @@ def load_hf_weights(
     merged_params = {name for name, _ in expected}
     shared = _shared_parameter_names(model)
     expected.update((name, None) for name in params if name not in merged_params | shared)
+    # Tensors a checkpoint may leave out (GPTQ's g_idx without act-order).
+    expected = {key for key in expected if not layout_of(params[key[0]]).optional}
 
     skip = set(skip_names)
     aliases = aliases or {}
@@ -394,16 +424,18 @@ def load_hf_weights(
             key = declared[name]
         elif prefix in shard_owner:
             path, shard = shard_owner[prefix]
-            target = f"{path}.{attr}"
+            target = f"{path}.{attr_aliases.get(path, {}).get(attr, attr)}"
             if target not in params:
                 unknown.append(name)
                 continue
             key: tuple[str, str | None] = (target, shard)
-        elif name in params:
-            key = (name, None)
         else:
-            unknown.append(name)
-            continue
+            renamed = attr_aliases.get(prefix, {}).get(attr, attr)
+            target = f"{prefix}.{renamed}" if prefix else renamed
+            if target not in params:
+                unknown.append(name)
+                continue
+            key = (target, None)
         param = params[key[0]]
         try:
             weight_loader_of(param)(param, tensor, key[1])
