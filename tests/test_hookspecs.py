@@ -33,10 +33,11 @@ CONTRIBUTION_HOOKS = sorted(set(SPECS) - set(SELECTION_HOOKS))
 def test_the_surface_is_what_we_think_it_is():
     assert SELECTION_HOOKS == [
         "octavo_attention_backend", "octavo_available_kv_cache_memory", "octavo_kv_block_mover",
-        "octavo_worker_class"]
+        "octavo_quant_kernels", "octavo_worker_class"]
     assert CONTRIBUTION_HOOKS == [
         "octavo_register_backends", "octavo_register_logits_processors", "octavo_register_models",
-        "octavo_register_reasoning_parsers", "octavo_register_tool_parsers"]
+        "octavo_register_quantization_methods", "octavo_register_reasoning_parsers",
+        "octavo_register_tool_parsers"]
 
 
 def test_plugin_manager_knows_exactly_these_hooks():

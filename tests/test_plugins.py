@@ -26,6 +26,7 @@ from octavo.worker.worker import Worker
 # Octavo's own plugin modules, registered before any installed plugin.
 BUILTIN_PLUGINS = (
     "octavo.model_executor.models.builtin_plugin",
+    "octavo.model_executor.layers.quantization.builtin_plugin",
     "octavo.sample.builtin_logits_processors",
     "octavo.reasoning.builtin_plugin",
     "octavo.entrypoints.openai.tool_parsers.builtin_plugin",
@@ -353,3 +354,22 @@ def test_too_little_kv_memory_is_a_clear_error(tiny_llama, register_plugin):
     register_plugin(FixedMemoryPlugin(num_blocks=0))
     with pytest.raises(RuntimeError, match="no memory left for the KV cache"):
         _llm(tiny_llama)
+
+
+def test_register_quantization_methods_adds_a_method(register_plugin):
+    """A plugin's method is listed beside the built-in ones (what --quantization accepts)."""
+    from octavo.model_executor.layers.quantization.fp8 import Fp8Config
+    from octavo.model_executor.layers.quantization.registry import build_quantization_registry
+
+    class MyFp8(Fp8Config):
+        name = "my-fp8"
+
+    class QuantPlugin:
+        @hookimpl
+        def octavo_register_quantization_methods(self, register):
+            register("my-fp8", MyFp8)
+
+    register_plugin(QuantPlugin())
+    registry = build_quantization_registry(get_plugin_manager())
+    assert registry.get("my-fp8") is MyFp8
+    assert {"fp8", "gguf", "gptq", "awq", "compressed-tensors"} <= set(registry.names())

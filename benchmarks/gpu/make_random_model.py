@@ -5,7 +5,9 @@
 
 ``--config-only`` writes the config and tokenizer without weights: run it with
 ``--load-format dummy`` (random weights made on the device; Qwen3-30B-A3B's 61 GB of bf16
-weights need not be written to disk and read back).
+weights need not be written to disk and read back). ``--quant-config gptq`` adds a 4-bit
+``quantization_config`` (``--shape llama3-8b --config-only --quant-config gptq``): the dummy
+weights are then packed int4.
 
 The tokenizer is a word-level one with one token per id ("t0", "t1", ...), so every id of
 the model's vocabulary detokenizes (benchmarks use random token-id prompts). ``--tokenizer DIR``
@@ -44,7 +46,23 @@ SHAPES = {
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
     ),
 }
-CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3_moe": "Qwen3MoeConfig"}
+# Llama-3-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336, vocab 128256,
+# untied embeddings; 8.0B parameters.
+SHAPES["llama3-8b"] = dict(
+    arch="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+    tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
+CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3_moe": "Qwen3MoeConfig", "llama": "LlamaConfig"}
+# quantization_config of --quant-config (what GPTQ / AutoAWQ write for 4-bit, group 128): with
+# --config-only and --load-format dummy the random weights are made packed int4.
+QUANT_CONFIGS = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+             "sym": True, "checkpoint_format": "gptq"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm"},
+}
 
 
 def make_word_tokenizer(vocab_size: int, out: Path) -> None:
@@ -75,7 +93,12 @@ def main() -> None:
                         help="a saved Hugging Face tokenizer folder to use (vocabulary sized to it)")
     parser.add_argument("--config-only", action="store_true",
                         help="write config.json and the tokenizer only (use --load-format dummy)")
+    parser.add_argument("--quant-config", choices=sorted(QUANT_CONFIGS), default=None,
+                        help="with --config-only: add this quantization_config (4-bit, group 128)")
     args = parser.parse_args()
+    if args.quant_config and not args.config_only:
+        parser.error("--quant-config needs --config-only (the weights come from --load-format "
+                     "dummy)")
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -94,6 +117,8 @@ def main() -> None:
     if args.config_only:
         config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
         config.dtype = dtype
+        if args.quant_config:
+            config.quantization_config = QUANT_CONFIGS[args.quant_config]
         config.save_pretrained(args.out)
         save_tokenizer(tokenizer, config.vocab_size, args.out)
         print(f"saved the {args.shape} config and tokenizer (no weights) to {args.out}")

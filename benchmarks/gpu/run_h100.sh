@@ -4,6 +4,7 @@
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
+#                                    [quant-tests] [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
@@ -15,6 +16,16 @@ MOE_MODEL=/tmp/qwen3-30b-a3b-config  # config + tokenizer only: --load-format du
 # Qwen2.5-0.5B's shape with SmolLM2's tokenizer (a vocabulary that spells JSON), from
 # .bench-assets/smollm2-tokenizer (benchmarks/gpu/export_tokenizer.py, carried from here).
 JSON_MODEL=/tmp/qwen2.5-0.5b-smollm2-vocab
+# Llama-3-8B shape, config + tokenizer only: run with --load-format dummy (random weights made
+# on the GPU); the GPTQ one's config asks for 4-bit group-128 weights.
+L8B=/tmp/llama3-8b-config
+L8B_GPTQ=/tmp/llama3-8b-gptq-config
+make_l8b() {
+  [ -d $L8B ] || python3 benchmarks/gpu/make_random_model.py --shape llama3-8b --config-only \
+    --out $L8B || exit 1
+  [ -d $L8B_GPTQ ] || python3 benchmarks/gpu/make_random_model.py --shape llama3-8b \
+    --config-only --quant-config gptq --out $L8B_GPTQ || exit 1
+}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(setup tests bench latency)
 
@@ -161,6 +172,50 @@ for stage in "${stages[@]}"; do
         --max-num-seqs 256 --async-engine --structured json \
         2>"$OUT/bench-structured.err" | tee "$OUT/bench-structured.log"
       tail -3 "$OUT/bench-structured.err"
+      ;;
+    quant-tests)
+      # Quantized weights and the fp8 KV cache on the GPU: Triton int4/GGUF GEMMs and fp8 KV
+      # kernels at Llama-3-8B shapes, and end to end through the CUDA backend (~3 min).
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_quant_gemm.py \
+        tests/kernels/test_triton_fp8_kv_cache.py backends/cuda/tests/test_cuda_quantization.py \
+        2>&1 | tee "$OUT/quant-tests.log" | tail -25
+      ;;
+    quant-latency)
+      # Batch-1 ms per output token, Llama-3-8B shape (dummy weights), bf16 vs fp8 weights
+      # (torch._scaled_mm) vs int4 GPTQ (Triton dequantize-in-GEMM); ~4 min.
+      make_l8b
+      for variant in "bf16 $L8B" "fp8 $L8B --quantization fp8" "int4 $L8B_GPTQ"; do
+        set -- $variant; name=$1; model=$2; shift 2
+        echo "== $name"
+        octavo bench latency --model $model --load-format dummy --dtype bfloat16 \
+          --input-len 128 --output-len 256 --num-iters 3 --max-model-len 4096 "$@" \
+          2>"$OUT/quant-latency-$name.err" | tee "$OUT/quant-latency-$name.log" | tail -2
+        grep -h "max concurrency" "$OUT/quant-latency-$name.err" | tail -1
+      done
+      ;;
+    quant-w1)
+      # W1 (256 requests, 100-1024 in/out tokens) through LLM.generate, Llama-3-8B shape
+      # (dummy weights): bf16, fp8 weights, fp8 weights + fp8 KV cache; ~8 min.
+      make_l8b
+      for variant in "bf16" "fp8 --quantization fp8" \
+                     "fp8-kvfp8 --quantization fp8 --kv-cache-dtype fp8"; do
+        set -- $variant; name=$1; shift
+        echo "== $name"
+        octavo bench throughput --model $L8B --load-format dummy --dtype bfloat16 \
+          --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+          --max-num-seqs 256 "$@" 2>"$OUT/quant-w1-$name.err" | tee "$OUT/quant-w1-$name.log" \
+          | tail -2
+        grep -h "max concurrency" "$OUT/quant-w1-$name.err" | tail -1
+      done
+      ;;
+    quant-w1-kv)
+      # As quant-w1, bf16 weights with the fp8 KV cache alone (~3 min).
+      make_l8b
+      octavo bench throughput --model $L8B --load-format dummy --dtype bfloat16 \
+        --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+        --max-num-seqs 256 --kv-cache-dtype fp8 2>"$OUT/quant-w1-kvfp8.err" \
+        | tee "$OUT/quant-w1-kvfp8.log" | tail -2
+      grep -h "max concurrency" "$OUT/quant-w1-kvfp8.err" | tail -1
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -50,6 +50,8 @@ def test_lists_are_kept_as_tuples():
     ({"max_num_seqs": 0}, "max_num_seqs must be None (no limit) or a positive integer, got 0"),
     ({"max_model_len": True}, "max_model_len must be None (no limit) or a positive integer"),
     ({"max_logprobs": -1}, "max_logprobs must be None (no limit) or an integer >= 0, got -1"),
+    ({"kv_cache_dtypes": ("fp8",)}, "kv_cache_dtypes must hold 'auto' and optionally 'fp8'"),
+    ({"kv_cache_dtypes": ("auto", "fp8_e5m2")}, "kv_cache_dtypes must hold 'auto'"),
 ])
 def test_a_bad_declaration_fails_at_registration(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -79,6 +81,7 @@ def test_real_backends_declare_what_their_kernels_support():
     assert set(cpu.dtypes) == set(KNOWN_DTYPES)
     assert cuda.head_dims == SUPPORTED_HEAD_DIMS  # the Triton kernels' list, not a copy of it
     assert set(cuda.dtypes) == set(KNOWN_DTYPES) and cuda.cuda_graphs
+    assert cpu.kv_cache_dtypes == cuda.kv_cache_dtypes == ("auto", "fp8")
     for caps in (cpu, cuda):  # the sampler is the core's: every logprob count, prompt logprobs
         assert caps.prompt_logprobs and caps.max_logprobs is None
         assert caps.max_num_seqs is None and caps.max_model_len is None
@@ -97,13 +100,13 @@ def _backend(name: str, caps: BackendCapabilities = LIMITED, available: bool = T
 
 
 def _config(dtype=torch.float32, head_dim=64, block_size=8, max_num_seqs=8,
-            max_model_len=1024) -> EngineConfig:
+            max_model_len=1024, cache_dtype="auto") -> EngineConfig:
     hf_config = SimpleNamespace(num_attention_heads=4, hidden_size=4 * head_dim, head_dim=head_dim,
                                 vocab_size=100)
     return EngineConfig(
         model_config=ModelConfig(model="m", gguf_file=None, model_dir=Path("."),
                                  hf_config=hf_config, dtype=dtype, max_model_len=max_model_len),
-        cache_config=CacheConfig(block_size=block_size),
+        cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs),
         parallel_config=ParallelConfig(),
     )
@@ -123,6 +126,9 @@ def test_a_supported_configuration_passes():
       "(supported: 64, 128).")),
     ({"block_size": 16},
      "backend 'npu' does not support block_size 16 (supported: 8, 32). Use --block-size 8"),
+    ({"cache_dtype": "fp8_e4m3"},
+     ("backend 'npu' does not support kv_cache_dtype fp8_e4m3 (supported: auto). "
+      "Use --kv-cache-dtype auto")),
     ({"max_num_seqs": 256},
      ("backend 'npu' does not support max_num_seqs 256 (supported: at most 8). "
       "Use --max-num-seqs 8")),
@@ -135,6 +141,14 @@ def test_each_unsupported_value_names_backend_value_support_and_fix(overrides, e
         check_config(_backend("npu"), _config(**overrides))
     assert isinstance(info.value, ValueError)  # what the CLI and the server report as such
     assert str(info.value).startswith(expected), str(info.value)
+
+
+def test_fp8_kv_cache_passes_where_declared_and_bad_values_are_refused():
+    fp8 = BackendCapabilities(kv_cache_dtypes=("auto", "fp8"))
+    for value in ("fp8", "fp8_e4m3"):
+        assert check_config(_backend("npu", fp8), _config(cache_dtype=value)) is None
+    with pytest.raises(ValueError, match="e5m2 is not supported.*--kv-cache-dtype fp8"):
+        CacheConfig(cache_dtype="fp8_e5m2")
 
 
 def test_block_size_16_is_suggested_when_supported():

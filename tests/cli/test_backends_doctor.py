@@ -54,8 +54,9 @@ def test_json_has_every_capability_of_every_backend(with_restricted, capsys):
         "capabilities": {
             "dtypes": ["float32"], "head_dims": [16, 64], "block_sizes": [16],
             "cuda_graphs": False, "async_scheduling": False, "max_num_seqs": 8, "max_model_len": 128,
-            "prompt_logprobs": False, "max_logprobs": 2,
-            "sliding_window": False, "logits_soft_cap": False,
+            "prompt_logprobs": False, "max_logprobs": 2, "quantization_methods": [],
+            "kv_cache_dtypes": ["auto"], "sliding_window": False,
+            "logits_soft_cap": False,
         },
     }
     for other in data["backends"]:
@@ -92,8 +93,8 @@ def test_text_lists_each_backend_with_its_capabilities(with_restricted, capsys):
         "dtypes             float32", "head dims          16, 64", "block sizes        16",
         "CUDA graphs        no", "async scheduling   no",
         "max num seqs       8", "max model len      128",
-        "prompt logprobs    no", "max top logprobs   2",
-        "sliding window     no", "logits soft cap    no",
+        "prompt logprobs    no", "max top logprobs   2", "quantization       none",
+        "kv cache dtypes    auto", "sliding window     no", "logits soft cap    no",
     ]
     cpu = out.split("\ncpu ", 1)[1].split("\n\n", 1)[0]
     assert "head dims          any" in cpu and "max num seqs       no limit" in cpu

@@ -223,6 +223,16 @@ def test_bench_latency(tiny_llama, capsys):
     assert result["ms_per_output_token"] >= 0
 
 
+def test_bench_latency_compare_llama_cpp_needs_a_gguf_model(tiny_llama, capsys):
+    code = main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "8",
+                 "--output-len", "4", "--num-iters", "1", "--num-gpu-blocks-override", "32",
+                 "--device", "cpu", "--compare-llama-cpp"])
+    assert code == 1
+    # (the engine's log lines go to a handler made for an earlier test's captured stream, so
+    # only the error line itself is looked for)
+    assert "octavo bench: error: --compare-llama-cpp needs a GGUF model" in capsys.readouterr().err
+
+
 def test_backends_text_marks_the_default(capsys):
     assert main(["backends"]) == 0
     out = capsys.readouterr().out

@@ -14,6 +14,7 @@ import json
 import os
 import pty
 import select
+import signal
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,9 @@ def run_in_terminal(argv: list[str], interrupt_after: bytes, delay_s: float,
     ``delay_s`` more seconds have passed, type Ctrl-C. Return (exit status, all output)."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal, as in a shell
+        # As an interactive shell does: Ctrl-C's SIGINT at its default, even when this test
+        # run was started in the background (a non-interactive shell's `&` ignores SIGINT).
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execvpe(argv[0], argv, {**os.environ, "OCTAVO_LOG_LEVEL": "INFO"})
     output, typed_at, deadline = b"", None, time.monotonic() + timeout_s
     try:
@@ -55,6 +59,8 @@ def run_in_terminal(argv: list[str], interrupt_after: bytes, delay_s: float,
                     break
                 output += data
     finally:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)  # never wait forever on a program that ignored Ctrl-C
         _, status = os.waitpid(pid, 0)
         os.close(fd)
     return os.waitstatus_to_exitcode(status), output.decode(errors="replace")

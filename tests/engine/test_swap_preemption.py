@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from octavo.messages import RequestStatus
 
 from tests.helpers.engine import assert_no_leaks, greedy, make_llm, random_prompts
@@ -67,6 +68,27 @@ def test_preempted_outputs_equal_unpreempted_ones(tiny_llama: Path, reference, m
         else:
             assert stats.num_preemptions_swap == 0
             assert llm.llm_engine.engine_core.num_host_blocks == 0  # no pool allocated
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_swap_with_an_fp8_kv_cache(tiny_llama: Path) -> None:
+    """``--kv-cache-dtype fp8``: blocks swapped out and back in keep their fp8 bytes (the mover
+    copies them as uint8), so the outputs equal the same fp8 engine without preemption."""
+    want_llm = make_llm(tiny_llama, kv_cache_dtype="fp8")
+    try:
+        want = run(want_llm)
+    finally:
+        want_llm.llm_engine.shutdown()
+    llm = make_llm(tiny_llama, kv_cache_dtype="fp8", preemption_mode="swap", swap_space=0.01,
+                   **TINY_POOL)
+    try:
+        assert llm.llm_engine.engine_core.executor.worker.model_runner.kv_caches[0].dtype == (
+            torch.float8_e4m3fn)
+        assert_same(run(llm), want)
+        assert llm.llm_engine.stats().num_preemptions_swap > 0
+        assert_host_pool_free(llm)
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()

@@ -2,7 +2,8 @@
 
 Every tiny architecture: greedy token ids equal ``generate(do_sample=False)`` for a batch of
 prompts, and the returned logprobs / prompt logprobs equal ``log_softmax`` of HF's logits.
-The real SmolLM2 GGUF (slow): greedy output equals transformers' on the same file.
+The real SmolLM2 GGUF (slow): greedy output equals transformers' on the same file (within a
+near-tie where the CPU backend keeps the weights quantized).
 """
 
 from __future__ import annotations
@@ -138,22 +139,46 @@ GGUF_PROMPTS = [
 GGUF_TOKENS = 24
 
 
+# Where the weights stay in their GGUF blocks on the CPU backend's kernels (#18), activations
+# are rounded to int8, so a greedy pick may differ from HF's float32 one at a near-tie: each of
+# Octavo's tokens must then be within this many nats of HF's best on the same prefix.
+GGUF_NEAR_TIE = 0.5
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_greedy_matches_hf(smollm2_llm, smollm2_hf) -> None:
+    from octavo.model_executor.layers.quantization.gguf import GGUFLinearMethod
+
     model, tokenizer = smollm2_hf
     # EOS off on both sides (ignore_eos here), so an early end-of-turn cannot shorten either.
     model.generation_config.eos_token_id = None
     outputs = smollm2_llm.generate(GGUF_PROMPTS, greedy(GGUF_TOKENS), use_tqdm=False)
     assert_no_leaks(smollm2_llm)
+    octavo_model = smollm2_llm.llm_engine.engine_core.executor.worker.model_runner.model
+    # Kept in GGUF blocks on a backend's kernels (the CPU's round activations to int8).
+    kept_quantized = any(isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
+                         and m.quant_method.config.kernels is not None
+                         for m in octavo_model.modules())
     for prompt, output in zip(GGUF_PROMPTS, outputs):
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         assert output.prompt_token_ids == input_ids[0].tolist()
+        mine = token_ids([output])[0]
+        if not kept_quantized:  # the same float32 weights: the same tokens
+            with torch.inference_mode():
+                expected = model.generate(
+                    input_ids, do_sample=False, max_new_tokens=GGUF_TOKENS,
+                    pad_token_id=tokenizer.eos_token_id,
+                )[0, input_ids.shape[1]:].tolist()
+            assert mine == expected, prompt
+            continue
+        # HF's log-probabilities along Octavo's own sequence (teacher forcing).
+        sequence = torch.tensor([input_ids[0].tolist() + mine])
         with torch.inference_mode():
-            expected = model.generate(
-                input_ids, do_sample=False, max_new_tokens=GGUF_TOKENS,
-                pad_token_id=tokenizer.eos_token_id,
-            )[0, input_ids.shape[1]:].tolist()
-        assert token_ids([output])[0] == expected, prompt
+            logits = model(sequence).logits[0, input_ids.shape[1] - 1:-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for i, token in enumerate(mine):
+            gap = float(logprobs[i].max() - logprobs[i, token])
+            assert gap <= GGUF_NEAR_TIE, (prompt, i, token, gap)
 
 
 @pytest.mark.slow

@@ -188,8 +188,9 @@ def _train_tokenizer(folder: Path) -> Any:
     return tokenizer
 
 
-def make_tool_model(folder: Path) -> Path:
-    """Write the trained checkpoint (config, safetensors, tokenizer, template) into ``folder``."""
+def make_tool_model(folder: Path, hidden_size: int = 64, intermediate_size: int = 128) -> Path:
+    """Write the trained checkpoint (config, safetensors, tokenizer, template) into ``folder``.
+    Four attention heads: ``hidden_size`` 256 gives the head size 64 the GPU kernels take."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     folder = Path(folder)
@@ -197,7 +198,8 @@ def make_tool_model(folder: Path) -> Path:
     trained = _train_tokenizer(folder)
     eos = trained.convert_tokens_to_ids("<|im_end|>")
     config = Qwen2Config(
-        vocab_size=len(trained), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(trained), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         tie_word_embeddings=False, eos_token_id=eos, bos_token_id=None,
         pad_token_id=trained.pad_token_id)
@@ -212,7 +214,8 @@ def make_tool_model(folder: Path) -> Path:
     try:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _train(model, sequences, config.pad_token_id)
+        # Wider models need a smaller step to converge (1e-2 diverges at hidden_size 256).
+        _train(model, sequences, config.pad_token_id, lr=1e-2 * min(1.0, 64 / hidden_size))
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(folder, safe_serialization=True)
@@ -235,7 +238,8 @@ def _sequences(tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     return sequences
 
 
-def _train(model: Any, sequences: list[tuple[list[int], list[int]]], pad_id: int) -> None:
+def _train(model: Any, sequences: list[tuple[list[int], list[int]]], pad_id: int,
+           lr: float) -> None:
     """Train until every answer is the greedy one with ``MIN_MARGIN`` (or fail)."""
     length = max(len(p) + len(a) for p, a in sequences)
     input_ids = torch.full((len(sequences), length), pad_id)
@@ -246,7 +250,7 @@ def _train(model: Any, sequences: list[tuple[list[int], list[int]]], pad_id: int
         input_ids[row, :len(tokens)] = torch.tensor(tokens)
         mask[row, :len(tokens)] = 1
         labels[row, len(prompt):len(tokens)] = torch.tensor(answer)  # learn the answers only
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for step in range(MAX_STEPS):
         model.train()
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss

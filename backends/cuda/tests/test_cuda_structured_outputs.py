@@ -50,8 +50,10 @@ def test_constrained_outputs_async_equal_sync_beside_free_rows(model_dir) -> Non
     params = [constrained(KINDS[i % 4]) if i % 2 == 0 else free for i in range(len(PROMPTS))]
     params += [constrained(kind) for kind in KINDS]
     prompts += prompts[: len(KINDS)]
-    sync = LLM(str(model_dir), device="cuda", dtype="float32", async_scheduling=False)
-    pipelined = LLM(str(model_dir), device="cuda", dtype="float32")
+    # Two engines on one GPU: a fixed KV pool each (the default would take 90% of the memory).
+    sync = LLM(str(model_dir), device="cuda", dtype="float32", async_scheduling=False,
+               num_gpu_blocks_override=512)
+    pipelined = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512)
     assert pipelined.llm_engine.engine_core.async_scheduling
     want = sync.generate(prompts, params, use_tqdm=False)
     got = pipelined.generate(prompts, params, use_tqdm=False)

@@ -38,7 +38,9 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-    return make_tool_model(tmp_path_factory.mktemp("tool-model"))
+    # Head size 64: the smallest the Triton attention kernels take.
+    return make_tool_model(tmp_path_factory.mktemp("tool-model"), hidden_size=256,
+                           intermediate_size=512)
 
 
 @pytest.fixture(scope="module")

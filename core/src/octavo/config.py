@@ -49,6 +49,9 @@ class ModelConfig:
     tokenizer: Path | None = None
     # Let transformers run code shipped in the model/tokenizer folder (custom config/tokenizer).
     trust_remote_code: bool = False
+    # Quantization method the weights run with (a registered name: "fp8", "awq", "gptq",
+    # "gguf", ...; octavo.model_executor.layers.quantization), None for dense weights.
+    quantization: str | None = None
     # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k,
     # min_p, repetition_penalty) that a request uses for the fields it does not set; empty with
     # --generation-config vllm (see octavo.model_executor.generation_config).
@@ -160,12 +163,28 @@ def attention_logit_soft_cap(hf_config: Any) -> float | None:
 LOAD_FORMATS = ("auto", "dummy")
 
 
+#: Values of --kv-cache-dtype: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3")
+#: stores them as float8 e4m3 with a per-tensor scale per layer (half of bf16's bytes).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the KV cache for ``--kv-cache-dtype cache_dtype``."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"unknown kv cache dtype {cache_dtype!r}; use one of {KV_CACHE_DTYPES}")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """Paged KV cache: block size, prefix caching and how much memory it may take."""
 
     # Tokens per KV block.
     block_size: int = 16
+    # Element type of the cache (--kv-cache-dtype, KV_CACHE_DTYPES): "auto" = the model's.
+    cache_dtype: str = "auto"
     # Reuse KV blocks of identical prompt prefixes across requests.
     enable_prefix_caching: bool = True
     # Exact KV-cache size in bytes (wins over the fractions below).
@@ -195,6 +214,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            hint = " (e5m2 is not supported)" if self.cache_dtype == "fp8_e5m2" else ""
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.cache_dtype!r}{hint}; use --kv-cache-dtype fp8 for e4m3")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(
                 f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}"
@@ -278,8 +302,14 @@ class ParallelConfig:
     # process per rank, this host), "ray" (one Ray actor per rank, on a Ray cluster). None:
     # "uni" for one rank, else "mp".
     distributed_executor_backend: str | None = None
+    # torch threads of each CPU worker (None: OMP_NUM_THREADS, else the cores / the ranks).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and (
+                isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
+                or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

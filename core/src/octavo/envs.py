@@ -7,6 +7,7 @@
 | ``OCTAVO_DISABLE_PLUGINS`` | comma-separated entry-point names never to load |
 | ``OCTAVO_TRACE_HOOKS`` | ``1`` logs every hook call and its result at DEBUG level on ``octavo.hooks`` |
 | ``OCTAVO_CPU_KVCACHE_SPACE`` | KV-cache size in GiB on the CPU backend when ``--cpu-kv-cache-space`` is not given (default 4) |
+| ``OCTAVO_CPU_GGUF_KERNELS`` | ``0`` keeps the CPU backend's C++ GGUF kernels from the ``gguf`` quantization method (its torch path runs; default ``1``); ``--quantization none`` dequantizes a GGUF file while loading |
 | ``OCTAVO_API_KEY`` | the API key of ``octavo serve`` when ``--api-key`` is not given (kept out of ``ps``) |
 """
 
@@ -52,3 +53,9 @@ def cpu_kvcache_space() -> float | None:
     if not value > 0:
         raise ValueError(f"OCTAVO_CPU_KVCACHE_SPACE must be a size in GiB > 0, got {raw!r}")
     return value
+
+
+def cpu_gguf_kernels() -> bool:
+    """``OCTAVO_CPU_GGUF_KERNELS``: whether the CPU backend gives the ``gguf`` quantization
+    method its C++ kernels (default yes; ``0``/``false``: the method's torch path runs)."""
+    return os.environ.get("OCTAVO_CPU_GGUF_KERNELS", "1").strip() not in ("0", "false", "False")

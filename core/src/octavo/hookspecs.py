@@ -11,8 +11,9 @@ Two kinds of hooks:
 
 * **Contribution hooks** take a ``register`` callback and may be implemented by any number of
   plugins (``octavo_register_backends``, ``octavo_register_models``,
-  ``octavo_register_tool_parsers``, ``octavo_register_reasoning_parsers``). New keyword
-  arguments can be added to ``register`` later without breaking plugins.
+  ``octavo_register_quantization_methods``, ``octavo_register_tool_parsers``,
+  ``octavo_register_reasoning_parsers``). New keyword arguments can be added to ``register``
+  later without breaking plugins.
 * **Selection hooks** are ``firstresult``: pluggy calls implementations (latest registered and
   ``tryfirst`` ones first) and stops at the first non-``None`` result. Every selection hook gets
   the chosen ``backend`` name first; an implementation returns ``None`` for a backend that is not
@@ -22,14 +23,16 @@ Two kinds of hooks:
 When each hook is called (every spec's docstring says it exactly): ``octavo_register_backends``
 whenever backends are listed or one is selected (engine creation, ``octavo backends``);
 ``octavo_worker_class`` by the executor in the engine process; ``octavo_attention_backend``,
-``octavo_register_models``, ``octavo_available_kv_cache_memory`` and ``octavo_kv_block_mover``
-in the worker while it loads the model and sizes the KV cache;
-``octavo_register_logits_processors`` in the front end (to check requests) and in the worker (to
-run them). With today's uniproc executor all of them run in the engine's
-process. ``octavo_register_tool_parsers`` and ``octavo_register_reasoning_parsers`` are called
-by the front end (the OpenAI server, ``octavo serve``'s flag checks and ``EngineArgs``), never
-by a worker. ``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps
-the two in step.
+``octavo_register_models``, ``octavo_register_quantization_methods``, ``octavo_quant_kernels``,
+``octavo_available_kv_cache_memory`` and ``octavo_kv_block_mover`` in the worker while it loads
+the model and sizes the KV cache (the quantization methods are also listed in the engine
+process, to resolve ``--quantization``); ``octavo_register_logits_processors`` in the front end
+(to check requests) and in the worker (to run them). With today's uniproc executor all of them
+run in the engine's process. ``octavo_register_tool_parsers`` and
+``octavo_register_reasoning_parsers`` are called by the front end (the OpenAI server,
+``octavo serve``'s flag checks and ``EngineArgs``), never by a worker.
+``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps the two in
+step.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from octavo.attention.base import AttentionBackend
     from octavo.backends.backend import Backend
     from octavo.config import CacheConfig, ModelConfig, ParallelConfig
+    from octavo.model_executor.layers.quantization.base import QuantizationConfig
     from octavo.sample.logits_processor import LogitsProcessor
     from octavo.worker.kv_block_mover import KVBlockMover
     from octavo.worker.worker import Worker
@@ -145,6 +149,44 @@ def octavo_register_models(register: Callable[[str, type[Any]], None]) -> None:
         follows the contract of ``octavo.model_executor.models.llama.LlamaForCausalLM``
         (constructor ``(hf_config, attn_backend)``, ``forward``, ``compute_logits``,
         ``load_weights``). The name is matched against ``config.json``'s ``architectures``.
+    """
+
+
+@hookspec
+def octavo_register_quantization_methods(
+    register: Callable[[str, type[QuantizationConfig]], None],
+) -> None:
+    """Add quantization methods (what ``--quantization NAME`` selects).
+
+    Called whenever the methods are listed: in the engine process when ``--quantization`` and
+    the checkpoint's ``quantization_config`` are resolved, and in the worker when the model is
+    built (``octavo.model_executor.layers.quantization.registry``). Octavo's own methods
+    (``fp8``, ``compressed-tensors``, ``awq``, ``gptq``, ``gguf``) register through this same
+    hook; a later registration of a name replaces an earlier one. A backend runs a method only
+    if it lists the name in ``BackendCapabilities.quantization_methods``.
+
+    :param register: call ``register("mymethod", MyQuantizationConfig)``; the class follows
+        the contract of ``octavo.model_executor.layers.quantization.base.QuantizationConfig``
+        (``from_source``, ``linear_method``; ``checkpoint_methods`` names the
+        ``quant_method`` values of checkpoints it reads).
+    """
+
+
+@hookspec(firstresult=True)
+def octavo_quant_kernels(backend: str, method: str) -> Any | None:
+    """Return the kernels ``backend`` provides for quantization ``method``.
+
+    Called once per engine in the worker process, when a quantized model is built, before its
+    weights load. The object reaches the method as ``QuantizationConfig.kernels``; each method
+    documents the functions it looks for on it (the ``gguf`` method calls
+    ``kernels.gguf_matmul(x, blocks, qtype, in_features)``) and uses its own kernels (Triton
+    on GPUs, torch elsewhere) for anything the object lacks.
+
+    :param backend: name of the selected backend.
+    :param method: the quantization method's name (``"gguf"``, ``"fp8"``, ...).
+    :return: an object with the method's kernel functions, or ``None`` if ``backend`` is not
+        this plugin's or it has no kernels for ``method``.
+        Stops at the first non-``None`` result.
     """
 
 

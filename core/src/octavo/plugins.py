@@ -19,6 +19,7 @@ _trace_logger = logging.getLogger("octavo.hooks")
 ENTRY_POINT_GROUP = "octavo"
 _BUILTIN_PLUGINS = (
     "octavo.model_executor.models.builtin_plugin",
+    "octavo.model_executor.layers.quantization.builtin_plugin",
     "octavo.sample.builtin_logits_processors",
     "octavo.reasoning.builtin_plugin",
     "octavo.entrypoints.openai.tool_parsers.builtin_plugin",

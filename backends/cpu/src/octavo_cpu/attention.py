@@ -11,6 +11,8 @@ Prefill rows (prompts, chunks after a cached prefix) use ``scaled_dot_product_at
 sequence at a time with a causal mask shifted by the cached context, or, with a logit soft
 cap, the reference's masked softmax (SDPA has no soft cap). Both paths read only each
 sequence's window under a sliding window, and are checked against ``octavo.attention.reference``.
+An fp8 KV cache (``--kv-cache-dtype fp8``) always takes the torch path: K/V are quantized as the
+reference does and read back times their scales.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from octavo.attention.reference import (
     gather_context,
+    is_fp8,
     soft_cap,
     window_start,
     write_kv_reference,
@@ -74,7 +77,8 @@ class CPUAttentionImpl(AttentionImpl):
             return self.kernels.paged_attention(
                 query, kv_cache, metadata, self.scale, sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap)
-        write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_reference(key, value, kv_cache, metadata.slot_mapping, self.k_scale,
+                           self.v_scale)
         out = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         decode_rows = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
@@ -86,6 +90,10 @@ class CPUAttentionImpl(AttentionImpl):
                 if i not in decode_set and starts[i + 1] > starts[i]:
                     self._prefill(query, kv_cache, metadata, i, out)
         return out
+
+    def _cache_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """(k_scale, v_scale) to read ``kv_cache`` with: an fp8 cache's, else (1, 1)."""
+        return (self.k_scale, self.v_scale) if is_fp8(kv_cache) else (1.0, 1.0)
 
     def _decode(
         self,
@@ -108,7 +116,8 @@ class CPUAttentionImpl(AttentionImpl):
         group = self.num_heads // self.num_kv_heads
         q = query[token_index].view(batch, self.num_kv_heads, group, self.head_dim)
         # [batch, kv_heads, group, ctx]
-        scores = torch.einsum("bhgd,bchd->bhgc", q.float(), keys.float()) * self.scale
+        k_scale, v_scale = self._cache_scales(kv_cache)
+        scores = torch.einsum("bhgd,bchd->bhgc", q.float(), keys.float()) * (self.scale * k_scale)
         scores = soft_cap(scores, self.logits_soft_cap)
         positions = torch.arange(ctx)
         pad = positions >= seq_lens.unsqueeze(1)  # [batch, ctx]
@@ -118,7 +127,7 @@ class CPUAttentionImpl(AttentionImpl):
         probs = torch.softmax(scores, dim=-1)
         # Padded slots were never written and may hold NaN; 0 * NaN would poison the sum.
         values = values.float().masked_fill(pad[:, :, None, None], 0.0)
-        result = torch.einsum("bhgc,bchd->bhgd", probs, values)
+        result = torch.einsum("bhgc,bchd->bhgd", probs, values) * v_scale
         out[token_index] = result.reshape(batch, self.num_heads, self.head_dim).to(out.dtype)
 
     def _prefill(
@@ -134,6 +143,9 @@ class CPUAttentionImpl(AttentionImpl):
         seq_len = metadata.seq_lens_cpu[row]
         first = window_start(seq_len, query_len, self.sliding_window)
         keys, values = gather_context(kv_cache, metadata.block_tables[row], seq_len, first)
+        if is_fp8(kv_cache):
+            keys = keys.to(torch.float32) * self.k_scale
+            values = values.to(torch.float32) * self.v_scale
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         k = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len - first, dim]
         v = values.transpose(0, 1).unsqueeze(0)

@@ -1,4 +1,8 @@
-"""The CPU backend's C++ paged-attention kernels: built on first use, cached, loaded in ms.
+"""The CPU backend's C++ kernels: built on first use, cached, loaded in ms.
+
+One library holds the paged attention (``ops.cpp``, ``attention_<isa>.cpp``) and the matmuls
+on GGUF-quantized weights (``quant_ops.cpp``, ``quant_<isa>.cpp``; Python API in
+``octavo_cpu.quant``).
 
 Where the sources are: ``octavo_cpu/csrc/`` inside this package, not the repository's top-level
 ``csrc/cpu`` (which only points here). As package data they travel with every install mode
@@ -45,7 +49,8 @@ logger = logging.getLogger("octavo.cpu.kernels")  # under the octavo tree: shown
 
 CSRC_DIR = Path(__file__).parent / "csrc"
 # Compiled, in this order; the headers beside them are hashed into the cache key too.
-SOURCES = ("ops.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_avx512bf16.cpp")
+SOURCES = ("ops.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_avx512bf16.cpp",
+           "quant_ops.cpp", "quant_avx2.cpp", "quant_avx512vnni.cpp", "threads.cpp")
 # No -m flags: each attention_<isa>.cpp selects its instruction set with a pragma.
 CFLAGS = ("-O3", "-DNDEBUG", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
@@ -70,6 +75,13 @@ class CPUKernels:
     library: Path
     _write_kv_cache: Any = field(repr=False)
     _paged_attention: Any = field(repr=False)
+    # Instruction sets of the GGUF matmuls on this CPU, best last: ("avx2",) or
+    # ("avx2", "avx512vnni"); the ops themselves are wrapped by octavo_cpu.quant.
+    quant_isas: tuple[str, ...] = ()
+    gguf_matmul_op: Any = field(default=None, repr=False)
+    gguf_dequantize_op: Any = field(default=None, repr=False)
+    # bind_threads(cpus, include_caller) -> cpu per OpenMP thread (octavo_cpu.threads).
+    bind_threads_op: Any = field(default=None, repr=False)
 
     @property
     def isa(self) -> str:
@@ -158,8 +170,10 @@ def _load_or_fall_back() -> CPUKernels | None:
         kernels = _load_or_build()
     except Exception as exc:  # a missing compiler or ninja, a failed build, a bad library
         logger.warning(
-            "cpu attention: the C++ kernels could not be built or loaded, so attention runs "
-            "the slower torch implementation. Cause: %s", _summary(exc),
+            "cpu backend: the C++ kernels could not be built or loaded, so attention runs "
+            "the slower torch implementation and GGUF weights are dequantized on load. Cause: "
+            "%s. Install a C++ compiler (g++) to get them; they build on first use.",
+            _summary(exc),
         )
         logger.debug("cpu attention: build failure in full", exc_info=True)
         return None
@@ -205,6 +219,10 @@ def _load_or_build() -> CPUKernels:
         library=library,
         _write_kv_cache=ops.write_kv_cache.default,
         _paged_attention=ops.paged_attention.default,
+        quant_isas=tuple(ops.quant_isas()),
+        gguf_matmul_op=ops.gguf_matmul.default,
+        gguf_dequantize_op=ops.gguf_dequantize.default,
+        bind_threads_op=ops.bind_threads.default,
     )
 
 
@@ -242,8 +260,8 @@ def _build(build_dir: Path) -> None:
         source_copy = build_dir / "src"
         shutil.copytree(CSRC_DIR, source_copy, ignore=lambda _, names: [
             name for name in names if not name.endswith((".cpp", ".h"))])
-        logger.info("cpu attention: compiling the C++ kernels (first use only, some tens of "
-                    "seconds; cached in %s)", build_dir)
+        logger.info("cpu backend: compiling the C++ kernels (first use only, about a minute "
+                    "on 2 cores; cached in %s)", build_dir)
         start = time.perf_counter()
         cpp_extension.load(
             name=LIBRARY_NAME,
@@ -255,7 +273,7 @@ def _build(build_dir: Path) -> None:
             verbose=False,
         )
         (build_dir / BUILT_MARKER).write_text(f"built in {time.perf_counter() - start:.1f} s\n")
-        logger.info("cpu attention: C++ kernels compiled in %.1f s", time.perf_counter() - start)
+        logger.info("cpu backend: C++ kernels compiled in %.1f s", time.perf_counter() - start)
 
 
 def _find_ninja() -> None:
@@ -288,3 +306,8 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
+
+if __name__ == "__main__":  # `python -m octavo_cpu.kernels` (make install): build or load now
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    loaded = load_kernels()
+    print(f"octavo cpu kernels: {loaded.isas if loaded else 'not available (torch path)'}")

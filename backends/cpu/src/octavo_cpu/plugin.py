@@ -33,6 +33,13 @@ plugin = BackendPlugin(
             cuda_graphs=False,
             sliding_window=True,  # C++ kernels and torch fallback alike
             logits_soft_cap=True,
+            # Every built-in method: fp8 weights dequantized to the activations' dtype in the
+            # matmul, int4 AWQ/GPTQ and GGUF blocks dequantized tile by tile (GGUF through the
+            # backend's C++ op where it is built, octavo_cpu.quant_kernels).
+            quantization_methods=("fp8", "compressed-tensors", "awq", "gptq", "gguf"),
+            # fp8 (e4m3) KV cache through the torch attention path (the C++ kernels take
+            # 16/32-bit caches only).
+            kv_cache_dtypes=("auto", "fp8"),
             # No limit of its own on max_num_seqs / max_model_len (host memory decides);
             # logprobs come from the core's sampler, so every count and prompt logprobs.
         ),
@@ -41,4 +48,5 @@ plugin = BackendPlugin(
     attention="octavo_cpu.attention:make_attention_backend",
     worker="octavo_cpu.worker:CPUWorker",
     kv_cache_memory="octavo_cpu.memory:available_kv_cache_memory",
+    quant_kernels="octavo_cpu.quant:quant_kernels",
 )

@@ -1,21 +1,17 @@
-"""The CPU worker: the core's worker on the host, with torch using every allowed core."""
+"""The CPU worker: the core's worker on the host, with its threads planned and pinned
+(``octavo_cpu.threads``). GGUF weights kept in their blocks run on the backend's C++ kernels
+through the ``gguf`` quantization method (``octavo_cpu.quant.quant_kernels``)."""
 
 from __future__ import annotations
-
-import logging
-import os
 
 import torch
 from octavo.worker.worker import Worker
 
-logger = logging.getLogger(__name__)
+from octavo_cpu.threads import configure_threads
 
 
 class CPUWorker(Worker):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if "OMP_NUM_THREADS" not in os.environ and cores:
-            # The ranks of a split model share the host's cores instead of each taking all.
-            torch.set_num_threads(max(1, cores // self.ranks.world_size))
-        logger.debug("CPU worker: %d torch threads", torch.get_num_threads())
+        configure_threads(self.config.parallel_config.cpu_threads, self.ranks.world_size,
+                          self.local_rank)

@@ -65,4 +65,6 @@ plugin = triton_gpu_backend_plugin(
     package="octavo-backend-rocm",
     attention="octavo_rocm.attention:make_attention_backend",
     description="Triton paged attention on AMD GPUs (ROCm/HIP), tuned for CDNA3",
+    # CDNA3's fp8 is e4m3fnuz, not the e4m3fn the fp8 KV cache stores: not run there yet.
+    kv_cache_dtypes=("auto",),
 )

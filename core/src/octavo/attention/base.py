@@ -25,6 +25,12 @@ Two per-layer options change what a new token sees and how its scores are formed
 A backend declares which it implements (``AttentionBackend.supports_sliding_window`` /
 ``supports_logits_soft_cap``, and the same in its ``BackendCapabilities``); the model layer
 refuses a backend that lacks one it needs (``check_attention_options``).
+
+fp8 KV cache (``--kv-cache-dtype fp8``): the cache tensors are ``torch.float8_e4m3fn`` and hold
+``key / k_scale`` and ``value / v_scale``, saturated to +-448; ``k_scale``/``v_scale`` are
+per-tensor, per-layer floats on the ``AttentionImpl`` (1.0 unless set). A kernel reading the
+cache multiplies by them. Every impl must accept such a cache when its backend lists "fp8" in
+``BackendCapabilities.kv_cache_dtypes``.
 """
 
 from __future__ import annotations
@@ -136,13 +142,17 @@ class AttentionImpl(ABC):
         self.scale = scale
         if sliding_window is not None and (
                 not isinstance(sliding_window, int) or sliding_window < 1):
-            raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+            raise ValueError(
+                f"sliding_window must be None or a positive int, got {sliding_window!r}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap!r}")
         # Keys a new token sees (itself included); None: every earlier position.
         self.sliding_window = sliding_window
         # Scores become cap * tanh(score / cap); None: no cap.
         self.logits_soft_cap = logits_soft_cap
+        # Per-tensor scales of an fp8 KV cache (stored = x / scale); unused by other caches.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @abstractmethod
     def forward(

@@ -58,6 +58,14 @@ class BackendCapabilities:
     # Most top logprobs per token a request may ask for (logprobs, prompt_logprobs; None: no
     # limit beyond the vocabulary).
     max_logprobs: int | None = None
+    # Quantization methods whose kernels run here (names of --quantization: "fp8", "awq",
+    # "gptq", "gguf", ...); a model quantized with another is refused at start-up, never
+    # silently dequantized. Empty: dense weights only (a GGUF file is then dequantized while
+    # loading unless --quantization gguf is asked for, which is refused).
+    quantization_methods: tuple[str, ...] = ()
+    # --kv-cache-dtype values the attention kernels read and write ("auto": the model's
+    # dtype; "fp8": float8 e4m3 with per-tensor scales, which also admits "fp8_e4m3").
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
     # Whether the attention kernels implement sliding-window attention (Mistral, Gemma's local
     # layers, ...). Without it a windowed model runs only with max_model_len within its window.
     sliding_window: bool = False
@@ -65,13 +73,25 @@ class BackendCapabilities:
     logits_soft_cap: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dtypes", "head_dims", "block_sizes"):  # lists are accepted, kept as tuples
+        for name in ("dtypes", "head_dims", "block_sizes", "quantization_methods",
+                     "kv_cache_dtypes"):
+            # lists are accepted, kept as tuples
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if not self.dtypes or any(d not in KNOWN_DTYPES for d in self.dtypes):
             raise ValueError(
                 f"BackendCapabilities.dtypes must be a non-empty tuple of {KNOWN_DTYPES}, "
                 f"got {self.dtypes!r}"
+            )
+        if not all(isinstance(m, str) and m for m in self.quantization_methods):
+            raise ValueError(
+                "BackendCapabilities.quantization_methods must be a tuple of method names, "
+                f"got {self.quantization_methods!r}"
+            )
+        if "auto" not in self.kv_cache_dtypes or not set(self.kv_cache_dtypes) <= {"auto", "fp8"}:
+            raise ValueError(
+                "BackendCapabilities.kv_cache_dtypes must hold 'auto' and optionally 'fp8', "
+                f"got {self.kv_cache_dtypes!r}"
             )
         for name in ("head_dims", "block_sizes"):
             values = getattr(self, name)

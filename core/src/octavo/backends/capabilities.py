@@ -72,12 +72,12 @@ def fit_max_model_len(backend: Backend, max_model_len: int, requested: int | Non
 def check_config(backend: Backend, config: EngineConfig, others: Sequence[Backend] = ()) -> None:
     """Raise ``UnsupportedByBackendError`` unless ``backend`` supports ``config``.
 
-    Checks, in order: dtype, the model's head size, KV block size, ``max_num_seqs``,
-    ``max_model_len``, sliding-window attention (needed when a layer's window is shorter than
-    ``max_model_len``), attention logit soft-capping. The error names the backend, the value
-    and what it supports, and suggests a supported value and the backends among ``others``
-    (other installed ones) that are available here and support the value; they are probed
-    only when a check fails.
+    Checks, in order: dtype, quantization method, KV-cache dtype, the model's head size, KV
+    block size, ``max_num_seqs``, ``max_model_len``, sliding-window attention (needed when a
+    layer's window is shorter than ``max_model_len``), attention logit soft-capping. The error
+    names the backend, the value and what it supports, and suggests a supported value and the
+    backends among ``others`` (other installed ones) that are available here and support the
+    value; they are probed only when a check fails.
     """
     caps = backend.capabilities
     model = config.model_config
@@ -85,6 +85,18 @@ def check_config(backend: Backend, config: EngineConfig, others: Sequence[Backen
     if dtype not in caps.dtypes:
         _fail(backend, "dtype", dtype, ", ".join(caps.dtypes), f"--dtype {caps.dtypes[0]}",
               others, lambda c: dtype in c.dtypes)
+    method = model.quantization
+    if method is not None and method not in caps.quantization_methods:
+        fix = ("--quantization none (dequantized while loading)" if model.gguf_file is not None
+               else None)
+        _fail(backend, "quantization", method,
+              ", ".join(caps.quantization_methods) or "none", fix, others,
+              lambda c: method in c.quantization_methods)
+    kv_dtype = "fp8" if config.cache_config.cache_dtype.startswith("fp8") else "auto"
+    if kv_dtype not in caps.kv_cache_dtypes:
+        _fail(backend, "kv_cache_dtype", config.cache_config.cache_dtype,
+              ", ".join(caps.kv_cache_dtypes), "--kv-cache-dtype auto", others,
+              lambda c: kv_dtype in c.kv_cache_dtypes)
     check_head_dim(backend.name, model.head_dim, caps.head_dims, others=others)
     block_size = config.cache_config.block_size
     if caps.block_sizes is not None and block_size not in caps.block_sizes:
@@ -181,7 +193,7 @@ def _fail(
     what: str,
     value: object,
     supported: str,
-    fix: str,
+    fix: str | None,
     others: Sequence[Backend],
     accepts: Callable[[BackendCapabilities], bool],
 ) -> None:

@@ -10,6 +10,7 @@ class, its KV-cache memory sizing and what moves its KV blocks (by default the c
         attention="octavo_mydev.attention:make_attention_backend",
         worker="octavo_mydev.worker:MyDevWorker",
         kv_cache_memory="octavo_mydev.memory:available_kv_cache_memory",
+        quant_kernels="octavo_mydev.quant:quant_kernels",  # optional
     )
 
 and its entry point names the object (``mydev = "octavo_mydev.plugin:plugin"``). The pieces
@@ -58,6 +59,8 @@ class BackendPlugin:
     :param worker: reference to the ``octavo.worker.worker.Worker`` subclass.
     :param kv_cache_memory: reference to ``f(worker, cache_config) -> int`` (bytes the KV
         cache may take on the worker's device).
+    :param quant_kernels: optional reference to ``f(method) -> object | None``: the backend's
+        kernels for a quantization method (``octavo_quant_kernels``).
     :param kv_block_mover: reference to ``f(attn_backend, device) -> KVBlockMover`` (swaps and
         copies of whole KV blocks; the default is the core's batched torch mover).
     """
@@ -65,10 +68,13 @@ class BackendPlugin:
     def __init__(
         self, backend: Backend, *, attention: str, worker: str, kv_cache_memory: str,
         kv_block_mover: str = DEFAULT_KV_BLOCK_MOVER,
+        quant_kernels: str | None = None,
     ) -> None:
-        for name, reference in (("attention", attention), ("worker", worker),
-                                ("kv_cache_memory", kv_cache_memory),
-                                ("kv_block_mover", kv_block_mover)):
+        references = [("attention", attention), ("worker", worker),
+                      ("kv_cache_memory", kv_cache_memory), ("kv_block_mover", kv_block_mover)]
+        if quant_kernels is not None:
+            references.append(("quant_kernels", quant_kernels))
+        for name, reference in references:
             if ":" not in reference:
                 raise ValueError(
                     f"BackendPlugin({backend.name!r}): {name} must be a 'module:attribute' "
@@ -79,6 +85,7 @@ class BackendPlugin:
         self.worker = worker
         self.kv_cache_memory = kv_cache_memory
         self.kv_block_mover = kv_block_mover
+        self.quant_kernels = quant_kernels
 
     def __repr__(self) -> str:
         return f"BackendPlugin({self.backend.name!r})"
@@ -117,3 +124,10 @@ class BackendPlugin:
     ) -> Any:
         make = self._piece(backend, self.kv_block_mover)
         return None if make is None else make(attn_backend, device)
+
+    @hookimpl
+    def octavo_quant_kernels(self, backend: str, method: str) -> Any | None:
+        if self.quant_kernels is None:
+            return None
+        provide = self._piece(backend, self.quant_kernels)
+        return None if provide is None else provide(method)

@@ -22,6 +22,8 @@ _LABELS = {
     "cuda_graphs": "CUDA graphs",
     "async_scheduling": "async scheduling",
     "max_logprobs": "max top logprobs",
+    "quantization_methods": "quantization",
+    "kv_cache_dtypes": "kv cache dtypes",
 }
 
 
@@ -56,7 +58,7 @@ def capability_lines(caps: BackendCapabilities) -> list[str]:
         elif isinstance(value, bool):
             text = "yes" if value else "no"
         elif isinstance(value, list):
-            text = ", ".join(map(str, value))
+            text = ", ".join(map(str, value)) or "none"
         else:
             text = str(value)
         lines.append(f"{_LABELS.get(name, name.replace('_', ' ')):<18} {text}")

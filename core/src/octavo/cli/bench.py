@@ -131,6 +131,13 @@ def add_parser(sub) -> None:
     lat.add_argument("--output-len", type=_positive_int, default=128, help="output tokens")
     lat.add_argument("--num-iters", type=_positive_int, default=3, help="timed requests")
     lat.add_argument("--num-iters-warmup", type=int, default=1, help="untimed requests first")
+    lat.add_argument("--compare-llama-cpp", action="store_true",
+                     help="also run llama.cpp (llama-cpp-python) on the same GGUF file, one "
+                          "request of each in turn, and print the decode and prompt-processing "
+                          "ratios and whether the greedy tokens agree")
+    lat.add_argument("--llama-cpp-threads", type=_positive_int, default=None, metavar="N",
+                     help="llama.cpp's n_threads (default: --cpu-threads, else the cores this "
+                          "process may use)")
     add_engine_options(lat)
     lat.set_defaults(func=run_latency)
 
@@ -261,8 +268,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     # With --structured json: the constrained run, then the same requests unconstrained.
     runs: list[_OctavoRun] = []
     if args.async_engine:
+        from octavo.cli.serve import front_end_threads
         from octavo.engine.async_llm import AsyncLLM
 
+        # As `octavo serve`: the model runs in the engine core's process (restored for HF).
+        front_end_threads_before = front_end_threads()
         engine = AsyncLLM(engine_args)
         config = engine.config
         workload = _make_workload(args, engine.tokenizer, config.model_config)
@@ -283,6 +293,9 @@ def run_throughput(args: argparse.Namespace) -> int:
                 await engine.shutdown()  # frees the device before HF runs
 
         asyncio.run(run_async())
+        import torch
+
+        torch.set_num_threads(front_end_threads_before)
     else:
         from octavo import LLM
 
@@ -308,6 +321,8 @@ def run_throughput(args: argparse.Namespace) -> int:
         "async_scheduling": config.scheduler_config.async_scheduling,
         "model": config.model_config.model,
         "dtype": config.model_config.dtype_name,
+        "quantization": config.model_config.quantization,
+        "kv_cache_dtype": config.cache_config.cache_dtype,
         "num_requests": len(workload.prompts),
         "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": num_out,
@@ -372,19 +387,33 @@ def run_latency(args: argparse.Namespace) -> int:
                              (args.output_len, args.output_len), vocab, 0)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llama = None
+    if args.compare_llama_cpp:
+        try:
+            llama = _LlamaCppTurns(args, engine.config, workload)
+        except Exception:
+            engine.shutdown()
+            raise
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(prompts), desc="latency (warm-up first)", unit="req", dynamic_ncols=True)
     for prompt in prompts[: args.num_iters_warmup]:
         llm.generate(prompt, params, use_tqdm=False)
+        if llama is not None:
+            llama.warm_up(prompt["prompt_token_ids"])
         bar.update(1)
     latencies = []
     ttfts = []
+    octavo_ids = []
     for prompt in prompts[args.num_iters_warmup :]:
+        # With --compare-llama-cpp the two engines take turns, so both see the same load.
         start = time.perf_counter()
         out = llm.generate(prompt, params, use_tqdm=False)[0]
         latencies.append(time.perf_counter() - start)
         ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+        octavo_ids.append(list(out.outputs[0].token_ids))
+        if llama is not None:
+            llama.run(prompt["prompt_token_ids"])
         bar.update(1)
     bar.close()
     mean = sum(latencies) / len(latencies)
@@ -395,16 +424,89 @@ def run_latency(args: argparse.Namespace) -> int:
         "backend": engine.config.backend,
         "async_scheduling": engine.config.scheduler_config.async_scheduling,
         "model": engine.config.model_config.model,
+        "quantization": engine.config.model_config.quantization,
+        "kv_cache_dtype": engine.config.cache_config.cache_dtype,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "mean_latency_s": round(mean, 4),
         "mean_ttft_s": round(ttft, 4),
         "ms_per_output_token": round(per_token_ms, 3),
+        "decode_tokens_per_s": round(1000 / per_token_ms, 2) if per_token_ms > 0 else None,
+        "prompt_tokens_per_s": round(args.input_len / ttft, 1),
     }
     print(f"latency : {mean:.3f} s per request, TTFT {ttft * 1000:.1f} ms, "
           f"{per_token_ms:.2f} ms per output token")
+    if llama is not None:
+        result.update(llama.summary(result, octavo_ids))
     print(json.dumps(result))
     return 0
+
+
+class _LlamaCppTurns:
+    """llama.cpp on the latency workload's prompts, one request after each of Octavo's."""
+
+    def __init__(self, args: argparse.Namespace, config, workload: Workload) -> None:
+        import os
+
+        from octavo.benchmarks import llama_cpp_baseline
+
+        gguf_file = config.model_config.gguf_file
+        if args.output_len < 2:
+            raise ValueError("--compare-llama-cpp compares decode speed: give --output-len 2 "
+                             "or more")
+        if gguf_file is None:
+            raise ValueError("--compare-llama-cpp needs a GGUF model (llama.cpp reads only "
+                             "GGUF); pass --model FILE.gguf, or leave --model out for the "
+                             "default SmolLM2 GGUF")
+        threads = (args.llama_cpp_threads or config.parallel_config.cpu_threads
+                   or len(os.sched_getaffinity(0)))
+        self.baseline = llama_cpp_baseline
+        self.output_len = args.output_len
+        n_ctx = max(len(p) for p in workload.prompts) + args.output_len + 8
+        # ImportError (with the install hint) when llama-cpp-python is missing.
+        try:
+            self.llm = llama_cpp_baseline.load_llama_cpp(gguf_file, threads, n_ctx)
+        except ImportError as exc:
+            raise RuntimeError(str(exc)) from None
+        self.threads = threads
+        self.requests = []
+
+    def warm_up(self, prompt: list[int]) -> None:
+        self.baseline.greedy_generate(self.llm, prompt, min(self.output_len, 8))
+
+    def run(self, prompt: list[int]) -> None:
+        self.requests.append(self.baseline.greedy_generate(self.llm, prompt, self.output_len))
+
+    def summary(self, octavo: dict, octavo_ids: list[list[int]]) -> dict:
+        import llama_cpp
+
+        self.llm.close()
+        run = self.baseline.LlamaCppResult(self.requests, self.threads,
+                                           getattr(llama_cpp, "__version__", "?"))
+        diverged = [self.baseline.first_divergence(mine, r.output_ids)
+                    for mine, r in zip(octavo_ids, self.requests)]
+        same = sum(d is None for d in diverged)
+        out = {
+            "llama_cpp_version": run.version,
+            "llama_cpp_threads": run.n_threads,
+            "llama_cpp_decode_tokens_per_s": round(run.decode_tokens_per_s, 2),
+            "llama_cpp_prompt_tokens_per_s": round(run.prompt_tokens_per_s, 1),
+            "decode_ratio_vs_llama_cpp": round(
+                octavo["decode_tokens_per_s"] / run.decode_tokens_per_s, 3),
+            "prompt_ratio_vs_llama_cpp": round(
+                octavo["prompt_tokens_per_s"] / run.prompt_tokens_per_s, 3),
+            "greedy_identical_to_llama_cpp": f"{same}/{len(diverged)}",
+            "greedy_first_divergence": diverged,
+        }
+        print(f"llama.cpp: {out['llama_cpp_decode_tokens_per_s']:.1f} decode tok/s, "
+              f"{out['llama_cpp_prompt_tokens_per_s']:.0f} prompt tok/s "
+              f"(llama-cpp-python {run.version}, n_threads={run.n_threads})")
+        print(f"octavo   : {octavo['decode_tokens_per_s']:.1f} decode tok/s, "
+              f"{octavo['prompt_tokens_per_s']:.0f} prompt tok/s")
+        print(f"ratio    : decode {out['decode_ratio_vs_llama_cpp']:.2f}x, prompt "
+              f"{out['prompt_ratio_vs_llama_cpp']:.2f}x; greedy tokens identical in "
+              f"{out['greedy_identical_to_llama_cpp']} requests (first divergence: {diverged})")
+        return out
 
 
 def _duration(seconds: float) -> str:

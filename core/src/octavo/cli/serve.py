@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     # The port first: a busy one is reported now, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
+    front_end_threads()
     engine_args = EngineArgs.from_cli_args(args)
     # Fail here, with one clear line, on a missing model or backend or a bad option or template
     # (cheap: reads config.json; the weights load in the engine-core process).
@@ -100,3 +101,15 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
     )
     return run_server(server_args, sock)
+
+
+def front_end_threads() -> int:
+    """This process only serves HTTP, tokenizes and detokenizes; the model runs in the engine
+    core's process. One torch thread here, so the two do not compete for the same cores (the
+    engine core's process is spawned fresh and plans its own threads). Returns the previous
+    count."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return previous

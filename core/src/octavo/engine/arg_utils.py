@@ -73,9 +73,19 @@ class EngineArgs:
         "auto", "weights/activations dtype (auto: the checkpoint's; float32 for GGUF; half = "
         "float16, float = float32, as in vLLM)",
         choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
+    quantization: str | None = _option(
+        None, "how the weights are stored and multiplied: fp8, compressed-tensors, awq, gptq, "
+        "gguf, or a plugin's method (-q). Default: the checkpoint's own (its "
+        "quantization_config; gguf for a .gguf file when the backend runs GGUF kernels). fp8 "
+        "on a dense checkpoint quantizes it while loading; none runs dense weights (a .gguf "
+        "file dequantized while loading)", metavar="METHOD")
     max_model_len: int | None = _option(
         None, "longest prompt + completion in tokens (default: the model's)", type=int)
     block_size: int = _option(16, "tokens per KV-cache block", type=int)
+    kv_cache_dtype: str = _option(
+        "auto", "KV-cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 "
+        "e4m3 with a per-tensor scale per layer: half of bf16's memory, so about twice the "
+        "blocks and concurrent requests)", choices=["auto", "fp8", "fp8_e4m3"])
     enable_prefix_caching: bool = _option(
         True, "automatic prefix caching", cli=_TOGGLE)
     enable_chunked_prefill: bool = _option(
@@ -127,6 +137,10 @@ class EngineArgs:
         "host), ray (a Ray actor per rank on a running Ray cluster; RAY_ADDRESS or "
         "ray.init(address='auto')). Default: uni for one rank, else mp",
         choices=["uni", "mp", "ray"])
+    cpu_threads: int | None = _option(
+        None, "threads each CPU worker computes with, pinned to cores (CPU backend; default: "
+        "$OMP_NUM_THREADS, else the cores this process may use, divided among the ranks)",
+        type=int, metavar="N")
     load_format: str = _option(
         "auto", "auto: the checkpoint's weights; dummy: random weights of the config's shape, "
         "each rank making only its own slices, no checkpoint read (benchmarks)",
@@ -175,6 +189,7 @@ class EngineArgs:
         if async_scheduling is None:
             async_scheduling = backend.capabilities.async_scheduling
         windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
+        quantization = self._resolve_quantization(pm, backend, hf_config, gguf_file)
         model_config = ModelConfig(**self._options_of(
             ModelConfig,
             model=display,
@@ -184,6 +199,7 @@ class EngineArgs:
             dtype=resolve_dtype(self.dtype, hf_config, is_gguf=gguf_file is not None),
             tokenizer=resolve_tokenizer_path(self.tokenizer, download_dir=self.download_dir,
                                              trust_remote_code=self.trust_remote_code),
+            quantization=quantization,
             max_model_len=fit_max_model_len(
                 backend, derive_max_model_len(hf_config, self.max_model_len), self.max_model_len,
                 min(windows, default=None),
@@ -193,7 +209,8 @@ class EngineArgs:
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(**self._options_of(
-                CacheConfig, sliding_window=_kv_window(model_config))),
+                CacheConfig, cache_dtype=self.kv_cache_dtype,
+                sliding_window=_kv_window(model_config))),
             scheduler_config=SchedulerConfig(
                 **self._options_of(SchedulerConfig, async_scheduling=async_scheduling)
             ),
@@ -209,6 +226,23 @@ class EngineArgs:
         check_config(backend, config, others=list_backends(pm))
         check_parallel_config(config, backend.device_type)
         return config
+
+    def _resolve_quantization(self, pm: Any, backend: Any, hf_config: Any,
+                              gguf_file: Any) -> str | None:
+        """The quantization method (``--quantization`` and the checkpoint), its settings read
+        once here so a variant no kernel runs is refused before anything loads."""
+        from octavo.model_executor.layers.quantization.registry import (
+            build_quantization_registry,
+            create_quantization_config,
+            resolve_quantization,
+        )
+
+        registry = build_quantization_registry(pm)
+        name = resolve_quantization(self.quantization, hf_config, gguf_file, registry,
+                                    backend.capabilities.quantization_methods)
+        if name is not None:
+            create_quantization_config(name, hf_config, gguf_file, registry)
+        return name
 
     def _options_of(self, config_cls: type, **resolved: Any) -> dict[str, Any]:
         """Keyword arguments of ``config_cls``: the options of the same name, then ``resolved``."""
@@ -244,7 +278,8 @@ def _kv_window(model_config: ModelConfig) -> int | None:
 
 
 # vLLM's short forms.
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
+                "quantization": "-q"}
 
 
 def _add_option(group: argparse._ArgumentGroup, option: Field) -> None:

@@ -213,6 +213,11 @@ class EngineCore:
             return []
         if not self.scheduler.has_unfinished_requests() and not self._in_flight:
             manager.wait(timeout_s=0.05)
+        else:
+            # A grammar seen before compiles in microseconds (a copy from the cache): give
+            # those a moment, so requests that arrived together start in the same step
+            # instead of the late ones waiting a whole step for their own prefill.
+            manager.wait(timeout_s=0.002, for_all=True)
         failed = []
         for compiled in manager.take_ready():
             request = self._awaiting_grammar.pop(compiled.request_id, None)

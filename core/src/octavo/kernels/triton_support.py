@@ -8,6 +8,7 @@ Importable without Triton or torch: backend plugins built on these kernels (cuda
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -24,9 +25,10 @@ TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 #: Model/KV-cache dtypes the kernels handle (float32 dots precision: TritonLaunchConfig).
 TRITON_DTYPES = ("bfloat16", "float16", "float32")
 #: What a GPU backend running these kernels through the core's GPU worker supports: the
-#: kernels' dtypes and head sizes, the block sizes they are tested and tuned for, decode CUDA
-#: (or HIP) graphs unless --enforce-eager, async scheduling (the device runs apart from
-#: the host), sliding-window attention and logit soft-capping. No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
+#: kernels' dtypes and head sizes, the quantization methods, the block sizes they are tested
+#: and tuned for, decode CUDA (or HIP) graphs unless --enforce-eager, async scheduling (the
+#: device runs apart from the host), an fp8 KV cache, sliding-window attention and logit
+#: soft-capping. No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
 #: logprobs come from the core's sampler, so every count and prompt logprobs.
 TRITON_GPU_CAPABILITIES = BackendCapabilities(
     dtypes=TRITON_DTYPES,
@@ -34,6 +36,11 @@ TRITON_GPU_CAPABILITIES = BackendCapabilities(
     block_sizes=(8, 16, 32, 64),
     cuda_graphs=True,
     async_scheduling=True,
+    # fp8 through torch._scaled_mm (dequantized where the GPU has no FP8 tensor cores), int4
+    # AWQ/GPTQ and GGUF through the Triton dequantize-in-GEMM kernels.
+    quantization_methods=("fp8", "compressed-tensors", "awq", "gptq", "gguf"),
+    # fp8 (e4m3) KV cache: the write kernel quantizes, the attention kernels upcast.
+    kv_cache_dtypes=("auto", "fp8"),
     sliding_window=True,
     logits_soft_cap=True,
 )
@@ -45,6 +52,7 @@ def triton_gpu_backend_plugin(
     package: str,
     attention: str,
     description: str,
+    kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8"),
 ) -> BackendPlugin:
     """The declaration of a backend for GPUs that torch addresses as ``cuda`` (NVIDIA through
     CUDA, AMD through ROCm/HIP) running these kernels: the core's ``GPUWorker`` (device
@@ -54,6 +62,7 @@ def triton_gpu_backend_plugin(
     torch build is CUDA or HIP, never both).
 
     :param attention: reference to the backend's attention factory (its launch settings).
+    :param kv_cache_dtypes: the --kv-cache-dtype values the backend's devices run.
     """
     backend = Backend(
         name=name,
@@ -62,7 +71,8 @@ def triton_gpu_backend_plugin(
         is_available=is_available,
         package=package,
         dist_backend="nccl",
-        capabilities=TRITON_GPU_CAPABILITIES,
+        capabilities=dataclasses.replace(TRITON_GPU_CAPABILITIES,
+                                         kv_cache_dtypes=kv_cache_dtypes),
         description=description,
     )
     return BackendPlugin(

@@ -89,11 +89,14 @@ class StructuredOutputManager:
         """Requests holding a matcher or a compilation (0 once every request is done)."""
         return len(self._matchers) + len(self._compiling)
 
-    def wait(self, timeout_s: float) -> None:
-        """Block until a compilation finishes or ``timeout_s`` passes."""
+    def wait(self, timeout_s: float, for_all: bool = False) -> None:
+        """Block until a compilation finishes (every one, with ``for_all``) or ``timeout_s``
+        passes."""
         if self._compiling:
+            return_when = (concurrent.futures.ALL_COMPLETED if for_all
+                           else concurrent.futures.FIRST_COMPLETED)
             concurrent.futures.wait(list(self._compiling.values()), timeout=timeout_s,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+                                    return_when=return_when)
 
     def take_ready(self) -> list[CompiledRequest]:
         """Requests whose compilation finished since the last call."""

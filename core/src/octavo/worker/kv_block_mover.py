@@ -64,8 +64,20 @@ class _PendingHostWrite:
     event: torch.cuda.Event | None
 
 
+_FP8_DTYPES = tuple(getattr(torch, name) for name in
+                    ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+                    if hasattr(torch, name))
+
+
+def _raw(caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The caches to move: an fp8 cache (``--kv-cache-dtype fp8``) as its uint8 bytes, since
+    torch has no CPU ``index_copy_`` for float8 (a move copies bytes, so nothing changes)."""
+    return [c.view(torch.uint8) if c.dtype in _FP8_DTYPES else c for c in caches]
+
+
 class TorchKVBlockMover:
-    """``KVBlockMover`` with torch's ``index_select`` / ``index_copy_`` (any device)."""
+    """``KVBlockMover`` with torch's ``index_select`` / ``index_copy_`` (any device, any cache
+    dtype: fp8 caches move as bytes)."""
 
     def __init__(self, block_dim: int, device: torch.device) -> None:
         self.block_dim = block_dim
@@ -90,7 +102,7 @@ class TorchKVBlockMover:
             return
         both = self._ids([s for s, _ in pairs] + [d for _, d in pairs], self.device)
         src, dst = both[: len(pairs)], both[len(pairs):]
-        for cache in device_caches:
+        for cache in _raw(device_caches):
             cache.index_copy_(self.block_dim, dst, cache.index_select(self.block_dim, src))
 
     def swap_out(self, device_caches: list[torch.Tensor], host_caches: list[torch.Tensor],
@@ -98,6 +110,7 @@ class TorchKVBlockMover:
         if not pairs:
             return
         self.complete_host_writes(wait=False)
+        device_caches, host_caches = _raw(device_caches), _raw(host_caches)
         src = self._ids([s for s, _ in pairs], self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
         if not self.pinned:
@@ -132,6 +145,7 @@ class TorchKVBlockMover:
         if not pairs:
             return
         self.complete_host_writes(wait=True)
+        host_caches, device_caches = _raw(host_caches), _raw(device_caches)
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
         dst = self._ids([d for _, d in pairs], self.device)
         for host, cache in zip(host_caches, device_caches):

@@ -28,7 +28,7 @@ import pluggy
 import torch
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata
-from octavo.config import EngineConfig
+from octavo.config import EngineConfig, kv_cache_torch_dtype
 from octavo.distributed.parallel_state import ParallelState
 from octavo.messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from octavo.model_executor.layers.attention import Attention
@@ -152,7 +152,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.attn_backend, self.device, self.pm,
-                                self.parallel)
+                                self.parallel, backend=self.config.backend)
         if self.parallel.ranks.pp_size > 1:
             self.stage_io = StageIO(self.parallel, self.model_config.hf_config.hidden_size,
                                     self.model_config.dtype, self.device)
@@ -165,10 +165,15 @@ class ModelRunner:
         assert layers, f"{type(self.model).__name__} has no attention layer"
         return len(layers), layers[0].num_kv_heads, layers[0].head_dim
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """Element type of the KV cache: the model's, or e4m3 with --kv-cache-dtype fp8."""
+        return kv_cache_torch_dtype(self.config.cache_config.cache_dtype, self.model_config.dtype)
+
     def kv_cache_bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self._kv_cache_layout()
         shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, num_kv_heads, head_dim)
-        element_size = torch.empty((), dtype=self.model_config.dtype).element_size()
+        element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return int(np.prod(shape)) * element_size * num_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -177,7 +182,7 @@ class ModelRunner:
                                                      head_dim)
         # Uninitialised on purpose (zeroing gigabytes costs seconds): kernels never read a
         # slot that was not written (see octavo.attention.base).
-        dtype = self.model_config.dtype
+        dtype = self.kv_cache_dtype
         self.kv_caches = [
             torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]

@@ -178,9 +178,10 @@ class Worker:
                 )
         tokens = num_blocks * cache.block_size
         logger.info(
-            "backend %s: %d KV blocks of %d tokens (%.2f GiB, %d tokens, max concurrency %.1f "
-            "at %d tokens per request)",
+            "backend %s: %d KV blocks of %d tokens (kv cache dtype %s, %.2f GiB, %d tokens, "
+            "max concurrency %.1f at %d tokens per request)",
             self.config.backend, num_blocks, cache.block_size,
+            str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
             num_blocks * per_block / 2**30, tokens, tokens / model.max_model_len,
             model.max_model_len,
         )

@@ -9,6 +9,10 @@ token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at off
 ``t % block_size``, i.e. at slot ``block_id * block_size + offset``. Every address is computed
 from strides, so a cache view with padded strides works too.
 
+An fp8 cache (``--kv-cache-dtype fp8``: ``torch.float8_e4m3fn``) holds ``x / scale`` with one
+scale per tensor (``k_scale`` for keys, ``v_scale`` for values, per layer), saturated to
+e4m3's +-448; readers multiply by the scale (``octavo.attention.base``).
+
 Reference: ``octavo.attention.reference.write_kv_reference``.
 """
 
@@ -19,6 +23,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from octavo.attention.reference import FP8_E4M3_MAX
+from octavo.attention.reference import is_fp8 as is_fp8_cache
+
+# Saturation bound of the fp8 write, for the kernel.
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 def interpreting() -> bool:
@@ -116,6 +126,24 @@ def paged_token_offsets(
 
 
 @triton.jit
+def round_to_e4m3(x):
+    """``x`` (float32) saturated to +-448 and rounded to the nearest e4m3 value, ties to even
+    (as torch's cast), still in float32: the cast to fp8 that follows is then exact.
+
+    Done in arithmetic because the Triton interpreter's fp32 -> fp8 cast truncates the
+    mantissa carry (31.2 -> 16); compiled kernels give the same bits either way. The grid step
+    is 2**(exponent - 3) for normal values and 2**-9 below 2**-6 (subnormals); adding and
+    subtracting 1.5 * 2**23 rounds to a whole number of steps (|x / step| < 16).
+    """
+    x = tl.clamp(x, -FP8_MAX, FP8_MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -rounded, rounded)  # keeps the sign of zero, as torch does
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -131,9 +159,12 @@ def _write_kv_kernel(
     stride_cache_head,
     num_kv_heads,
     head_dim,
+    k_inv_scale,  # 1 / k_scale (fp8 caches only)
+    v_inv_scale,  # 1 / v_scale (fp8 caches only)
     CACHE_BLOCK_SIZE: tl.constexpr,
     HEADS_PADDED: tl.constexpr,  # next power of two >= num_kv_heads
     HEAD_DIM_PADDED: tl.constexpr,  # next power of two >= head_dim
+    QUANTIZE_FP8: tl.constexpr,  # the cache is e4m3: scale and saturate before the cast
 ):
     """One program per token: copy its ``[num_kv_heads, head_dim]`` K and V tiles to its slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -158,6 +189,9 @@ def _write_kv_kernel(
         + heads[:, None] * stride_cache_head
         + dims[None, :]
     )
+    if QUANTIZE_FP8:
+        key = round_to_e4m3(key.to(tl.float32) * k_inv_scale)
+        value = round_to_e4m3(value.to(tl.float32) * v_inv_scale)
     cache_dtype = cache_ptr.dtype.element_ty
     tl.store(cache_ptr + cache_offsets, key.to(cache_dtype), mask=mask)
     tl.store(cache_ptr + stride_cache_kv + cache_offsets, value.to(cache_dtype), mask=mask)
@@ -169,13 +203,16 @@ def write_kv_cache(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = padding, skipped
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     num_warps: int = 4,
 ) -> None:
     """Scatter each token's K/V into cache slot ``slot_mapping[token]``, in place.
 
-    ``key``/``value`` are cast to the cache dtype. Slots must be unique among non-padding
-    tokens (two tokens writing one slot race). The last dimension of every tensor must be
-    contiguous; other strides are free.
+    ``key``/``value`` are cast to the cache dtype; into an fp8 cache as ``key / k_scale`` and
+    ``value / v_scale`` saturated to +-448 (the scales are ignored for other caches). Slots
+    must be unique among non-padding tokens (two tokens writing one slot race). The last
+    dimension of every tensor must be contiguous; other strides are free.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
@@ -200,8 +237,11 @@ def write_kv_cache(
         *kv_cache.stride()[:4],  # [K/V, block, offset, head]
         num_kv_heads,
         head_dim,
+        1.0 / k_scale,
+        1.0 / v_scale,
         CACHE_BLOCK_SIZE=kv_cache.shape[2],
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        QUANTIZE_FP8=is_fp8_cache(kv_cache),
         num_warps=num_warps,
     )

@@ -14,10 +14,13 @@ tokens instead:
 When the longest context fits in one partition, step 1 normalizes and writes the output
 itself and step 2 is skipped. So does a batch wide enough to fill the GPU on its own
 (``num_seqs * num_kv_heads >= unsplit_min_programs``): splitting it would only add programs
-and the reduce pass, since the bytes of K/V read are the same either way. The token's own K/V must already be in the cache
-(``write_kv_cache``). With a sliding window ``W`` only positions ``>= seq_len - W`` are read:
-partitions wholly before them exit at once and the reduce kernel starts after them. With a
-logit soft cap ``c`` every score is ``c * tanh(score / c)``. Reference: ``octavo.attention.reference.paged_attention_reference``.
+and the reduce pass, since the bytes of K/V read are the same either way. The token's own K/V
+must already be in the cache (``write_kv_cache``). With a sliding window ``W`` only positions
+``>= seq_len - W`` are read: partitions wholly before them exit at once and the reduce kernel
+starts after them. With a logit soft cap ``c`` every score is ``c * tanh(score / c)``. An fp8
+cache's keys are upcast to the query's dtype (exact) and ``k_scale`` is folded into the
+softmax scale (before the soft cap); ``v_scale`` multiplies the normalized output. Reference:
+``octavo.attention.reference.paged_attention_reference``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import triton.language as tl
 from octavo.kernels.triton.cache_write import (
     check_attention_inputs,
     dot_fp32,
+    is_fp8_cache,
     paged_token_offsets,
     scaled_scores,
     upcast_dot,
@@ -56,9 +60,10 @@ def _decode_partition_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * k_scale * log2(e)
     sliding_window,  # keys the token sees (itself included); read when SLIDING
     soft_cap,  # logit soft cap; read when SOFT_CAP
+    v_scale,  # multiplies the output (fp8 caches; 1 otherwise)
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -140,7 +145,7 @@ def _decode_partition_kernel(
         m_i = m_new
 
     if SINGLE_PARTITION:
-        out = acc / l_i[:, None]  # every valid row saw >= 1 key, so l_i > 0 there
+        out = acc / l_i[:, None] * v_scale  # every valid row saw >= 1 key: l_i > 0 there
         o_offsets = (
             token.to(tl.int64) * stride_o_token + heads[:, None] * stride_o_head + dims[None, :]
         )
@@ -163,6 +168,7 @@ def _decode_reduce_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     sliding_window,  # read when SLIDING
+    v_scale,  # multiplies the output (fp8 caches; 1 otherwise)
     stride_o_token,
     stride_o_head,
     stride_part_seq,
@@ -210,7 +216,7 @@ def _decode_reduce_kernel(
         acc_p = tl.load(part_acc_ptr + acc_offsets, mask=acc_mask, other=0.0)  # [BLOCK_P, D]
         acc += tl.sum(acc_p * weight[:, None], axis=0)
 
-    out = acc / tl.sum(sum_vec, axis=0)  # [D]
+    out = acc / tl.sum(sum_vec, axis=0) * v_scale  # [D] (v_scale 1: exact)
     o_offsets = token.to(tl.int64) * stride_o_token + head * stride_o_head + dims
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
@@ -226,6 +232,8 @@ def decode_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_n: int = 64,
     partition_size: int = 512,
@@ -244,8 +252,11 @@ def decode_attention(
     ``unsplit_min_programs`` set, a batch of at least that many (sequence, KV head) programs
     is not split at all (one program per sequence and KV head, no reduce kernel). The choice
     depends only on the shapes and ``max_seq_len``, so it is fixed inside a captured graph.
+    ``k_scale``/``v_scale`` are an fp8 cache's per-tensor scales (1 for other caches).
     """
     check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
+    if not is_fp8_cache(kv_cache):
+        k_scale = v_scale = 1.0
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -283,9 +294,10 @@ def decode_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
         sliding_window or 0,
         float(logits_soft_cap or 0.0),
+        v_scale,
         *query.stride()[:2],
         *out.stride()[:2],
         *kv_cache.stride()[:4],  # [K/V, block, offset, head]
@@ -317,6 +329,7 @@ def decode_attention(
         seq_lens,
         query_start_loc,
         sliding_window or 0,
+        v_scale,
         *out.stride()[:2],
         stride_part_seq,
         stride_part_head,

@@ -30,6 +30,7 @@ import triton.language as tl
 from octavo.kernels.triton.cache_write import (
     check_attention_inputs,
     dot_fp32,
+    is_fp8_cache,
     paged_token_offsets,
     scaled_scores,
     upcast_dot,
@@ -48,9 +49,10 @@ def _prefill_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    scale_log2,  # softmax scale * log2(e): scores are kept in base 2
+    scale_log2,  # softmax scale * k_scale * log2(e): scores are kept in base 2
     sliding_window,  # keys a token sees (itself included); read when SLIDING
     soft_cap,  # logit soft cap; read when SOFT_CAP
+    v_scale,  # multiplies the output (fp8 caches; 1 otherwise)
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -139,7 +141,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # [ROWS, D]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # [ROWS, D]
     o_offsets = (
         (q_start + row_token).to(tl.int64)[:, None] * stride_o_token
         + row_head[:, None] * stride_o_head
@@ -159,6 +161,8 @@ def prefill_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_m: int = 64,
     block_n: int = 64,
@@ -174,9 +178,12 @@ def prefill_attention(
     rows (query tokens x padded group, at least 16), ``block_n`` the keys per loop step (halved
     for head dims above 128); both powers of two. ``fp32_dot_precision`` is ``tl.dot``'s
     ``input_precision`` for float32 inputs ("ieee": exact and portable; "tf32": faster on
-    NVIDIA).
+    NVIDIA). An fp8 cache's keys and values are upcast to the query's dtype (exact);
+    ``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the output.
     """
     check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
+    if not is_fp8_cache(kv_cache):
+        k_scale = v_scale = 1.0
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -200,9 +207,10 @@ def prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
         sliding_window or 0,
         float(logits_soft_cap or 0.0),
+        v_scale,
         *query.stride()[:2],
         *out.stride()[:2],
         *kv_cache.stride()[:4],  # [K/V, block, offset, head]

@@ -9,7 +9,9 @@ ranges; rank ``r`` holds the rows of range ``r`` (padding rows are zero and neve
   gathered once, in rank order, then the padding is cut. Tied to the embedding, it uses the
   embedding's weight (the same partition).
 
-With one rank both are the plain ``F.embedding`` / ``F.linear`` over the whole vocabulary.
+With one rank both are the plain ``F.embedding`` / ``F.linear`` over the whole vocabulary, unless
+a quantization method keeps the table quantized (``quant_method``, an ``EmbeddingMethod`` set by
+``octavo.model_executor.model_loader.build_model``; GGUF blocks, one rank only).
 """
 
 from __future__ import annotations
@@ -36,8 +38,18 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size),
                                    requires_grad=False)
         set_weight_loader(self.weight, self._load)
+        # An EmbeddingMethod holding the table quantized (it replaces ``weight``), or None.
+        self.quant_method = None
+
+    def linear(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [n, rows_per_rank]
+        """This rank's logits (as an LM head, or a tied embedding)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden_states, None)
+        return F.linear(hidden_states, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, input_ids)
         if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -69,9 +81,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def compute_logits(hidden_states: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
-    """``[n, hidden_size]`` -> float32 ``[n, vocab_size]`` through ``head``'s weight (an LM head
-    or, tied, the embedding), the matmul in the model dtype, gathered over the ranks."""
-    logits = F.linear(hidden_states, head.weight)  # [n, rows_per_rank]
+    """``[n, hidden_size]`` -> float32 ``[n, vocab_size]`` through ``head.linear`` (an LM head
+    or, tied, the embedding; a GGUF-block head too), in the model dtype, gathered over the
+    ranks."""
+    logits = head.linear(hidden_states)  # [n, rows_per_rank]
     if head.parallel.tp_size > 1:
         logits = head.parallel.all_gather(logits, dim=-1)[:, : head.vocab_size]
     return logits.float()

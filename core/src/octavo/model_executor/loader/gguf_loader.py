@@ -3,9 +3,12 @@
 The file is parsed once per process (``octavo.model_executor.loader.gguf_file.read_gguf``);
 the config, the tokenizer (``octavo.engine.tokenizer``) and the weights share that parse.
 
-Every tensor is dequantized to float32 on load (no quantized compute yet). Q4_0, Q4_1 and Q8_0,
-the common types of small GGUFs, are dequantized here in vectorized torch; every other type goes
-through the reference ``gguf.quants.dequantize`` (numpy), which the torch versions match exactly.
+Tensors are dequantized to float32 on load, or, for a model run with the ``gguf`` quantization
+method (``keep_quantized``), quantized 2-D weights of the types it keeps (Q4_0, Q4_1, Q8_0,
+Q4_K, Q6_K) come as ``GGUFBlocks``: their raw blocks for the method's layers, dequantized only
+by a dense parameter's loader (an embedding the method does not keep). Those five types are dequantized in vectorized
+torch (``octavo.kernels.gguf``); every other type goes through the reference
+``gguf.quants.dequantize`` (numpy), which the torch versions match exactly.
 
 llama.cpp's converter permutes the rows of Llama's ``attn_q``/``attn_k`` (weights and biases) so
 each head's rotary pairs are interleaved (GPT-J style) rather than split in halves (GPT-NeoX
@@ -25,6 +28,7 @@ import gguf
 import numpy as np
 import torch
 
+from octavo.kernels.gguf import GGUF_BLOCKS, dequantize_blocks, dequantize_rows
 from octavo.model_executor.loader.gguf_file import GGUFFile, read_gguf
 from octavo.model_executor.loader.gguf_hf import gguf_hf_config
 
@@ -67,8 +71,10 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
     return gguf_hf_config(read_gguf(path))
 
 
-def iterate_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of the GGUF file at ``path``.
+def iterate_gguf_weights(path: str | Path, keep_quantized: bool = False
+                         ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of the GGUF file at ``path``
+    (with ``keep_quantized``, a ``GGUFBlocks`` for each quantized 2-D weight it can keep).
 
     Names are HF's (``model.embed_tokens.weight``, ``model.layers.N.self_attn.q_proj.weight``,
     ..., ``model.norm.weight``, and ``lm_head.weight`` only when the file has ``output.weight``;
@@ -91,24 +97,36 @@ def iterate_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]
     if arch in _PERMUTED_ARCHITECTURES:
         num_heads = int(_read_field(gguf_file, f"{arch}.attention.head_count"))
         num_kv_heads = int(_read_field(gguf_file, f"{arch}.attention.head_count_kv", num_heads))
-    return _iterate(gguf_file, num_heads, num_kv_heads)
+    return _iterate(gguf_file, num_heads, num_kv_heads, keep_quantized)
 
 
 def _iterate(
-    gguf_file: GGUFFile, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, torch.Tensor]]:
+    gguf_file: GGUFFile, num_heads: int, num_kv_heads: int, keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     for tensor in gguf_file.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
         hf_name = gguf_to_hf_name(tensor.name)
         # GGUF lists dims innermost first; HF (and numpy) outermost first.
         shape = tuple(reversed(tensor.shape))
-        weight = dequantize(gguf_file.tensor_data(tensor), tensor.qtype).reshape(shape)
+        heads = 0
         if num_heads and ".attn_q." in tensor.name:
-            weight = unpermute_qk(weight, num_heads)
+            heads = num_heads
         elif num_heads and ".attn_k." in tensor.name:
-            weight = unpermute_qk(weight, num_kv_heads)
-        yield hf_name, weight
+            heads = num_kv_heads
+        if keep_quantized and len(shape) == 2 and tensor.qtype.name in GGUF_BLOCKS:
+            yield hf_name, GGUFBlocks(gguf_file.tensor_data(tensor), tensor.qtype.name,
+                                      (shape[0], shape[1]), heads)
+            continue
+        weight = dequantize(gguf_file.tensor_data(tensor), tensor.qtype).reshape(shape)
+        yield hf_name, unpermute_qk(weight, heads) if heads else weight
+
+
+def gguf_weight_types(path: str | Path) -> dict[str, str]:
+    """HF weight name -> GGUF storage type name (``"Q4_1"``, ``"F32"``, ...) of every tensor."""
+    gguf_file = read_gguf(path)
+    return {gguf_to_hf_name(t.name): t.qtype.name for t in gguf_file.tensors
+            if t.name not in _SKIPPED_TENSORS}
 
 
 def gguf_to_hf_name(name: str) -> str:
@@ -142,56 +160,50 @@ def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> torch.Tens
     """Dequantize a GGUF tensor's stored data (``GGUFFile.tensor_data``, or ``GGUFReader``'s
     ``tensor.data``) to float32, flat.
 
-    Q4_0 / Q4_1 / Q8_0 use the torch kernels below; other types use ``gguf.quants.dequantize``.
-    ``NotImplementedError`` (from gguf) for types that gguf cannot dequantize either.
+    The types Octavo keeps quantized (``octavo.kernels.gguf.GGUF_BLOCKS``) use its torch
+    kernels; other types use ``gguf.quants.dequantize``. ``NotImplementedError`` (from gguf)
+    for types that gguf cannot dequantize either.
     """
-    kernel = _TORCH_KERNELS.get(qtype)
-    if kernel is None:
+    if qtype.name not in GGUF_BLOCKS:
         array = gguf.quants.dequantize(data, qtype)
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(-1).copy())
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    # The reader's arrays are read-only memory maps; torch wants a writable buffer.
-    blocks = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, type_size))
-    return kernel(blocks).reshape(-1)  # [num_blocks * block_size]
+    _, type_size = GGUF_BLOCKS[qtype.name]
+    return dequantize_blocks(_block_bytes(data, type_size), qtype.name).reshape(-1)
 
 
-def _fp16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """Read the float16 stored at bytes ``start:start+2`` of each block, as float32 [n, 1]."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+def _block_bytes(data: np.ndarray, type_size: int) -> torch.Tensor:
+    """uint8 ``[num_blocks, type_size]``, copied: the reader's arrays are read-only maps."""
+    return torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, type_size))
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Unpack ``[n, 16]`` bytes to ``[n, 32]`` values: low nibbles first, then high nibbles."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
+class GGUFBlocks:
+    """A quantized GGUF weight kept in its blocks: a ``CheckpointTensor``
+    (``octavo.model_executor.layers.weights``) whose ``load``/``narrow`` dequantize to float32
+    (what a dense parameter's loader gets), and whose ``blocks()`` are the raw rows the
+    ``gguf`` quantization method keeps."""
 
+    __slots__ = ("_data", "qtype", "shape", "_num_heads")
 
-def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    # block: fp16 scale d, 32 x int8 q; x = q * d
-    scale = _fp16_column(blocks, 0)  # [n, 1]
-    values = blocks[:, 2:].contiguous().view(torch.int8).float()  # [n, 32]
-    return values * scale
+    def __init__(self, data: np.ndarray, qtype: str, shape: tuple[int, int],
+                 num_heads: int = 0) -> None:
+        self._data = data
+        # Block type name ("Q4_1", ...).
+        self.qtype = qtype
+        # HF shape: [out_features, in_features].
+        self.shape = shape
+        # Llama q/k rows to un-permute (heads), 0 for none.
+        self._num_heads = num_heads
 
+    def blocks(self) -> torch.Tensor:
+        """uint8 ``[out_features, bytes_per_row]``, rows in HF order."""
+        rows = _block_bytes(self._data, GGUF_BLOCKS[self.qtype][1]).reshape(self.shape[0], -1)
+        return unpermute_qk(rows, self._num_heads) if self._num_heads else rows
 
-def _dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    # block: fp16 scale d, 16 bytes of 4-bit q; x = d * (q - 8)
-    scale = _fp16_column(blocks, 0)  # [n, 1]
-    values = _nibbles(blocks[:, 2:]).to(torch.int8) - 8  # [n, 32]
-    return scale * values.float()
+    def load(self) -> torch.Tensor:
+        return dequantize_rows(self.blocks(), self.qtype, self.shape[1])
 
-
-def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    # block: fp16 scale d, fp16 min m, 16 bytes of 4-bit q; x = d * q + m
-    scale = _fp16_column(blocks, 0)  # [n, 1]
-    minimum = _fp16_column(blocks, 2)  # [n, 1]
-    values = _nibbles(blocks[:, 4:]).float()  # [n, 32]
-    return scale * values + minimum
-
-
-_TORCH_KERNELS = {
-    gguf.GGMLQuantizationType.Q8_0: _dequantize_q8_0,
-    gguf.GGMLQuantizationType.Q4_0: _dequantize_q4_0,
-    gguf.GGMLQuantizationType.Q4_1: _dequantize_q4_1,
-}
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.load().narrow(dim, start, length)
 
 
 def _read_field(gguf_file: GGUFFile, key: str, default: Any = None) -> Any:

@@ -17,7 +17,8 @@ What differs from Llama (each as in Hugging Face's ``Gemma2*``/``Gemma3*`` modul
 
 The residual stream is carried as in ``LlamaDecoderLayer`` (block output and residual kept
 apart, the add fused into the next norm), so ``LlamaModel.forward``, tensor and pipeline
-parallelism and weight loading are shared unchanged.
+parallelism, weight loading and quantized linear layers (``quant_config``) are shared
+unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import attention_logit_soft_cap
 from octavo.distributed.parallel_state import ParallelState
 from octavo.model_executor.layers import GeluAndMul, GemmaRMSNorm, RotaryEmbedding
+from octavo.model_executor.layers.quantization.base import QuantizationConfig
 from octavo.model_executor.models.llama import (
     DecoderOptions,
     LlamaAttention,
@@ -65,17 +67,19 @@ class GemmaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
                  attn_backend: AttentionBackend, parallel: ParallelState,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
-            config, options, rotary_emb, attn_backend, parallel,
-            sliding_window=sliding_window,
+            config, options, rotary_emb, attn_backend, parallel, quant_config,
+            f"{prefix}.self_attn", sliding_window=sliding_window,
             scale=float(config.query_pre_attn_scalar) ** -0.5,
             logits_soft_cap=attention_logit_soft_cap(config),
             norm_cls=GemmaRMSNorm,
         )
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias,
-                            parallel, act=gemma_activation(config))
+                            parallel, act=gemma_activation(config), quant_config=quant_config,
+                            prefix=f"{prefix}.mlp")
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -111,14 +115,17 @@ class GemmaModel(LlamaModel):
 
     def __init__(self, config: Any, options: DecoderOptions, attn_backend: AttentionBackend,
                  parallel: ParallelState, make_mlp: MakeMLP | None = None,
+                 quant_config: QuantizationConfig | None = None,
                  max_model_len: int | None = None) -> None:
-        super().__init__(config, options, attn_backend, parallel, make_mlp, max_model_len)
+        super().__init__(config, options, attn_backend, parallel, make_mlp, quant_config,
+                         max_model_len)
         self.embed_scale = float(config.hidden_size) ** 0.5
 
     def make_layer(self, config: Any, index: int, options: DecoderOptions,
                    attn_backend: AttentionBackend, parallel: ParallelState) -> nn.Module:
         return GemmaDecoderLayer(config, options, self.rope_for(config, index), attn_backend,
-                                 parallel, self.sliding_windows[index])
+                                 parallel, self.sliding_windows[index], self.quant_config,
+                                 f"model.layers.{index}")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         assert self.embed_tokens is not None, "only the first pipeline stage embeds"
@@ -134,8 +141,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: Any, attn_backend: AttentionBackend,
                  parallel: ParallelState | None = None,
+                 quant_config: QuantizationConfig | None = None,
                  max_model_len: int | None = None) -> None:
-        super().__init__(config, attn_backend, parallel, max_model_len)
+        super().__init__(config, attn_backend, parallel, quant_config, max_model_len)
         cap = getattr(config, "final_logit_softcapping", None)
         # cap * tanh(logits / cap) on the final logits (None: none).
         self.final_logit_softcapping: float | None = float(cap) if cap else None

@@ -39,13 +39,14 @@ from octavo.model_executor.layers.linear import (
     merged_column_parallel,
     qkv_parallel,
 )
+from octavo.model_executor.layers.quantization.base import QuantizationConfig
 from octavo.model_executor.layers.rotary import rope_layer_type
 from octavo.model_executor.layers.vocab import (
     ParallelLMHead,
     VocabParallelEmbedding,
     compute_logits,
 )
-from octavo.model_executor.layers.weights import Loaded, weight_loader_of
+from octavo.model_executor.layers.weights import Loaded, layout_of, weight_loader_of
 from octavo.model_executor.models.interfaces import IntermediateTensors
 
 
@@ -95,13 +96,16 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  parallel: ParallelState, reduce_results: bool = True,
-                 act: nn.Module | None = None) -> None:
+                 act: nn.Module | None = None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         self.gate_up_proj = merged_column_parallel(
-            hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, parallel)
+            hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, parallel,
+            quant_config, f"{prefix}.gate_up_proj")
         # reduce_results=False: a split MLP returns this rank's partial sum (MoE shared experts).
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel,
-                                           reduce_results)
+                                           reduce_results, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
         self.act = act if act is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
@@ -118,7 +122,8 @@ class LlamaAttention(nn.Module):
     """
 
     def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
-                 attn_backend: AttentionBackend, parallel: ParallelState, *,
+                 attn_backend: AttentionBackend, parallel: ParallelState,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", *,
                  sliding_window: int | None = None, scale: float | None = None,
                  logits_soft_cap: float | None = None,
                  norm_cls: type[nn.Module] = RMSNorm) -> None:
@@ -132,9 +137,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj: ColumnParallelLinear = qkv_parallel(
             config.hidden_size, self.head_dim, total_heads, total_kv_heads, options.qkv_bias,
-            parallel)
+            parallel, quant_config, f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
-                                        options.o_bias, parallel)
+                                        options.o_bias, parallel, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
         self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -173,9 +179,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding,
                  attn_backend: AttentionBackend, parallel: ParallelState,
-                 mlp: nn.Module, sliding_window: int | None = None) -> None:
+                 mlp: nn.Module, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "", sliding_window: int | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, options, rotary_emb, attn_backend, parallel,
+                                        quant_config, f"{prefix}.self_attn",
                                         sliding_window=sliding_window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -204,9 +212,12 @@ class LlamaDecoderLayer(nn.Module):
 MakeMLP = Callable[[Any, int, ParallelState], nn.Module]
 
 
-def make_llama_mlp(config: Any, options: DecoderOptions, parallel: ParallelState) -> LlamaMLP:
-    """The dense SiLU-gated MLP of ``config.intermediate_size``."""
-    return LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias, parallel)
+def make_llama_mlp(config: Any, options: DecoderOptions, parallel: ParallelState,
+                   quant_config: QuantizationConfig | None = None, prefix: str = "") -> LlamaMLP:
+    """The dense SiLU-gated MLP of ``config.intermediate_size`` (``prefix``: its HF name, for
+    the quantization method)."""
+    return LlamaMLP(config.hidden_size, config.intermediate_size, options.mlp_bias, parallel,
+                    quant_config=quant_config, prefix=prefix)
 
 
 class LlamaModel(nn.Module):
@@ -216,20 +227,25 @@ class LlamaModel(nn.Module):
     ``make_mlp`` builds each layer's feed-forward block (default: ``LlamaMLP``). Subclasses
     change the layers through ``make_layer``, the final norm through ``norm_cls`` and the
     embedding through ``embed``. ``max_model_len`` (the engine's context length, or ``None``)
-    drops windows that do not bind and fixes length-dependent rope scaling.
+    drops windows that do not bind and fixes length-dependent rope scaling. ``quant_config``
+    gives every linear layer its quantization method (named by its HF path, ``prefix``).
     """
 
     norm_cls: type[nn.Module] = RMSNorm
 
     def __init__(self, config: Any, options: DecoderOptions, attn_backend: AttentionBackend,
                  parallel: ParallelState, make_mlp: MakeMLP | None = None,
+                 quant_config: QuantizationConfig | None = None,
                  max_model_len: int | None = None) -> None:
         super().__init__()
         self.parallel = parallel
         self.max_model_len = max_model_len
+        # Given to every linear layer this body builds (None: dense weights).
+        self.quant_config = quant_config
         if make_mlp is None:
             def make_mlp(config: Any, index: int, parallel: ParallelState) -> nn.Module:
-                return make_llama_mlp(config, options, parallel)
+                return make_llama_mlp(config, options, parallel, quant_config,
+                                      f"model.layers.{index}.mlp")
         self.make_mlp: MakeMLP = make_mlp
         self.embed_tokens: VocabParallelEmbedding | None = None
         if parallel.ranks.is_first_stage:
@@ -255,7 +271,8 @@ class LlamaModel(nn.Module):
         """Decoder layer ``index`` (its forward as ``LlamaDecoderLayer.forward``)."""
         return LlamaDecoderLayer(config, options, self.rope_for(config, index), attn_backend,
                                  parallel, self.make_mlp(config, index, parallel),
-                                 self.sliding_windows[index])
+                                 self.quant_config, f"model.layers.{index}",
+                                 sliding_window=self.sliding_windows[index])
 
     def rope_for(self, config: Any, index: int) -> RotaryEmbedding:
         """The rotary embedding of layer ``index``: the model's one, or its layer type's when
@@ -304,7 +321,8 @@ class LlamaForCausalLM(nn.Module):
 
     ``sliding_window`` is the checkpoint's attention window (the largest over layers;
     ``None``: full attention everywhere); ``model.sliding_windows`` holds each layer's window
-    as run. ``max_model_len`` is the engine's context length (``None``: the config's).
+    as run. ``max_model_len`` is the engine's context length (``None``: the config's);
+    ``quant_config`` the checkpoint's quantization (``None``: dense weights).
     """
 
     # The runner may hand load_weights lazy checkpoint tensors (octavo.model_executor.layers.
@@ -314,11 +332,15 @@ class LlamaForCausalLM(nn.Module):
     supports_parallel = True
     # Takes the engine's context length (a max_model_len= argument).
     accepts_max_model_len = True
+    # Its linear layers take their weights and matmul from a quantization method (a
+    # quant_config= argument; octavo.model_executor.layers.quantization).
+    supports_quantization = True
     # The decoder body.
     model_cls: type[LlamaModel] = LlamaModel
 
     def __init__(self, config: Any, attn_backend: AttentionBackend,
                  parallel: ParallelState | None = None,
+                 quant_config: QuantizationConfig | None = None,
                  max_model_len: int | None = None) -> None:
         super().__init__()
         parallel = parallel or ParallelState.single()
@@ -327,8 +349,10 @@ class LlamaForCausalLM(nn.Module):
         self.options = self.decoder_options(config)
         windows = [w for w in layer_sliding_windows(config) if w is not None]
         self.sliding_window: int | None = max(windows) if windows else None
+        # Read by make_mlp while the layers are built.
+        self.quant_config = quant_config
         self.model = self.model_cls(config, self.options, attn_backend, parallel, self.make_mlp,
-                                    max_model_len)
+                                    quant_config, max_model_len)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # The LM head: the embedding itself when tied and on this stage, else its own weight.
         self.lm_head: VocabParallelEmbedding | None = None
@@ -350,7 +374,8 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, config: Any, layer_index: int, parallel: ParallelState) -> nn.Module:
         """Layer ``layer_index``'s feed-forward block; mixture-of-experts subclasses override."""
-        return make_llama_mlp(config, self.options, parallel)
+        return make_llama_mlp(config, self.options, parallel, self.quant_config,
+                              f"model.layers.{layer_index}.mlp")
 
     def forward(
         self,
@@ -427,11 +452,17 @@ def load_hf_weights(
     shards_of: dict[str, tuple[str, ...]] = {}  # merged parameter -> its shard names
     declared: dict[str, tuple[str, str]] = {}  # checkpoint name -> (parameter, shard)
     expected: set[tuple[str, str | None]] = set()
+    # A quantization method may name a parameter differently from some checkpoints
+    # (LinearMethod.checkpoint_aliases): layer path -> {checkpoint name: parameter name}.
+    attr_aliases: dict[str, dict[str, str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         if callable(getattr(module, "checkpoint_weights", None)):
             for relative, (attr, shard) in module.checkpoint_weights().items():
                 declared[f"{path}.{relative}"] = (f"{path}.{attr}", shard)
                 expected.add((f"{path}.{attr}", shard))
+        method = getattr(module, "quant_method", None)
+        if method is not None and method.checkpoint_aliases:
+            attr_aliases[path] = method.checkpoint_aliases
         names = getattr(module, "shard_names", ())
         if isinstance(module, ColumnParallelLinear) and names:
             parent = path.rpartition(".")[0]
@@ -442,6 +473,8 @@ def load_hf_weights(
     merged_params = {name for name, _ in expected}
     shared = _shared_parameter_names(model)
     expected.update((name, None) for name in params if name not in merged_params | shared)
+    # Tensors a checkpoint may leave out (GPTQ's g_idx without act-order).
+    expected = {key for key in expected if not layout_of(params[key[0]]).optional}
 
     skip = set(skip_names)
     aliases = aliases or {}
@@ -458,16 +491,18 @@ def load_hf_weights(
             key = declared[name]
         elif prefix in shard_owner:
             path, shard = shard_owner[prefix]
-            target = f"{path}.{attr}"
+            target = f"{path}.{attr_aliases.get(path, {}).get(attr, attr)}"
             if target not in params:
                 unknown.append(name)
                 continue
             key: tuple[str, str | None] = (target, shard)
-        elif name in params:
-            key = (name, None)
         else:
-            unknown.append(name)
-            continue
+            renamed = attr_aliases.get(prefix, {}).get(attr, attr)
+            target = f"{prefix}.{renamed}" if prefix else renamed
+            if target not in params:
+                unknown.append(name)
+                continue
+            key = (target, None)
         param = params[key[0]]
         try:
             weight_loader_of(param)(param, tensor, key[1])

@@ -1,0 +1,81 @@
+"""How many threads a CPU worker computes with, and on which cores.
+
+The count, in order of precedence:
+
+1. ``--cpu-threads N`` (``LLM(cpu_threads=N)``);
+2. ``OMP_NUM_THREADS``, which torch read when it started;
+3. the cores this process may run on (``os.sched_getaffinity``) divided by the ranks of a split
+   model, so two ranks on one host do not each take every core.
+
+Then each of torch's OpenMP threads is pinned to one of those cores (rank ``r`` of a split
+model takes the ``r``-th group of ``N`` cores), so the threads do not migrate or pile up on one
+core. The calling thread (OpenMP thread 0) is pinned only in a process of its own (the engine
+core's process of ``octavo serve``/``AsyncLLM``, an ``mp`` worker): in the user's process
+(``LLM``) it stays free, since threads and processes it starts later would inherit its mask.
+Nothing is pinned when there are fewer cores than threads, or without the C++ kernels.
+
+The API server's process computes nothing: ``octavo serve`` gives its torch one thread
+(``octavo.cli.serve``), so it does not compete with the engine core for the cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from dataclasses import dataclass
+
+import torch
+
+from octavo_cpu.kernels import load_kernels
+
+logger = logging.getLogger("octavo.cpu.threads")  # under the octavo tree
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadPlan:
+    """The threads one worker uses."""
+
+    # torch threads (torch.set_num_threads).
+    num_threads: int
+    # Where the number came from: "cpu_threads", "OMP_NUM_THREADS" or "cores".
+    source: str
+    # The CPUs thread t is pinned to (empty: not pinned).
+    cpus: tuple[int, ...]
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on, ascending."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def plan_threads(cpu_threads: int | None, world_size: int, local_rank: int,
+                 cpus: list[int] | None = None) -> ThreadPlan:
+    """The thread count and cores of rank ``local_rank`` of ``world_size`` on this host."""
+    cpus = allowed_cpus() if cpus is None else cpus
+    if cpu_threads is not None:
+        num, source = cpu_threads, "cpu_threads"
+    elif os.environ.get("OMP_NUM_THREADS", "").strip():
+        num, source = torch.get_num_threads(), "OMP_NUM_THREADS"
+    else:
+        num, source = max(1, len(cpus) // max(1, world_size)), "cores"
+    first = local_rank * num
+    pinned = tuple(cpus[first:first + num]) if first + num <= len(cpus) else ()
+    return ThreadPlan(num, source, pinned)
+
+
+def configure_threads(cpu_threads: int | None, world_size: int, local_rank: int) -> ThreadPlan:
+    """Set torch's thread count and pin the threads (see the module docstring)."""
+    plan = plan_threads(cpu_threads, world_size, local_rank)
+    torch.set_num_threads(plan.num_threads)
+    bound: list[int] = []
+    kernels = load_kernels() if plan.cpus else None
+    if kernels is not None and kernels.bind_threads_op is not None:
+        own_process = multiprocessing.current_process().name != "MainProcess"
+        bound = list(kernels.bind_threads_op(list(plan.cpus), own_process))
+    pinned = [cpu for cpu in bound if cpu >= 0]
+    logger.info("cpu threads: %d (from %s)%s", plan.num_threads, plan.source,
+                f", pinned to CPUs {pinned}" if pinned else ", not pinned")
+    return plan

@@ -1,0 +1,108 @@
+"""Quantized weights and the fp8 KV cache end to end on an NVIDIA GPU (skipped in CI).
+
+The same checks as the CPU tests (``tests/model_executor/quantization``), through the CUDA
+backend's kernels: ``torch._scaled_mm`` for fp8 weights (H100), the Triton int4 and GGUF
+dequantize-in-GEMM kernels, and the fp8 KV-cache write / prefill / decode kernels (with CUDA
+graphs for decode).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from octavo import LLM, SamplingParams
+from octavo.testing.quantized_models import write_dense, write_fp8, write_gptq
+
+from tests.helpers.tiny import make_tiny_model
+from tests.model_executor.quantization.test_gguf_kept_quantized import write_mixed_gguf
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or getattr(torch.version, "hip", None) is not None,
+        reason="needs an NVIDIA GPU and a CUDA build of torch",
+    ),
+]
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "1 2 3 4 5 6 7"]
+NUM_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def dense_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # hidden 256 / intermediate 512: whole fp8 blocks, int4 groups of 128, GGUF K blocks.
+    return make_tiny_model(tmp_path_factory.mktemp("dense"), "llama", hidden_size=256,
+                           intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _params(logprobs: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                          logprobs=logprobs)
+
+
+def _run(model: Path, **kwargs):
+    kwargs.setdefault("num_gpu_blocks_override", 256)
+    llm = LLM(str(model), device="cuda", **kwargs)
+    return llm, llm.generate(PROMPTS, _params(5), use_tqdm=False)
+
+
+def _assert_greedy_close(ours, reference, atol: float) -> float:
+    """Same greedy tokens with logprobs within ``atol``, up to a near tie of the reference
+    (its own choice and ours within ``atol``); returns the largest logprob difference."""
+    worst = 0.0
+    for mine, theirs in zip(ours, reference):
+        a, b = mine.outputs[0], theirs.outputs[0]
+        for step, (token, want) in enumerate(zip(a.token_ids, b.token_ids)):
+            if token != want:
+                gap = b.logprobs[step][want].logprob - b.logprobs[step][token].logprob
+                assert gap < atol, (step, gap)
+                break
+            worst = max(worst, abs(a.logprobs[step][token].logprob
+                                   - b.logprobs[step][token].logprob))
+    assert worst < atol, worst
+    return worst
+
+
+def test_fp8_kv_cache_doubles_the_blocks_and_keeps_greedy(dense_folder):
+    memory = 64 * 2**20
+    dense_llm, dense = _run(dense_folder, dtype="bfloat16", kv_cache_memory_bytes=memory,
+                            num_gpu_blocks_override=None)
+    fp8_llm, fp8 = _run(dense_folder, dtype="bfloat16", kv_cache_memory_bytes=memory,
+                        num_gpu_blocks_override=None, kv_cache_dtype="fp8")
+    assert fp8_llm.llm_engine.num_blocks == 2 * dense_llm.llm_engine.num_blocks
+    _assert_greedy_close(fp8, dense, atol=0.1)
+
+
+def test_fp8_kv_cache_eager_equals_cuda_graphs(dense_folder):
+    _, graphs = _run(dense_folder, dtype="bfloat16", kv_cache_dtype="fp8")
+    _, eager = _run(dense_folder, dtype="bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_fp8_weights_scaled_mm_close_to_dequantized(dense_folder, tmp_path):
+    """fp8 checkpoint through torch._scaled_mm (fp8 activations too) against the dense model
+    holding the dequantized weights, in bf16."""
+    folder = tmp_path / "fp8"
+    weights = write_fp8(dense_folder, folder, scheme="tensor")
+    reference = write_dense(dense_folder, tmp_path / "ref", weights)
+    _, ours = _run(folder, dtype="bfloat16")
+    _, theirs = _run(reference, dtype="bfloat16")
+    _assert_greedy_close(ours, theirs, atol=0.15)
+
+
+def test_gptq_triton_kernel_equals_dequantized(dense_folder, tmp_path):
+    folder = tmp_path / "gptq"
+    weights = write_gptq(dense_folder, folder, group_size=128, desc_act=True, sym=False)
+    reference = write_dense(dense_folder, tmp_path / "ref", weights)
+    _, ours = _run(folder, dtype="float16")
+    _, theirs = _run(reference, dtype="float16")
+    _assert_greedy_close(ours, theirs, atol=0.02)
+
+
+def test_gguf_kept_quantized_triton_kernel_equals_dequantized(dense_folder, tmp_path):
+    path = write_mixed_gguf(dense_folder, tmp_path / "mixed.gguf")
+    _, ours = _run(path, dtype="float32", tokenizer=str(dense_folder))
+    _, theirs = _run(path, dtype="float32", tokenizer=str(dense_folder), quantization="none")
+    _assert_greedy_close(ours, theirs, atol=2e-3)
