@@ -21,7 +21,7 @@ import octavo.plugins
 import pytest
 import torch
 from octavo.attention.base import AttentionMetadata
-from octavo.attention.reference import ReferenceAttentionImpl
+from octavo.attention.reference import ReferenceAttentionImpl, quantize_kv
 from octavo.plugins import build_plugin_manager
 from octavo_cpu.attention import CPUAttentionBackend
 from octavo_cpu.worker import CPUWorker
@@ -184,7 +184,9 @@ def _build_step(seqs, num_kv_heads, dtype, block_size=4, seed=0):
 
 
 def _run_both(seqs, num_heads, num_kv_heads, dtype, compiled=False, block_size=4, window=None,
-              cap=None):
+              cap=None, fp8_scales=None):
+    """``fp8_scales=(k_scale, v_scale)``: the cache is the e4m3 quantization of the random one
+    and both impls get those scales."""
     from octavo_flex_attention.attention import FlexAttentionBackend
 
     kv_cache, metadata, gen = _build_step(seqs, num_kv_heads, dtype, block_size)
@@ -193,6 +195,9 @@ def _run_both(seqs, num_heads, num_kv_heads, dtype, compiled=False, block_size=4
             for pos in range(max(0, cached - window + 1)):
                 block = int(metadata.block_tables[i, pos // block_size])
                 kv_cache[:, block, pos % block_size] = float("nan")
+    if fp8_scales is not None:  # NaN stays NaN in e4m3
+        kv_cache = torch.stack([quantize_kv(kv_cache[0], fp8_scales[0]),
+                                quantize_kv(kv_cache[1], fp8_scales[1])])
     n = metadata.num_tokens
     query = torch.randn(n, num_heads, HEAD_DIM, generator=gen).to(dtype)
     key = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
@@ -203,6 +208,9 @@ def _run_both(seqs, num_heads, num_kv_heads, dtype, compiled=False, block_size=4
     flex = FlexAttentionBackend(compiled=compiled).make_impl(num_heads, num_kv_heads, HEAD_DIM,
                                                              scale, **options)
     ref = ReferenceAttentionImpl(num_heads, num_kv_heads, HEAD_DIM, scale, window, cap)
+    if fp8_scales is not None:
+        for impl in (flex, ref):
+            impl.k_scale, impl.v_scale = fp8_scales
     flex_cache, ref_cache = kv_cache.clone(), kv_cache.clone()
     with torch.inference_mode():  # as the model runner calls it
         out = flex.forward(query, key, value, flex_cache, metadata)
@@ -240,6 +248,20 @@ def test_sliding_window_and_soft_cap_match_reference(window, cap):
     for seqs, block_size in ((MIXED, 4), (LONG, 16)):
         out, expected, _, _ = _run_both(seqs, 8, 2, torch.float32, block_size=block_size,
                                         window=window, cap=cap)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (3, 1.5), (150, None)],
+                         ids=["full", "window3-cap1.5", "window150"])
+def test_fp8_cache_matches_reference(window, cap):
+    """An fp8 cache read with non-unit scales, alone and with a window and soft cap."""
+    for seqs, block_size in ((MIXED, 4), (LONG, 16)):
+        out, expected, flex_cache, ref_cache = _run_both(
+            seqs, 8, 2, torch.float32, block_size=block_size, window=window, cap=cap,
+            fp8_scales=(0.5, 0.3))
+        assert flex_cache.dtype == torch.float8_e4m3fn
+        assert torch.equal(flex_cache.view(torch.uint8), ref_cache.view(torch.uint8))
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

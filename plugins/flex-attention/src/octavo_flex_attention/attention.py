@@ -16,6 +16,9 @@ sequence end are the block mask of :mod:`octavo_flex_attention.block_mask`. Gath
 past ``seq_len`` are zeroed: the cache is allocated uninitialised, and a masked-out NaN value
 would still poison ``probs @ values`` (0 * NaN is NaN).
 
+An fp8 KV cache (``--kv-cache-dtype fp8``) is written as the reference writes it and each
+row's gathered pages are read back times the layer's ``k_scale``/``v_scale``.
+
 A sliding window is part of the block mask (tiles wholly before a row's window are skipped,
 and gathered slots before it are zeroed like those past the end: under a window their blocks
 may hold another request's KV by now); a logit soft cap is FlexAttention's ``score_mod``.
@@ -35,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
-from octavo.attention.reference import write_kv_reference
+from octavo.attention.reference import is_fp8, write_kv_reference
 from torch.nn.attention.flex_attention import flex_attention
 
 from octavo_flex_attention.block_mask import causal_prefix_block_mask
@@ -106,7 +109,8 @@ class FlexAttentionImpl(AttentionImpl):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # Every new token's K/V first: a prefill may read prefix blocks another row fills.
-        write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_reference(key, value, kv_cache, metadata.slot_mapping, self.k_scale,
+                           self.v_scale)
         out = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         query_lens = [starts[i + 1] - starts[i] for i in range(metadata.num_seqs)]
@@ -145,6 +149,9 @@ class FlexAttentionImpl(AttentionImpl):
         shape = (batch, kv_len, self.num_kv_heads, self.head_dim)
         keys = kv_cache[0][pages].reshape(shape)  # [batch, kv_len, kv_heads, head_dim]
         values = kv_cache[1][pages].reshape(shape)
+        if is_fp8(kv_cache):  # scaled e4m3: read back times the layer's scales
+            keys = (keys.to(torch.float32) * self.k_scale).to(query.dtype)
+            values = (values.to(torch.float32) * self.v_scale).to(query.dtype)
         kv_positions = torch.arange(kv_len, device=device)[None]  # [1, kv_len]
         past_end = kv_positions >= seq_lens[:, None]  # [batch, kv_len]
         if self.sliding_window is not None:  # before the first new token's window
