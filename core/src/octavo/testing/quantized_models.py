@@ -34,7 +34,9 @@ from octavo.kernels.fp8 import (
 )
 from octavo.kernels.int4 import dequantize_int4, pack_awq, pack_cols, pack_rows, quantize_int4
 
-_LINEAR_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (Phi-3 stores q/k/v and gate/up fused: qkv_proj, gate_up_proj.)
+_LINEAR_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                 "qkv_proj", "gate_up_proj")
 # Projections of one input, quantized with one act-order permutation (merged by Octavo).
 _SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
                  "up_proj": "gate_up"}

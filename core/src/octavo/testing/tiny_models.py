@@ -164,12 +164,18 @@ def tiny_config(arch: str, **overrides):
         # the tiny random model's greedy output is degenerate).
         # original_max_position_embeddings is below every test sequence, so transformers uses
         # the long factors throughout, as Octavo does for a context longer than it.
+        # One factor per rotated pair: 6 at the default head_dim 16; wider heads (the GPU
+        # tests' 64) get factors spread over the same range.
+        pairs = int(common["hidden_size"] // common["num_attention_heads"] * 0.75) // 2
+        short, long = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]
+        if pairs != len(short):
+            short = [1.0 + 1.5 * (i / (pairs - 1)) ** 2 for i in range(pairs)]
+            long = [1.0 + 8.0 * (i / (pairs - 1)) ** 2 for i in range(pairs)]
         cfg = Phi3Config(
             **common, tie_word_embeddings=False,
             rope_parameters={
                 "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+                "short_factor": short, "long_factor": long,
                 "original_max_position_embeddings": 4,
             },
             original_max_position_embeddings=4,

@@ -23,7 +23,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def make_mlp(self, config: Any, layer_index: int, parallel: ParallelState) -> nn.Module:
         if not is_sparse_layer(config, layer_index):
-            return make_llama_mlp(config, self.options, parallel)
+            return make_llama_mlp(config, self.options, parallel, self.quant_config,
+                                  f"model.layers.{layer_index}.mlp")
         check_silu(config)
         return SparseMoeBlock(
             config.hidden_size, config.num_experts, config.num_experts_per_tok,
