@@ -256,10 +256,13 @@ class EngineCore:
         request whose token its grammar refuses is ended (aborted)."""
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         manager = self.structured_outputs
-        for output in outputs:
-            if not manager.is_constrained(output.request_id):
-                continue
-            error = manager.accept(output.request_id, output.new_token_ids)
+        constrained = [output for output in outputs if manager.is_constrained(output.request_id)]
+        if not constrained:
+            return outputs
+        errors = manager.accept_step({output.request_id: output.new_token_ids
+                                      for output in constrained})
+        for output in constrained:
+            error = errors.get(output.request_id)
             if error is not None and output.finish_reason is None:
                 logger.error("request %s: sampled a token its grammar refuses (%s); aborting",
                              output.request_id, error)
