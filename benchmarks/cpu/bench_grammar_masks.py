@@ -59,8 +59,8 @@ def main() -> None:
             picks.append(int(candidates[rng.randrange(len(candidates))]) if len(candidates)
                          else tokenizer.eos_token_id)
         t2 = time.perf_counter()
-        for request_id, token in zip(ids, picks):
-            manager.accept(request_id, [token])
+        errors = manager.accept_step({request_id: [token] for request_id, token in zip(ids, picks)})
+        assert not errors, errors
         t3 = time.perf_counter()
         fill_ms.append(1e3 * (t1 - t0))
         accept_ms.append(1e3 * (t3 - t2))

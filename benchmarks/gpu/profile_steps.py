@@ -28,11 +28,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="default: the backend's (on for CUDA)")
+    parser.add_argument("--structured", choices=["json"], default=None,
+                        help="constrain every request to a JSON schema (round robin over "
+                             "octavo.testing.json_schemas) and time the grammar phases too")
     args = parser.parse_args()
 
     from octavo import LLM, SamplingParams
     from octavo.cli.bench import make_workload
     from octavo.engine.output_processor import RequestOutputKind
+    from octavo.sampling_params import StructuredOutputsParams
+    from octavo.testing.json_schemas import SCHEMA_CASES
 
     llm = LLM(args.model, dtype="bfloat16", max_num_seqs=256,
               async_scheduling=args.async_scheduling)
@@ -41,8 +46,13 @@ def main() -> None:
     workload = make_workload(args.num_requests, (100, 1024), (100, 1024), vocab, 0)
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
         # FINAL_ONLY, as LLM.generate (and so `octavo bench throughput`) asks for outputs.
+        constraint = None
+        if args.structured:
+            schema = SCHEMA_CASES[i % len(SCHEMA_CASES)].schema
+            constraint = StructuredOutputsParams(json=schema)
         engine.add_request(str(i), {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True),
+                           SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True,
+                                          structured_outputs=constraint),
                            output_kind=RequestOutputKind.FINAL_ONLY)
     for _ in range(args.warmup_steps):
         engine.step()
@@ -86,6 +96,14 @@ def main() -> None:
         (engine.output_processor, "process_outputs",
          timed(engine.output_processor, "process_outputs", "output_processing")),
     ]
+    if args.structured:
+        manager = core.structured_outputs
+        originals += [
+            (manager, "bitmask", timed(manager, "bitmask", "grammar_masks")),
+            (manager, "accept_step", timed(manager, "accept_step", "grammar_accept")),
+            (core.executor, "sample_tokens",
+             timed(core.executor, "sample_tokens", "deferred_sample")),
+        ]
     torch.cuda.synchronize()
     start = time.perf_counter()
     tokens = 0

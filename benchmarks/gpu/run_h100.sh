@@ -5,7 +5,7 @@
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-latency] [quant-w1] [quant-w1-kv]
-#                                    [bench-swap]
+#                                    [bench-swap] [profile-structured]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -172,6 +172,21 @@ for stage in "${stages[@]}"; do
         --max-num-seqs 256 --async-engine --structured json \
         2>"$OUT/bench-structured.err" | tee "$OUT/bench-structured.log"
       tail -3 "$OUT/bench-structured.err"
+      ;;
+    profile-structured)
+      # Where a constrained step's time goes: per-phase step profile (benchmarks/gpu/
+      # profile_steps.py) with and without every request JSON-constrained, then the grammar
+      # engine alone at 256 rows with 4, 8 and 14 mask threads on this host (~4 min).
+      [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
+        --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      for flag in "" "--structured json"; do
+        python3 benchmarks/gpu/profile_steps.py --model $JSON_MODEL $flag 2>&1 \
+          | tee -a "$OUT/profile-structured.log" | tail -14
+      done
+      for threads in 4 8 14; do
+        python3 benchmarks/cpu/bench_grammar_masks.py --tokenizer .bench-assets/smollm2-tokenizer \
+          --rows 256 --threads $threads --steps 40 2>&1 | tail -1
+      done
       ;;
     quant-tests)
       # Quantized weights and the fp8 KV cache on the GPU: Triton int4/GGUF GEMMs and fp8 KV

@@ -119,6 +119,27 @@ def test_with_logprobs_and_stop_strings(llm) -> None:
     assert_no_leaks(llm)
 
 
+def test_greedy_fast_path_equals_the_full_sampler(llm) -> None:
+    """Greedy constrained rows take the runner's argmax-after-mask path; asking for logprobs
+    sends the same rows through the full sampler (float32 logits, sampling metadata)."""
+    kinds = ["json", "regex", "choice", "grammar", "json"]
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    sampler = runner.sampler
+    calls = []
+    runner.sampler = lambda *args: calls.append(1) or sampler(*args)
+    try:
+        fast = run(llm, [constrained(kind) for kind in kinds])
+        assert not calls
+        full = run(llm, [constrained(kind, logprobs=1) for kind in kinds])
+        assert calls
+    finally:
+        runner.sampler = sampler
+    for kind, a, b in zip(kinds, fast, full):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        check(kind, a.outputs[0].text)
+    assert_no_leaks(llm)
+
+
 # Engine settings under which constrained greedy outputs must not change.
 SETTINGS = {
     "async": {"async_scheduling": True},

@@ -105,3 +105,21 @@ def test_nothing_is_kept_after_remove(manager) -> None:
         manager.remove(request_id)
     assert manager.num_active == 0
     assert not manager.is_constrained("a")
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_accept_step_advances_every_row_and_names_the_refused(manager, tokenizer, rows) -> None:
+    requests = {f"d{i}": StructuredOutputsParams(regex=r"[0-9]{2}") for i in range(rows)}
+    compile_all(manager, requests)
+    one, letter_z = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("1", "z"))
+    sampled = {request_id: [one] for request_id in requests}
+    sampled["d0"] = [letter_z]  # refused by its grammar
+    sampled["gone"] = [one]  # no matcher (finished meanwhile): skipped
+    errors = manager.accept_step(sampled)
+    assert list(errors) == ["d0"] and errors["d0"]
+    for request_id in list(requests)[1:]:
+        # One digit in: a second digit may follow, nothing else; the grammar ends after it.
+        assert allowed(manager, request_id) == {
+            tokenizer.convert_tokens_to_ids(d) for d in "0123456789"}
+    assert manager.accept_step({request_id: [one] for request_id in list(requests)[1:]}) == {}
+    assert all(allowed(manager, r) == {tokenizer.eos_token_id} for r in list(requests)[1:])

@@ -308,13 +308,19 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits before the choice and no logprobs:
         the argmax of the raw logits is the whole sampler."""
+        return self.is_greedy_after_grammar and self.structured_outputs is None
+
+    @property
+    def is_greedy_after_grammar(self) -> bool:
+        """Greedy with nothing but a grammar (structured outputs) changing the logits before
+        the choice, and no logprobs: the argmax of the grammar-masked logits is the whole
+        sampler."""
         return (
             self.greedy
             and not self.uses_penalties
             and not self.logit_bias
             and self.min_tokens == 0
             and self.logprobs is None
-            and self.structured_outputs is None
             and not self.bad_words
             and self.allowed_token_ids is None
             and not self.logits_processors

@@ -14,9 +14,11 @@ computed that is thrown away. Each ``step()`` returns the outputs of the step be
 Structured outputs (``octavo.structured_output``): a constrained request waits, outside the
 scheduler, until its grammar is compiled on a background thread; then every step it samples in
 carries its token bitmask. When that mask needs the token its previous step is still sampling
-(async scheduling), the step's forward pass is launched at once and its sampling once the
-previous step is recorded and the mask computed (``Executor.sample_tokens``): the device runs
-the forward pass while the host computes the masks, for every request of the batch.
+(async scheduling), the step's forward pass is launched at once and its sampling later
+(``Executor.sample_tokens``): once the previous step is recorded, the masks are filled on a
+thread while the step's outputs go out and the next step is scheduled, and the sampling is
+launched just before the next forward pass. The device runs the forward pass while the host
+records, and the host fills masks while it schedules.
 
 With pipeline parallelism up to one step per stage is in flight (vLLM's "virtual engines"): a
 new batch enters the first stage while earlier ones are still in later stages, so no stage
@@ -26,6 +28,7 @@ samples), and the oldest step is recorded once the pipeline is full or nothing n
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -36,6 +39,7 @@ from octavo.kv_cache.hashing import block_hasher
 from octavo.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
+    GrammarBitmask,
     Request,
     RequestStatus,
     SchedulerOutput,
@@ -83,6 +87,10 @@ class EngineCore:
         self._block_hasher = block_hasher(config.cache_config.block_size)
         # Steps launched and not recorded yet, oldest first, and how many may be.
         self._in_flight: deque[_InFlightStep] = deque()
+        # A launched step whose sampling waits for grammar masks: its constrained rows until
+        # the step before it is recorded, then the masks being filled.
+        self._deferred_rows: list[str] | None = None
+        self._pending_masks: concurrent.futures.Future[GrammarBitmask] | None = None
         self.max_in_flight = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
         # Constrained requests (structured outputs) whose grammar is being compiled.
         self._awaiting_grammar: dict[str, Request] = {}
@@ -160,40 +168,61 @@ class EngineCore:
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         launched = False
-        deferred_rows: list[str] = []
         try:
             if not scheduler_output.is_empty:
                 rows, deferred = self._constrained_rows(scheduler_output)
-                if deferred:
-                    scheduler_output.sampling_deferred = True
-                    deferred_rows = rows
-                elif rows:
+                if rows and not deferred:
                     scheduler_output.grammar_bitmask = self.structured_outputs.bitmask(rows)
+                # This step's forward pass may read the tokens the deferred one samples.
+                self._launch_deferred_sampling()
+                scheduler_output.sampling_deferred = deferred
                 pending = self.executor.execute_model_async(scheduler_output)
                 self._in_flight.append(_InFlightStep(scheduler_output, pending))
                 launched = True
+                if deferred:
+                    self._deferred_rows = rows
             elif scheduler_output.has_worker_updates:
                 # Lets the workers drop state and move blocks (a swap-out).
+                self._launch_deferred_sampling()
                 self.executor.execute_model(scheduler_output)
             if not self._in_flight or (launched and len(self._in_flight) < self.max_in_flight):
                 return []  # the pipeline is still filling
             oldest = self._in_flight[0]
+            self._launch_deferred_sampling()  # when nothing was launched: it may be the oldest
             runner_output = oldest.pending.result()
             self._in_flight.popleft()
             outputs = self._record(oldest.scheduler_output, runner_output)
-            if deferred_rows:
-                # The masks of the step just launched needed the tokens recorded above.
-                self.executor.sample_tokens(self.structured_outputs.bitmask(deferred_rows))
+            if self._deferred_rows is not None:
+                # The masks of the step just launched needed the tokens recorded above: they
+                # are filled on a thread while this step's outputs go out and the next step is
+                # scheduled, and its sampling is launched just before the next forward pass.
+                self._pending_masks = self.structured_outputs.bitmask_async(self._deferred_rows)
+                self._deferred_rows = None
         except BaseException:
             # The steps not recorded cannot be trusted (KV writes, tokens in flight).
             unrecorded = [step.scheduler_output for step in self._in_flight]
             if not launched:
                 unrecorded.append(scheduler_output)
             self._in_flight.clear()
+            self._drop_deferred_sampling()
             self.scheduler.discard_steps(unrecorded)
             self.executor.discard_in_flight()
             raise
         return outputs
+
+    def _launch_deferred_sampling(self) -> None:
+        """Launch the sampling of the step launched with ``sampling_deferred`` once its masks
+        are filled; nothing when there is none."""
+        if self._pending_masks is None:
+            return
+        pending, self._pending_masks = self._pending_masks, None
+        self.executor.sample_tokens(pending.result())
+
+    def _drop_deferred_sampling(self) -> None:
+        pending, self._pending_masks = self._pending_masks, None
+        self._deferred_rows = None
+        if pending is not None:
+            concurrent.futures.wait([pending])  # the matchers are used until it is done
 
     # ---- structured outputs ----------------------------------------------------------------
 
@@ -256,10 +285,13 @@ class EngineCore:
         request whose token its grammar refuses is ended (aborted)."""
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         manager = self.structured_outputs
-        for output in outputs:
-            if not manager.is_constrained(output.request_id):
-                continue
-            error = manager.accept(output.request_id, output.new_token_ids)
+        constrained = [output for output in outputs if manager.is_constrained(output.request_id)]
+        if not constrained:
+            return outputs
+        errors = manager.accept_step({output.request_id: output.new_token_ids
+                                      for output in constrained})
+        for output in constrained:
+            error = errors.get(output.request_id)
             if error is not None and output.finish_reason is None:
                 logger.error("request %s: sampled a token its grammar refuses (%s); aborting",
                              output.request_id, error)
@@ -279,9 +311,10 @@ class EngineCore:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
-        self.structured_outputs.shutdown()
         try:
+            self._launch_deferred_sampling()
             while self._in_flight:  # let the devices finish before tearing down
                 self._in_flight.popleft().pending.result()
         finally:
+            self.structured_outputs.shutdown()
             self.executor.shutdown()

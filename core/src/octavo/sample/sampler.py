@@ -144,9 +144,14 @@ def apply_grammar_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> N
     if metadata.grammar_row_ids is None:
         return
     assert metadata.grammar_bitmask is not None
-    allowed = unpack_bitmask(metadata.grammar_bitmask, logits.shape[1])  # [k, vocab] bool
-    rows = metadata.grammar_row_ids
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    mask_by_bitmask(logits, metadata.grammar_row_ids, metadata.grammar_bitmask)
+
+
+def mask_by_bitmask(logits: torch.Tensor, row_ids: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the tokens of ``logits`` rows ``row_ids`` [k] that ``bitmask`` [k, words] (on the
+    logits' device) does not allow to ``-inf``, in place."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])  # [k, vocab] bool
+    logits[row_ids] = logits[row_ids].masked_fill(~allowed, float("-inf"))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

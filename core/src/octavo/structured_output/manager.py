@@ -9,8 +9,9 @@ Lifecycle of a constrained request in the engine core (``octavo.engine_core.core
 2. ``take_ready``: once compiled, the request is handed to the scheduler.
 3. Every step it samples in, ``bitmask`` gives its row of the token bitmask (bit ``t`` of the
    row set = token ``t`` may come next), filled for all constrained rows of the step in one
-   call on llguidance's thread pool.
-4. ``accept`` advances its matcher with each token the step sampled.
+   call on llguidance's thread pool (``bitmask_async``: the same while the caller goes on).
+4. ``accept_step`` advances the matchers of all rows of a step with the tokens they sampled
+   (``accept`` for one request).
 5. ``remove`` when it finishes, is aborted or fails: nothing is kept.
 
 The tokenizer the grammars are compiled against is built once, lazily, on the background
@@ -24,7 +25,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._tokenizer: Any = None
         self._executor: Any = None
+        self._filler: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -126,6 +128,8 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
         self._compiling.clear()
         self._matchers.clear()
 
@@ -146,19 +150,47 @@ class StructuredOutputManager:
                 return matcher.get_error() or f"token {token_id} is not allowed by the grammar"
         return None
 
+    def accept_step(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, str]:
+        """``accept`` for every request of a step: the matcher's error of each request that
+        sampled a token its grammar refuses (those requests must end); requests without a
+        matcher are skipped. (One after the other: llguidance's parallel consume was slower
+        than this loop at 256 rows on a 16-core host.)"""
+        errors: dict[str, str] = {}
+        for request_id, token_ids in sampled.items():
+            error = self.accept(request_id, token_ids)
+            if error is not None:
+                errors[request_id] = error
+        return errors
+
     def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
         """The token bitmask of ``request_ids`` (one row each, in order). A request without a
         matcher (it finished while its step was in flight) gets a row allowing everything:
         what it samples is thrown away."""
+        return self._fill(list(request_ids), self._row_matchers(request_ids))
+
+    def bitmask_async(self, request_ids: list[str]) -> concurrent.futures.Future[GrammarBitmask]:
+        """``bitmask`` filled on a background thread (llguidance releases the GIL while it
+        fills), so the caller can go on with other work. The matchers of ``request_ids`` must
+        not be advanced (``accept``) until the future is done; removing them is fine."""
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="octavo-grammar-masks")
+        self._mask_executor()  # created here, never on two threads at once
+        return self._filler.submit(self._fill, list(request_ids),
+                                   self._row_matchers(request_ids))
+
+    def _row_matchers(self, request_ids: list[str]) -> list[tuple[Any, int]]:
+        return [(self._matchers[r], i) for i, r in enumerate(request_ids) if r in self._matchers]
+
+    def _fill(self, request_ids: list[str], pairs: list[tuple[Any, int]]) -> GrammarBitmask:
         # llguidance.numpy, not llguidance.torch: importing the latter imports torch._dynamo
         # (seconds, on the engine thread, at the first constrained step).
         import llguidance.numpy as llg_numpy
 
         rows = np.full((len(request_ids), self.num_words), -1, dtype=np.int32)
-        pairs = [(self._matchers[r], i) for i, r in enumerate(request_ids) if r in self._matchers]
         if pairs:
             llg_numpy.fill_next_token_bitmask_par(self._mask_executor(), pairs, rows)
-        return GrammarBitmask(req_ids=list(request_ids), num_words=self.num_words,
+        return GrammarBitmask(req_ids=request_ids, num_words=self.num_words,
                               data=rows.tobytes())
 
     # ---- compile thread ------------------------------------------------------------------

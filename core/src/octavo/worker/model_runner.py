@@ -37,7 +37,7 @@ from octavo.model_executor.models.interfaces import IntermediateTensors
 from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import GrammarRows, SamplingRow
-from octavo.sample.sampler import Sampler, SamplerOutput
+from octavo.sample.sampler import Sampler, SamplerOutput, mask_by_bitmask
 from octavo.sampling_params import SamplingParams
 from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
@@ -71,8 +71,9 @@ class CachedRequestState:
     num_computed_tokens: int
     # This request's row in the runner's BlockTable (the same ids as block_ids).
     block_table_row: int = -1
-    # Greedy with nothing that changes the logits and no logprobs: argmax is the whole sampler.
-    plain_greedy: bool = False
+    # Greedy with nothing but a grammar changing the logits, and no logprobs: the argmax of
+    # the (grammar-masked) logits is the whole sampler.
+    greedy_after_grammar: bool = False
     # Penalties (bad words, logits processors) need every generated token id on the host
     # before sampling.
     needs_token_history: bool = False
@@ -328,7 +329,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 block_table_row=self.block_table.add_row(new.block_ids),
-                plain_greedy=new.sampling_params.is_plain_greedy,
+                greedy_after_grammar=new.sampling_params.is_greedy_after_grammar,
                 needs_token_history=new.sampling_params.needs_output_token_ids,
                 tokens_from_scheduler=new.tokens_from_scheduler,
             )
@@ -359,7 +360,7 @@ class ModelRunner:
                 block_ids=list(fork.block_ids),
                 num_computed_tokens=fork.num_computed_tokens,
                 block_table_row=self.block_table.add_row(fork.block_ids),
-                plain_greedy=params.is_plain_greedy,
+                greedy_after_grammar=params.is_greedy_after_grammar,
                 needs_token_history=params.needs_output_token_ids,
             )
 
@@ -511,9 +512,16 @@ class ModelRunner:
         sampler_output: SamplerOutput | None = None
         if not states:
             sampled = None
-        elif all(s.plain_greedy for s in states):
-            # The common benchmark/greedy batch: skip building sampling metadata.
-            sampled = self.model.compute_logits(hidden[inputs.sample_indices]).argmax(dim=-1)
+        elif all(s.greedy_after_grammar for s in states):
+            # The common greedy batch, structured outputs included: skip building sampling
+            # metadata (per-row Python work that costs more than the masks themselves).
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            grammar = _grammar_rows(grammar_bitmask, states)
+            if grammar is not None:
+                row_ids = torch.tensor(grammar.row_ids, dtype=torch.int64)
+                mask_by_bitmask(logits, host_to_device(row_ids, logits.device),
+                                host_to_device(grammar.bitmask, logits.device))
+            sampled = logits.argmax(dim=-1)
         else:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
             rows = self._sampling_rows(states, inputs.num_tokens_before_sample, previous)
