@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="default: the backend's (on for CUDA)")
+    parser.add_argument("--stacks", action="store_true",
+                        help="also list the ops of most host time with their Python stacks")
     parser.add_argument("--structured", choices=["json"], default=None,
                         help="constrain every request to a JSON schema (round robin over "
                              "octavo.testing.json_schemas) and time the grammar phases too")
@@ -117,7 +119,8 @@ def main() -> None:
     # (2) profiler: kernel time vs wall time, no synchronizing timers
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=args.stacks) as prof:
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -128,6 +131,9 @@ def main() -> None:
     gpu_us = sum(e.self_device_time_total for e in events)
     running = engine.stats().num_running
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+    if args.stacks:
+        print(prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total",
+                                                          row_limit=8, max_name_column_width=60))
     print(f"\nphase breakdown over {args.steps} steps ({running} running), ms per step:")
     for label, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"  {label:<20} {seconds / args.steps * 1000:8.3f}")

@@ -188,6 +188,22 @@ def test_async_scheduling_defers_only_the_sampling(tiny_llama: Path) -> None:
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_token_the_grammar_refuses_ends_only_its_request(
+        tiny_llama: Path, monkeypatch, async_scheduling: bool) -> None:
+    """With the masks not applied (a sampler bug), the grammar refuses the tokens sampled:
+    the request is aborted with what it had, the free requests beside it are unchanged and
+    nothing leaks, with the grammar advanced at record time or on the grammar thread."""
+    llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in run(llm, free, PROMPTS[:2])]
+    monkeypatch.setattr("octavo.worker.model_runner.mask_by_bitmask", lambda *args: None)
+    outputs = run(llm, [free, free, constrained("regex", max_tokens=32)], PROMPTS[:3])
+    assert [o.outputs[0].token_ids for o in outputs[:2]] == alone
+    assert outputs[2].outputs[0].finish_reason == "abort"
+    assert_no_leaks(llm)
+
+
 def test_a_slow_grammar_does_not_stall_other_requests(tiny_llama: Path) -> None:
     llm = make_llm(tiny_llama)
     engine = llm.llm_engine

@@ -15,10 +15,10 @@ Structured outputs (``octavo.structured_output``): a constrained request waits, 
 scheduler, until its grammar is compiled on a background thread; then every step it samples in
 carries its token bitmask. When that mask needs the token its previous step is still sampling
 (async scheduling), the step's forward pass is launched at once and its sampling later
-(``Executor.sample_tokens``): once the previous step is recorded, the masks are filled on a
-thread while the step's outputs go out and the next step is scheduled, and the sampling is
-launched just before the next forward pass. The device runs the forward pass while the host
-records, and the host fills masks while it schedules.
+(``Executor.sample_tokens``): once the previous step is recorded, a grammar thread advances the
+matchers with its tokens and fills the masks while the outputs go out and the next step is
+scheduled, and the sampling is launched just before the next step. The device runs the forward
+pass while the host records, and the grammar thread works while the host schedules.
 
 With pipeline parallelism up to one step per stage is in flight (vLLM's "virtual engines"): a
 new batch enters the first stage while earlier ones are still in later stages, so no stage
@@ -39,14 +39,13 @@ from octavo.kv_cache.hashing import block_hasher
 from octavo.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
-    GrammarBitmask,
     Request,
     RequestStatus,
     SchedulerOutput,
     SchedulerStats,
 )
 from octavo.scheduler.scheduler import Scheduler
-from octavo.structured_output.manager import StructuredOutputManager
+from octavo.structured_output.manager import AcceptedStep, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +87,10 @@ class EngineCore:
         # Steps launched and not recorded yet, oldest first, and how many may be.
         self._in_flight: deque[_InFlightStep] = deque()
         # A launched step whose sampling waits for grammar masks: its constrained rows until
-        # the step before it is recorded, then the masks being filled.
+        # the step before it is recorded, then the grammar thread's work (the recorded
+        # tokens accepted, the masks filled).
         self._deferred_rows: list[str] | None = None
-        self._pending_masks: concurrent.futures.Future[GrammarBitmask] | None = None
+        self._grammar_step: concurrent.futures.Future[AcceptedStep] | None = None
         self.max_in_flight = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
         # Constrained requests (structured outputs) whose grammar is being compiled.
         self._awaiting_grammar: dict[str, Request] = {}
@@ -168,13 +168,15 @@ class EngineCore:
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         launched = False
+        refused: dict[str, str] = {}
         try:
             if not scheduler_output.is_empty:
+                # The deferred step's sampling first: this step's forward pass may read the
+                # tokens it samples, and no matcher is used while the grammar thread runs.
+                refused = self._launch_deferred_sampling()
                 rows, deferred = self._constrained_rows(scheduler_output)
                 if rows and not deferred:
                     scheduler_output.grammar_bitmask = self.structured_outputs.bitmask(rows)
-                # This step's forward pass may read the tokens the deferred one samples.
-                self._launch_deferred_sampling()
                 scheduler_output.sampling_deferred = deferred
                 pending = self.executor.execute_model_async(scheduler_output)
                 self._in_flight.append(_InFlightStep(scheduler_output, pending))
@@ -183,21 +185,18 @@ class EngineCore:
                     self._deferred_rows = rows
             elif scheduler_output.has_worker_updates:
                 # Lets the workers drop state and move blocks (a swap-out).
-                self._launch_deferred_sampling()
+                refused = self._launch_deferred_sampling()
                 self.executor.execute_model(scheduler_output)
+            outputs = self._end_refused(refused)
             if not self._in_flight or (launched and len(self._in_flight) < self.max_in_flight):
-                return []  # the pipeline is still filling
+                return outputs  # the pipeline is still filling
             oldest = self._in_flight[0]
-            self._launch_deferred_sampling()  # when nothing was launched: it may be the oldest
+            # When nothing was launched, the oldest step may be the deferred one.
+            outputs += self._end_refused(self._launch_deferred_sampling())
             runner_output = oldest.pending.result()
             self._in_flight.popleft()
-            outputs = self._record(oldest.scheduler_output, runner_output)
-            if self._deferred_rows is not None:
-                # The masks of the step just launched needed the tokens recorded above: they
-                # are filled on a thread while this step's outputs go out and the next step is
-                # scheduled, and its sampling is launched just before the next forward pass.
-                self._pending_masks = self.structured_outputs.bitmask_async(self._deferred_rows)
-                self._deferred_rows = None
+            deferred_rows, self._deferred_rows = self._deferred_rows, None
+            outputs += self._record(oldest.scheduler_output, runner_output, deferred_rows)
         except BaseException:
             # The steps not recorded cannot be trusted (KV writes, tokens in flight).
             unrecorded = [step.scheduler_output for step in self._in_flight]
@@ -210,16 +209,19 @@ class EngineCore:
             raise
         return outputs
 
-    def _launch_deferred_sampling(self) -> None:
-        """Launch the sampling of the step launched with ``sampling_deferred`` once its masks
-        are filled; nothing when there is none."""
-        if self._pending_masks is None:
-            return
-        pending, self._pending_masks = self._pending_masks, None
-        self.executor.sample_tokens(pending.result())
+    def _launch_deferred_sampling(self) -> dict[str, str]:
+        """Wait for the grammar thread (tokens accepted, masks filled) and launch the
+        sampling of the step launched with ``sampling_deferred``; the grammar errors of
+        requests whose token was refused. Nothing when no step waits."""
+        if self._grammar_step is None:
+            return {}
+        pending, self._grammar_step = self._grammar_step, None
+        accepted = pending.result()
+        self.executor.sample_tokens(accepted.bitmask)
+        return accepted.errors
 
     def _drop_deferred_sampling(self) -> None:
-        pending, self._pending_masks = self._pending_masks, None
+        pending, self._grammar_step = self._grammar_step, None
         self._deferred_rows = None
         if pending is not None:
             concurrent.futures.wait([pending])  # the matchers are used until it is done
@@ -280,27 +282,50 @@ class EngineCore:
             deferred = deferred or placeholders > 1
         return rows, deferred
 
-    def _record(self, scheduler_output: SchedulerOutput, runner_output) -> list[EngineCoreOutput]:
+    def _record(self, scheduler_output: SchedulerOutput, runner_output,
+                deferred_rows: list[str] | None = None) -> list[EngineCoreOutput]:
         """Record a step's results, advancing the grammars of constrained requests; a
-        request whose token its grammar refuses is ended (aborted)."""
+        request whose token its grammar refuses is ended (aborted). With ``deferred_rows``
+        (the constrained rows of the step launched with ``sampling_deferred``), the grammars
+        advance and those rows' masks are filled on the grammar thread while the caller goes
+        on: the outputs go out and the next step is scheduled, and the sampling is launched
+        (``_launch_deferred_sampling``) just before the next step."""
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         manager = self.structured_outputs
         constrained = [output for output in outputs if manager.is_constrained(output.request_id)]
-        if not constrained:
-            return outputs
-        errors = manager.accept_step({output.request_id: output.new_token_ids
-                                      for output in constrained})
+        sampled = {output.request_id: output.new_token_ids for output in constrained}
+        if deferred_rows is not None:
+            self._grammar_step = manager.accept_and_bitmask_async(sampled, deferred_rows)
+        elif constrained:
+            refused = manager.accept_step(sampled)
+            for output in constrained:
+                if output.request_id in refused and output.finish_reason is None:
+                    self._abort_refused(output.request_id, refused[output.request_id])
+                    output.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
         for output in constrained:
-            error = errors.get(output.request_id)
-            if error is not None and output.finish_reason is None:
-                logger.error("request %s: sampled a token its grammar refuses (%s); aborting",
-                             output.request_id, error)
-                self.scheduler.finish_requests([output.request_id],
-                                               RequestStatus.FINISHED_ABORTED)
-                output.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
             if output.finish_reason is not None:
                 manager.remove(output.request_id)
         return outputs
+
+    def _end_refused(self, refused: dict[str, str]) -> list[EngineCoreOutput]:
+        """End the requests whose sampled token the grammar thread found refused (those
+        still running): the outputs saying so."""
+        outputs = []
+        for request_id, error in refused.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            self._abort_refused(request_id, error)
+            outputs.append(EngineCoreOutput(
+                request_id=request_id, new_token_ids=[],
+                finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason))
+        return outputs
+
+    def _abort_refused(self, request_id: str, error: str) -> None:
+        logger.error("request %s: sampled a token its grammar refuses (%s); aborting",
+                     request_id, error)
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self.structured_outputs.remove(request_id)
 
     def _forget_grammars(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

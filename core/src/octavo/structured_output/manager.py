@@ -9,9 +9,10 @@ Lifecycle of a constrained request in the engine core (``octavo.engine_core.core
 2. ``take_ready``: once compiled, the request is handed to the scheduler.
 3. Every step it samples in, ``bitmask`` gives its row of the token bitmask (bit ``t`` of the
    row set = token ``t`` may come next), filled for all constrained rows of the step in one
-   call on llguidance's thread pool (``bitmask_async``: the same while the caller goes on).
+   call on llguidance's thread pool.
 4. ``accept_step`` advances the matchers of all rows of a step with the tokens they sampled
-   (``accept`` for one request).
+   (``accept`` for one request). ``accept_and_bitmask_async`` does 4 then 3 on a background
+   thread while the caller goes on (the engine core schedules the next step meanwhile).
 5. ``remove`` when it finishes, is aborted or fails: nothing is kept.
 
 The tokenizer the grammars are compiled against is built once, lazily, on the background
@@ -39,6 +40,25 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse (each holds its lexer tables: tens of kB to a few MB).
 _CACHE_SIZE = 256
+
+
+@dataclass(slots=True)
+class AcceptedStep:
+    """What ``accept_and_bitmask_async`` gives: ``accept_step``'s errors and the masks."""
+
+    errors: dict[str, str]
+    bitmask: GrammarBitmask
+
+
+def _consume(matcher: Any, token_ids: Sequence[int]) -> str | None:
+    for token_id in token_ids:
+        if matcher.is_stopped():
+            # The grammar ended on the previous token (an EOS the model may not have sampled
+            # yet cannot come after it): the request stops through its stop rules.
+            break
+        if not matcher.consume_token(token_id) or matcher.is_error():
+            return matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+    return None
 
 
 @dataclass(slots=True)
@@ -139,28 +159,13 @@ class StructuredOutputManager:
         """Advance ``request_id``'s matcher with the tokens it sampled; the matcher's error
         when one was not allowed (the request must then end), else None."""
         matcher = self._matchers.get(request_id)
-        if matcher is None:
-            return None
-        for token_id in token_ids:
-            if matcher.is_stopped():
-                # The grammar ended on the previous token (an EOS the model may not have
-                # sampled yet cannot come after it): the request stops through its stop rules.
-                break
-            if not matcher.consume_token(token_id) or matcher.is_error():
-                return matcher.get_error() or f"token {token_id} is not allowed by the grammar"
-        return None
+        return None if matcher is None else _consume(matcher, token_ids)
 
     def accept_step(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, str]:
         """``accept`` for every request of a step: the matcher's error of each request that
         sampled a token its grammar refuses (those requests must end); requests without a
-        matcher are skipped. (One after the other: llguidance's parallel consume was slower
-        than this loop at 256 rows on a 16-core host.)"""
-        errors: dict[str, str] = {}
-        for request_id, token_ids in sampled.items():
-            error = self.accept(request_id, token_ids)
-            if error is not None:
-                errors[request_id] = error
-        return errors
+        matcher are skipped. Rows that sampled one token advance in parallel."""
+        return self._advance(self._advances(sampled))
 
     def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
         """The token bitmask of ``request_ids`` (one row each, in order). A request without a
@@ -168,16 +173,45 @@ class StructuredOutputManager:
         what it samples is thrown away."""
         return self._fill(list(request_ids), self._row_matchers(request_ids))
 
-    def bitmask_async(self, request_ids: list[str]) -> concurrent.futures.Future[GrammarBitmask]:
-        """``bitmask`` filled on a background thread (llguidance releases the GIL while it
-        fills), so the caller can go on with other work. The matchers of ``request_ids`` must
-        not be advanced (``accept``) until the future is done; removing them is fine."""
+    def accept_and_bitmask_async(
+        self, sampled: Mapping[str, Sequence[int]], request_ids: list[str]
+    ) -> concurrent.futures.Future[AcceptedStep]:
+        """``accept_step(sampled)`` then ``bitmask(request_ids)`` on a background thread
+        (llguidance releases the GIL in both), so the caller can go on with other work. No
+        matcher may be used elsewhere until the future is done; removing requests is fine."""
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="octavo-grammar-masks")
         self._mask_executor()  # created here, never on two threads at once
-        return self._filler.submit(self._fill, list(request_ids),
-                                   self._row_matchers(request_ids))
+        advances = self._advances(sampled)
+        pairs = self._row_matchers(request_ids)
+        request_ids = list(request_ids)
+        return self._filler.submit(
+            lambda: AcceptedStep(self._advance(advances), self._fill(request_ids, pairs)))
+
+    def _advances(self, sampled: Mapping[str, Sequence[int]]) -> list[tuple[str, Any, list[int]]]:
+        return [(request_id, self._matchers[request_id], list(token_ids))
+                for request_id, token_ids in sampled.items()
+                if token_ids and request_id in self._matchers]
+
+    def _advance(self, advances: list[tuple[str, Any, list[int]]]) -> dict[str, str]:
+        errors: dict[str, str] = {}
+        single: list[tuple[str, Any, int]] = []
+        for request_id, matcher, token_ids in advances:
+            if len(token_ids) > 1:
+                error = _consume(matcher, token_ids)
+                if error is not None:
+                    errors[request_id] = error
+            elif not matcher.is_stopped():
+                single.append((request_id, matcher, token_ids[0]))
+        if single:
+            accepted = self._mask_executor().consume_token_par(
+                [(matcher, token_id) for _, matcher, token_id in single])
+            for (request_id, matcher, token_id), ok in zip(single, accepted, strict=True):
+                if not ok or matcher.is_error():
+                    errors[request_id] = (matcher.get_error()
+                                          or f"token {token_id} is not allowed by the grammar")
+        return errors
 
     def _row_matchers(self, request_ids: list[str]) -> list[tuple[Any, int]]:
         return [(self._matchers[r], i) for i, r in enumerate(request_ids) if r in self._matchers]

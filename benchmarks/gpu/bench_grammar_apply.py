@@ -1,0 +1,71 @@
+"""Device-side cost of applying a step's grammar bitmask: each stage of the runner's greedy
+path (host rows -> pinned copy -> device -> unpack -> mask -> argmax), timed with CUDA syncs.
+
+    python benchmarks/gpu/bench_grammar_apply.py --rows 229 --vocab 49152
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=229)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+
+    from octavo.messages import GrammarBitmask
+    from octavo.sample.sampler import mask_by_bitmask, unpack_bitmask
+    from octavo.transfer import host_to_device
+    from octavo.worker.model_runner import _grammar_rows
+
+    class State:
+        def __init__(self, req_id: str) -> None:
+            self.req_id = req_id
+
+    words = (args.vocab + 31) // 32
+    ids = [str(i) for i in range(args.rows)]
+    rng = np.random.default_rng(0)
+    data = rng.integers(-2**31, 2**31 - 1, size=(args.rows, words), dtype=np.int32).tobytes()
+    bitmask = GrammarBitmask(req_ids=ids, num_words=words, data=data)
+    states = [State(r) for r in ids]
+    logits = torch.randn(args.rows, args.vocab, dtype=torch.bfloat16, device="cuda")
+    device = logits.device
+
+    def timed(label, fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            out = fn()
+        torch.cuda.synchronize()
+        print(f"{label:<34} {(time.perf_counter() - start) / args.iters * 1e3:8.3f} ms")
+        return out
+
+    grammar = timed("_grammar_rows (host)", lambda: _grammar_rows(bitmask, states))
+    timed("pin_memory", lambda: grammar.bitmask.pin_memory())
+    dev = timed("host_to_device(bitmask)", lambda: host_to_device(grammar.bitmask, device))
+    rows = timed("host_to_device(row ids)",
+                 lambda: host_to_device(torch.tensor(grammar.row_ids), device))
+    timed("unpack_bitmask", lambda: unpack_bitmask(dev, args.vocab))
+    timed("mask_by_bitmask", lambda: mask_by_bitmask(logits, rows, dev))
+    timed("argmax", lambda: logits.argmax(dim=-1))
+
+    def whole():
+        g = _grammar_rows(bitmask, states)
+        row_ids = torch.tensor(g.row_ids, dtype=torch.int64)
+        mask_by_bitmask(logits, host_to_device(row_ids, device), host_to_device(g.bitmask, device))
+        return logits.argmax(dim=-1)
+
+    timed("whole greedy path", whole)
+
+
+if __name__ == "__main__":
+    main()
