@@ -8,11 +8,19 @@ Formats (what ``octavo.model_executor.layers.quantization.fp8`` stores):
 - activations quantized on the fly per token (``[M, 1]`` scales), or with one static scale
   from the checkpoint.
 
-``fp8_linear`` runs the matmul through ``torch._scaled_mm`` where the device has FP8 tensor
-cores (CUDA compute capability 8.9+, Hopper/Ada), quantizing the activations; elsewhere (the
-CPU, older GPUs, ROCm, block scales) it dequantizes the weight to the activations' dtype and
-runs a plain matmul, leaving the activations unquantized. ``fp8_linear_reference`` is both
-paths in plain torch, for tests.
+``fp8_linear`` picks, on a device with FP8 tensor cores (CUDA compute capability 8.9+,
+Hopper/Ada) and per-channel scales:
+
+- at most ``SMALL_M_MAX`` rows (decode; ``octavo.kernels.skinny``): the Triton w8a16 skinny
+  kernel (``octavo.kernels.triton.fp8_gemv``): activations unquantized, the e4m3 weight read
+  once and upcast in registers (the step is a weight read; quantizing the activations and a
+  tensor-core GEMM only add kernels);
+- more rows: ``torch._scaled_mm``, quantizing the activations (per token, or with the
+  checkpoint's static scale).
+
+Elsewhere (the CPU, older GPUs, ROCm, block scales) it dequantizes the weight to the
+activations' dtype and runs a plain matmul, leaving the activations unquantized.
+``fp8_linear_reference`` is these paths in plain torch, for tests.
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from octavo.kernels.skinny import use_small_m_kernel
+from octavo.kernels.triton_support import optional_triton_kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -105,8 +116,14 @@ def fp8_linear(
     input_scale: torch.Tensor | None = None,  # static per-tensor activation scale, or None
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``x @ W^T + bias`` with FP8 weights: FP8 tensor cores where there are some, else the
-    dequantized weight (see the module docstring)."""
+    """``x @ W^T + bias`` with FP8 weights: the w8a16 skinny kernel for a few rows, FP8
+    tensor cores for more, where the GPU has them; else the dequantized weight (see the
+    module docstring)."""
+    if block is None and scaled_mm_supported(x, weight) and use_small_m_kernel(x.shape[0]):
+        kernels = optional_triton_kernels("fp8_gemv")
+        if kernels is not None:
+            out = kernels.fp8_gemv(x, weight, weight_scale)
+            return out if bias is None else out + bias
     if block is None and scaled_mm_supported(x, weight):
         if input_scale is None:
             x_fp8, x_scale = quantize_fp8_per_token(x)

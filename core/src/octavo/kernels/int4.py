@@ -17,8 +17,10 @@ Both formats store, for a linear layer with ``K`` inputs and ``N`` outputs, 4-bi
 
 What the matmul reads (``int4_linear``): GPTQ's ``qweight`` layout ``[K / 8, N]`` (AWQ weights
 are repacked to it once, at load), ``scales`` and unpacked ``zeros`` ``[G, N]`` as float16, and
-``g_idx`` only for act-order weights. The Triton kernel
-(``octavo.kernels.triton.int4_gemm``) dequantizes tiles inside the GEMM on GPUs;
+``g_idx`` only for act-order weights. On GPUs, up to ``SMALL_M_MAX`` rows (decode; see
+``octavo.kernels.skinny``) run the skinny kernel (``octavo.kernels.triton.int4_gemv``: each
+packed word read once, group scales applied once per group), more rows the tile kernel
+(``octavo.kernels.triton.int4_gemm``: tiles dequantized inside the GEMM);
 ``int4_linear_reference`` unpacks to a dense weight and multiplies, in plain torch (the CPU
 path and the tests' reference).
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from octavo.kernels.skinny import use_small_m_kernel
 from octavo.kernels.triton_support import optional_triton_kernels
 
 PACK = 8  # 4-bit values per int32
@@ -137,11 +140,16 @@ def int4_linear(
     g_idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """The Triton dequantize-in-GEMM kernel on GPUs, the dequantized matmul elsewhere."""
+    """On GPUs the Triton skinny kernel for at most ``SMALL_M_MAX`` rows, the
+    dequantize-in-GEMM tile kernel for more; the dequantized matmul elsewhere."""
     if x.device.type == "cuda":
-        kernels = optional_triton_kernels("int4_gemm")
+        small = use_small_m_kernel(x.shape[0])
+        kernels = optional_triton_kernels("int4_gemv" if small else "int4_gemm")
         if kernels is not None:
-            out = kernels.int4_gemm(x, qweight, scales, zeros, group_size, g_idx)
+            if small:
+                out = kernels.int4_gemv(x, qweight, scales, zeros, group_size, g_idx)
+            else:
+                out = kernels.int4_gemm(x, qweight, scales, zeros, group_size, g_idx)
             return out if bias is None else out + bias
     return int4_linear_reference(x, qweight, scales, zeros, group_size, g_idx, bias)
 

@@ -131,15 +131,22 @@ def round_to_e4m3(x):
     (as torch's cast), still in float32: the cast to fp8 that follows is then exact.
 
     Done in arithmetic because the Triton interpreter's fp32 -> fp8 cast truncates the
-    mantissa carry (31.2 -> 16); compiled kernels give the same bits either way. The grid step
-    is 2**(exponent - 3) for normal values and 2**-9 below 2**-6 (subnormals); adding and
-    subtracting 1.5 * 2**23 rounds to a whole number of steps (|x / step| < 16).
+    mantissa carry (31.2 -> 16). The grid step is 2**(exponent - 3) for normal values and
+    2**-9 below 2**-6 (subnormals); adding and subtracting 1.5 * 2**23 rounds to a whole
+    number of steps (|x / step| < 16) in IEEE round-to-nearest-even, as torch's cast does.
+
+    Every operation is exact or correctly rounded by construction, so compiled kernels agree
+    with torch's cast bit for bit: the division by the step is a multiplication by its inverse,
+    built from bits (an exact power of two), because compiled Triton lowers fp32 ``/`` to
+    ``div.full.f32`` (up to 2 ulp off), which moved exact ties (frequent: a bf16 input times a
+    power-of-two scale lands on them) to the wrong side on the GPU.
     """
     x = tl.clamp(x, -FP8_MAX, FP8_MAX)
     bits = x.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    rounded = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
+    inverse_step = ((127 - (exponent - 3)) << 23).to(tl.float32, bitcast=True)
+    rounded = ((tl.abs(x) * inverse_step + 12582912.0) - 12582912.0) * step
     return tl.where(bits < 0, -rounded, rounded)  # keeps the sign of zero, as torch does
 
 

@@ -1,0 +1,160 @@
+"""fp8 weight-only ("w8a16") skinny GEMM: ``x @ (W_fp8 * scale)^T`` for a few rows of ``x``.
+
+``x [M, K]`` stays in its dtype (bfloat16 / float16 / float32: no activation quantization);
+``W [N, K]`` is e4m3 with a float32 scale per output channel ``[N]`` (a per-tensor scale is
+spread over the channels at load: ``octavo.model_executor.layers.quantization.fp8``). For
+``M <= SMALL_M_MAX`` (``octavo.kernels.skinny``) the time is the read of ``W``, one byte per
+weight: each program takes ``block_n`` weight rows and loops over its K range with
+``[block_n, block_k]`` loads along the rows (K is contiguous: wide vector loads), upcasts the
+e4m3 tile (exact in bf16/fp16/fp32) and accumulates in float32:
+
+- one row (``M == 1``): ``acc[n] += sum_k W[n, k] * x[k]`` elementwise, no tensor cores;
+- 2 to 16 rows: ``tl.dot`` of the rows (padded to a 16-row block) with the upcast tile.
+
+The per-channel scale multiplies the sums once at the end. Split-K programs add partial sums
+with float32 atomics (``octavo.kernels.triton.skinny_gemm``).
+
+Reference: ``octavo.kernels.fp8.fp8_linear_reference`` (dequantize, then matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from octavo.kernels.skinny import m_bucket
+from octavo.kernels.triton.cache_write import dot_fp32, upcast_dot
+from octavo.kernels.triton.skinny_gemm import (
+    SkinnyConfig,
+    SkinnyTuner,
+    choose_split_k,
+    k_per_split,
+)
+
+FP8_DTYPE = torch.float8_e4m3fn
+TUNER = SkinnyTuner("fp8_gemv")
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,  # [M, K] activations
+    w_ptr,  # e4m3 [N, K]
+    scale_ptr,  # float32 [N]
+    out_ptr,  # [M, N]: float32 zeros when SPLIT_K > 1, else x's dtype
+    M,
+    N,
+    K,
+    k_split,  # inputs per split, a multiple of BLOCK_K
+    stride_xm,
+    stride_wn,
+    BLOCK_M: tl.constexpr,  # 1, or 16 for the tl.dot path
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    k_start = pid_k * k_split
+    k_end = tl.minimum(k_start + k_split, K)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            acc += dot_fp32(x, tl.trans(w.to(x.dtype)), UPCAST_DOT, "ieee")
+    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)  # [BLOCK_N]
+    if BLOCK_M == 1:
+        acc = acc * scale
+        out_ptrs = out_ptr + offs_n
+        out_mask = n_mask
+    else:
+        acc = acc * scale[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+
+
+def default_config(n: int, k: int, m: int) -> SkinnyConfig:
+    """The untuned launch: 16 rows x 512 inputs of e4m3 (8 KiB) per step for one row,
+    32 x 256 tiles for the ``tl.dot`` path."""
+    if m == 1:
+        return SkinnyConfig(block_n=16, block_k=512)
+    return SkinnyConfig(block_n=32, block_k=256)
+
+
+def candidate_configs(m: int) -> list[SkinnyConfig]:
+    """What the tuner times for rows bucket ``m``."""
+    if m == 1:
+        return [SkinnyConfig(8, 512), SkinnyConfig(16, 256), SkinnyConfig(16, 1024, num_warps=8),
+                SkinnyConfig(32, 256), SkinnyConfig(32, 512, num_warps=8),
+                SkinnyConfig(64, 256, num_warps=8), SkinnyConfig(16, 512, num_stages=3)]
+    return [SkinnyConfig(16, 256), SkinnyConfig(64, 128), SkinnyConfig(32, 512, num_warps=8),
+            SkinnyConfig(64, 256, num_warps=8), SkinnyConfig(32, 128)]
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+            config: SkinnyConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    split = choose_split_k(n, k, config, x.device)
+    if split == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, config.block_n), split)
+    _fp8_gemv_kernel[grid](
+        x, weight, scale, out, m, n, k, k_per_split(k, split, config.block_k),
+        x.stride(0), weight.stride(0),
+        BLOCK_M=1 if m == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=split, UPCAST_DOT=upcast_dot(x.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out if split == 1 else out.to(x.dtype)
+
+
+def fp8_gemv(
+    x: torch.Tensor,  # [M, K] bfloat16 / float16 / float32, M <= SMALL_M_MAX
+    weight: torch.Tensor,  # e4m3 [N, K]
+    weight_scale: torch.Tensor,  # float32 [N] (or a scalar: one for every channel)
+    config: SkinnyConfig | None = None,  # None: tuned (GPU) or default_config
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``x @ (weight * weight_scale[:, None])^T`` without quantizing ``x`` (module docstring)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.dtype != FP8_DTYPE or weight.shape[1] != k:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} are not [M, K] activations and an e4m3 [N, K] weight")
+    scale = weight_scale.float().reshape(-1)
+    if scale.numel() == 1:
+        scale = scale.expand(n).contiguous()
+    if scale.numel() != n:
+        raise ValueError(f"fp8_gemv: {scale.numel()} weight scales for {n} output channels "
+                         "(per-channel or per-tensor scales only)")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    if config is None:
+        bucket = m_bucket(m)
+        config = TUNER.choose(
+            (n, k, bucket, x.dtype, x.device), x.device, default_config(n, k, bucket),
+            candidate_configs(bucket), lambda c: _launch(x, weight, scale, c))
+    return _launch(x, weight, scale, config)

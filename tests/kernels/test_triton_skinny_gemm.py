@@ -1,0 +1,230 @@
+"""The small-M ("skinny") quantized kernels (fp8 w8a16, int4 GPTQ/AWQ) against plain torch
+references (dequantize, then matmul: ``fp8_linear_reference``, ``int4_linear_reference``).
+
+On the CPU they run under the Triton interpreter at small shapes, through both code paths
+(one row: elementwise sums; 2-16 rows: ``tl.dot``), with and without split-K; ``gpu`` tests
+take Llama-3-8B's layer shapes with tuned configs, check CUDA-graph capture and the layers'
+dispatch (which kernel runs for how many rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from octavo.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_fp8_per_channel
+from octavo.kernels.int4 import int4_linear, int4_linear_reference
+from octavo.kernels.skinny import SMALL_M_MAX, m_bucket, use_small_m_kernel
+from octavo.kernels.triton import fp8_gemv as fp8_gemv_module
+from octavo.kernels.triton.fp8_gemv import fp8_gemv
+from octavo.kernels.triton.int4_gemv import fit_block_k, int4_gemv
+from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, choose_split_k
+
+from tests.kernels.conftest import DEVICE, TOLERANCES
+from tests.kernels.test_triton_quant_gemm import int4_weight
+
+# Interpreter configs: one program per block of outputs, and K split over 3 programs (atomics).
+SMALL_CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1),
+                 SkinnyConfig(block_n=32, block_k=64, split_k=3)]
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest difference over the largest reference value (sums over K: relative to the
+    output's scale)."""
+    return ((out.float() - expected.float()).abs().max()
+            / expected.float().abs().max().clamp(min=1e-6)).item()
+
+
+def fp8_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    weight[:, :3] *= 40  # outliers: per-channel scales differ from row to row
+    return quantize_fp8_per_channel(weight)
+
+
+def test_small_m_threshold_and_buckets():
+    assert SMALL_M_MAX == 16
+    assert [use_small_m_kernel(m) for m in (0, 1, 16, 17)] == [False, True, True, False]
+    assert [m_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    with pytest.raises(ValueError, match="1 to 16"):
+        m_bucket(17)
+
+
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["split1", "split3"])
+@pytest.mark.parametrize("m", [1, 3, 16], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_fp8_gemv_matches_the_dequantized_reference(config, m, dtype):
+    n, k = 40, 200  # neither a multiple of the blocks: masked edges
+    weight, scale = fp8_weight(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    out = fp8_gemv(x, weight, scale, config)
+    expected = fp8_linear_reference(x, weight, scale, None)  # activations unquantized
+    assert out.shape == (m, n) and out.dtype == dtype
+    atol, rtol = TOLERANCES[dtype]
+    assert relative_error(out, expected) < atol
+
+
+def test_fp8_gemv_takes_a_per_tensor_scale_and_refuses_block_scales():
+    weight, _ = fp8_weight(16, 64)
+    x = torch.randn(2, 64).to(DEVICE)
+    out = fp8_gemv(x, weight.to(DEVICE), torch.tensor(0.01, device=DEVICE))
+    expected = fp8_linear_reference(x, weight.to(DEVICE), torch.full((16,), 0.01,
+                                                                    device=DEVICE), None)
+    assert relative_error(out, expected) < 1e-5
+    with pytest.raises(ValueError, match="per-channel or per-tensor"):
+        fp8_gemv(x, weight.to(DEVICE), torch.ones(1, 2, device=DEVICE))
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_gemv(x, weight.float().to(DEVICE), torch.ones(16, device=DEVICE))
+
+
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["split1", "split3"])
+@pytest.mark.parametrize("m", [1, 5, 16], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("sym, act_order", [(True, False), (False, False), (False, True)],
+                         ids=["sym", "asym", "asym-act-order"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_int4_gemv_matches_the_dequantized_reference(config, m, sym, act_order, dtype):
+    n, k, group_size = 40, 256, 32
+    qweight, scales, zeros, g_idx = int4_weight(n, k, group_size, sym, act_order)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    args = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    g = g_idx.to(DEVICE) if g_idx is not None else None
+    out = int4_gemv(*args, group_size, g, config)
+    # float32 reference on the same (rounded) activations: the kernel dequantizes in float32
+    expected = int4_linear_reference(args[0].float(), *args[1:], group_size, g)
+    assert out.shape == (m, n) and out.dtype == dtype
+    atol, rtol = TOLERANCES[dtype]
+    assert relative_error(out, expected) < atol
+
+
+@pytest.mark.parametrize("m", [1, 4], ids=lambda m: f"m{m}")
+def test_int4_gemv_one_group_over_all_inputs_and_steps_cut_to_groups(m):
+    """group_size -1 (the whole K: 192 here) and a block_k that does not divide a group of 32
+    (cut to 32): every step stays inside one group."""
+    assert fit_block_k(128, 32, False) == 32 and fit_block_k(128, 192, False) == 64
+    assert fit_block_k(128, 32, True) == 128
+    for k, group_size in ((192, 192), (256, 32)):
+        qweight, scales, zeros, _ = int4_weight(24, k, group_size, sym=False, act_order=False)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+        args = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+        out = int4_gemv(*args, group_size, None, SkinnyConfig(block_n=16, block_k=128))
+        expected = int4_linear_reference(*args, group_size)
+        assert relative_error(out, expected) < TOLERANCES[torch.float32][0]
+
+
+def test_split_k_fills_the_target_programs_and_keeps_two_steps():
+    cpu = torch.device("cpu")  # 8 programs wanted off the GPU
+    assert choose_split_k(32, 1024, SkinnyConfig(16, 64), cpu) == 4  # 2 blocks of outputs
+    assert choose_split_k(32, 128, SkinnyConfig(16, 64), cpu) == 1  # two steps only
+    assert choose_split_k(32, 1024, SkinnyConfig(16, 64, split_k=3), cpu) == 3
+
+
+def test_tuner_uses_the_default_off_the_gpu_and_keeps_what_it_chose():
+    tuner = SkinnyTuner("test")
+    default = SkinnyConfig(16, 64)
+    calls = []
+    chosen = tuner.choose(("k",), torch.device("cpu"), default, [SkinnyConfig(32, 64)],
+                          lambda c: calls.append(c))
+    assert chosen == default and calls == [] and tuner.best == {}
+    tuner.best[("k",)] = SkinnyConfig(32, 64)
+    assert tuner.choose(("k",), torch.device("cpu"), default, [], calls.append) == \
+        SkinnyConfig(32, 64)
+
+
+def test_layers_keep_the_reference_path_on_the_cpu():
+    weight, scale = fp8_weight(16, 64)
+    x = torch.randn(1, 64)
+    assert torch.equal(fp8_linear(x, weight, scale, None),
+                       fp8_linear_reference(x, weight, scale, None))
+    qweight, scales, zeros, _ = int4_weight(16, 64, 32, sym=True, act_order=False)
+    assert torch.equal(int4_linear(x, qweight, scales, zeros, 32),
+                       int4_linear_reference(x, qweight, scales, zeros, 32))
+
+
+# ---- full shapes on the GPU ----------------------------------------------------------------
+
+# Llama-3-8B projections (N, K): fused qkv, o, gate_up, gate (or up) alone, down.
+LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (14336, 4096), (4096, 14336)]
+# bf16 outputs over K up to 14336: the kernels sum in float32 in another order than the
+# reference and round once; 1e-2 of the largest output is ~2.5 bf16 ulps.
+GPU_RELATIVE_ERROR = 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
+@pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"m{m}")
+def test_fp8_gemv_llama3_8b_shapes_on_gpu(n, k, m):
+    weight, scale = fp8_weight(n, k)
+    x = torch.randn(m, k).to(torch.bfloat16).cuda()
+    weight, scale = weight.cuda(), scale.cuda()
+    out = fp8_gemv(x, weight, scale)  # tuned on first use
+    assert relative_error(out, fp8_linear_reference(x, weight, scale, None)) \
+        < GPU_RELATIVE_ERROR
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
+@pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act-order"])
+def test_int4_gemv_llama3_8b_shapes_on_gpu(n, k, m, act_order):
+    qweight, scales, zeros, g_idx = int4_weight(n, k, 128, sym=False, act_order=act_order)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    args = [t.cuda() for t in (x, qweight, scales, zeros)]
+    g = g_idx.cuda() if g_idx is not None else None
+    out = int4_gemv(*args, 128, g)
+    expected = int4_linear_reference(args[0].float(), *args[1:], 128, g)
+    assert relative_error(out, expected) < GPU_RELATIVE_ERROR
+
+
+@pytest.mark.gpu
+def test_skinny_kernels_capture_in_cuda_graphs_after_warm_up():
+    """Warm-up (eager) tunes; the captured graph replays the tuned kernels and gives the eager
+    result. A shape first seen during capture takes the default config (no timing there)."""
+    weight, scale = (t.cuda() for t in fp8_weight(4096, 4096))
+    qweight, scales, zeros, _ = (t.cuda() if t is not None else None
+                                 for t in int4_weight(4096, 4096, 128, False, False))
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = [fp8_gemv(x, weight, scale), int4_gemv(x, qweight, scales, zeros, 128)]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [fp8_gemv(x, weight, scale), int4_gemv(x, qweight, scales, zeros, 128)]
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):  # split-K atomics add in any order: not bit-exact
+        assert relative_error(a, b) < GPU_RELATIVE_ERROR
+    fresh = SkinnyTuner("fresh")
+    old, fp8_gemv_module.TUNER = fp8_gemv_module.TUNER, fresh
+    try:
+        y = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_gemv(y, weight, scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert fresh.best == {}  # nothing timed during capture
+        assert relative_error(out, fp8_linear_reference(y, weight, scale, None)) \
+            < GPU_RELATIVE_ERROR
+    finally:
+        fp8_gemv_module.TUNER = old
+
+
+@pytest.mark.gpu
+def test_layers_dispatch_small_m_to_the_skinny_kernels_on_gpu():
+    """Up to SMALL_M_MAX rows: fp8 weights with unquantized activations (the w8a16 reference
+    within bf16 rounding); more rows: torch._scaled_mm with fp8 activations (the reference
+    that quantizes them); int4 at one row: the skinny kernel's result."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 kernels need compute capability 8.9+")
+    weight, scale = (t.cuda() for t in fp8_weight(4096, 4096))
+    for m in (1, SMALL_M_MAX):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        w8a16 = fp8_linear_reference(x, weight, scale, None)
+        assert relative_error(fp8_linear(x, weight, scale, None), w8a16) < GPU_RELATIVE_ERROR
+    x = torch.randn(SMALL_M_MAX + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    quantized = fp8_linear_reference(x, weight, scale, None, quantize_input=True)
+    assert relative_error(fp8_linear(x, weight, scale, None), quantized) < GPU_RELATIVE_ERROR
+    qweight, scales, zeros, _ = (t.cuda() if t is not None else None
+                                 for t in int4_weight(4096, 4096, 128, False, False))
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert relative_error(int4_linear(x, qweight, scales, zeros, 128),
+                          int4_gemv(x, qweight, scales, zeros, 128)) < 1e-3
