@@ -62,7 +62,9 @@ def _fp8_gemv_kernel(
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     if BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # Products summed per lane across steps, reduced over K once at the end (no
+        # cross-thread reduction inside the loop).
+        acc_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
@@ -74,14 +76,14 @@ def _fp8_gemv_kernel(
                     other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
         if BLOCK_M == 1:
             x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            acc_lanes += w.to(tl.float32) * x[None, :]
         else:
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             acc += dot_fp32(x, tl.trans(w.to(x.dtype)), UPCAST_DOT, "ieee")
     scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)  # [BLOCK_N]
     if BLOCK_M == 1:
-        acc = acc * scale
+        acc = tl.sum(acc_lanes, axis=1) * scale
         out_ptrs = out_ptr + offs_n
         out_mask = n_mask
     else:

@@ -79,7 +79,9 @@ def _int4_gemv_kernel(
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     if BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # Per word row: sums over a word's eight inputs (in one thread) scaled by their group,
+        # added across steps; reduced over the rows once at the end.
+        acc_rows = tl.zeros((words_per_step, BLOCK_N), dtype=tl.float32)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
@@ -101,7 +103,7 @@ def _int4_gemv_kernel(
             w = (q.to(tl.float32) - zero) * scale  # [W, 8, BLOCK_N]
             if BLOCK_M == 1:
                 x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [W, 8]
-                acc += tl.sum(tl.sum(w * x[:, :, None], axis=0), axis=0)
+                acc_rows += tl.sum(w * x[:, :, None], axis=1)
             else:
                 x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
                             + (k0 + tl.arange(0, BLOCK_K))[None, :],
@@ -115,9 +117,9 @@ def _int4_gemv_kernel(
             zero = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             if BLOCK_M == 1:
                 x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [W, 8]
-                qx = tl.sum(tl.sum(q.to(tl.float32) * x[:, :, None], axis=0), axis=0)
-                xs = tl.sum(tl.sum(x, axis=1), axis=0)
-                acc += (qx - zero * xs) * scale
+                qx = tl.sum(q.to(tl.float32) * x[:, :, None], axis=1)  # [W, BLOCK_N]
+                xs = tl.sum(x, axis=1)  # [W]
+                acc_rows += (qx - xs[:, None] * zero[None, :]) * scale[None, :]
             else:
                 offs_kk = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_kk[None, :],
@@ -131,6 +133,7 @@ def _int4_gemv_kernel(
                 xs = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
                 acc += (qx - xs[:, None] * zero[None, :]) * scale[None, :]
     if BLOCK_M == 1:
+        acc = tl.sum(acc_rows, axis=0)
         out_ptrs = out_ptr + offs_n
         out_mask = n_mask
     else:
@@ -143,18 +146,20 @@ def _int4_gemv_kernel(
 
 
 def default_config(n: int, k: int, m: int) -> SkinnyConfig:
-    """The untuned launch: 32 outputs x 128 inputs (one group of 128) per step."""
-    return SkinnyConfig(block_n=32 if m == 1 else 64, block_k=128)
+    """The untuned launch: 128 outputs x 128 inputs (one group of 128: 8 KiB of words) per
+    step for one row; 64 x 128 for the ``tl.dot`` path."""
+    return SkinnyConfig(block_n=128 if m == 1 else 64, block_k=128)
 
 
 def candidate_configs(m: int) -> list[SkinnyConfig]:
     """What the tuner times for rows bucket ``m`` (``block_k`` is cut to the group size)."""
     if m == 1:
-        return [SkinnyConfig(16, 128), SkinnyConfig(64, 128), SkinnyConfig(128, 128),
-                SkinnyConfig(64, 128, num_warps=8), SkinnyConfig(128, 128, num_warps=8),
-                SkinnyConfig(32, 64), SkinnyConfig(32, 128, num_stages=3)]
+        return [SkinnyConfig(64, 128), SkinnyConfig(128, 128, num_warps=8),
+                SkinnyConfig(256, 64, num_warps=8), SkinnyConfig(256, 32),
+                SkinnyConfig(512, 32, num_warps=8), SkinnyConfig(32, 128),
+                SkinnyConfig(128, 64, num_stages=3)]
     return [SkinnyConfig(32, 128), SkinnyConfig(128, 128, num_warps=8),
-            SkinnyConfig(64, 64), SkinnyConfig(64, 128, num_warps=8)]
+            SkinnyConfig(64, 64), SkinnyConfig(128, 64)]
 
 
 def fit_block_k(block_k: int, group_size: int, has_g_idx: bool) -> int:
