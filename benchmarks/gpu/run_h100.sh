@@ -4,7 +4,8 @@
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
-#                                    [quant-tests] [quant-latency] [quant-w1] [quant-w1-kv]
+#                                    [quant-tests] [quant-kernels] [quant-kernels-sweep]
+#                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
@@ -192,12 +193,25 @@ for stage in "${stages[@]}"; do
       # Quantized weights and the fp8 KV cache on the GPU: Triton int4/GGUF GEMMs and fp8 KV
       # kernels at Llama-3-8B shapes, and end to end through the CUDA backend (~3 min).
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_quant_gemm.py \
-        tests/kernels/test_triton_fp8_kv_cache.py backends/cuda/tests/test_cuda_quantization.py \
+        tests/kernels/test_triton_skinny_gemm.py tests/kernels/test_triton_fp8_kv_cache.py \
+        backends/cuda/tests/test_cuda_quantization.py \
         2>&1 | tee "$OUT/quant-tests.log" | tail -25
+      ;;
+    quant-kernels)
+      # The small-M kernels (fp8 w8a16, int4 GPTQ) alone at Llama-3-8B's layer shapes, M = 1,
+      # 4, 16, against bf16, the large-M paths and the weight-read floors (~3 min).
+      python3 benchmarks/gpu/bench_quant_gemv.py 2>&1 | tee "$OUT/quant-kernels.log" | tail -30
+      ;;
+    quant-kernels-sweep)
+      # As quant-kernels at M = 1, plus a search over launch configs (to tune default_config
+      # in octavo/kernels/triton/{fp8,int4}_gemv.py; ~6 min).
+      python3 benchmarks/gpu/bench_quant_gemv.py --rows 1 --sweep \
+        2>"$OUT/quant-kernels-sweep.err" | tee "$OUT/quant-kernels-sweep.log" | tail -20
       ;;
     quant-latency)
       # Batch-1 ms per output token, Llama-3-8B shape (dummy weights), bf16 vs fp8 weights
-      # (torch._scaled_mm) vs int4 GPTQ (Triton dequantize-in-GEMM); ~4 min.
+      # vs int4 GPTQ: at batch 1 both run the small-M Triton kernels (fp8_gemv, int4_gemv;
+      # tuned once per shape at start-up, before the CUDA graphs are captured); ~4 min.
       make_l8b
       for variant in "bf16 $L8B" "fp8 $L8B --quantization fp8" "int4 $L8B_GPTQ"; do
         set -- $variant; name=$1; model=$2; shift 2

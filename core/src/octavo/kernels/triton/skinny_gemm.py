@@ -103,6 +103,9 @@ class SkinnyTuner:
             return default
         from triton.testing import do_bench
 
+        if not self.best:
+            logger.info("%s: small-M kernel in use; timing launch configs once per shape",
+                        self.name)
         timings = []
         for config in dict.fromkeys([default, *candidates]):  # unique, default first
             try:

@@ -1,0 +1,196 @@
+"""Time the small-M quantized kernels (fp8 w8a16, int4 GPTQ) against their weight-read floors
+at Llama-3-8B's layer shapes, next to bf16 and the large-M paths they replace at decode.
+
+    python benchmarks/gpu/bench_quant_gemv.py [--rows 1,4,16] [--sweep]
+
+For each projection shape (N, K) and row count M it prints, in microseconds per call:
+
+- ``bf16``: ``F.linear`` with a bf16 weight (cuBLAS), and its floor (2 bytes per weight);
+- ``fp8 mm``: per-token fp8 activations + ``torch._scaled_mm`` (what ``fp8_linear`` ran for
+  every M before the skinny kernel); ``fp8 gemv``: ``fp8_gemv`` (tuned on first use); floor:
+  1 byte per weight;
+- ``int4 gemm``: the tile kernel ``int4_gemm``; ``int4 gemv``: ``int4_gemv`` (tuned);
+  floor: half a byte per weight plus the float16 scales and zeros of groups of 128.
+
+Floors are bytes over the measured device-to-device copy bandwidth. Each time is one call's
+share of a CUDA graph that runs the call on enough copies of the weight (>= 256 MiB in all)
+that nothing is served from L2, as in a model forward. The last rows add one decode step's
+linear layers of the 8B model (32 x (qkv + o + gate_up + down)) per method: compare with
+``quant-latency``'s ms per token. ``--sweep`` also times every candidate config of the
+skinny kernels and prints the best per case (to tune ``default_config``). The last line is the
+whole result as one JSON object. Without CUDA it exits with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+# (name, N, K): Llama-3-8B's projections (fused qkv, o, gate_up, gate alone, down).
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+          ("gate", 14336, 4096), ("down", 4096, 14336)]
+STEP_SHAPES = ("qkv", "o", "gate_up", "down")
+NUM_LAYERS = 32
+GROUP = 128
+MIN_BYTES = 256 << 20
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy (read + write)."""
+    from triton.testing import do_bench
+
+    src = torch.empty(num_bytes // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    return 2 * num_bytes / (ms / 1e3)
+
+
+def time_per_call(fn, weights: list) -> float:
+    """Microseconds per ``fn(weight)`` call, from a CUDA graph over every weight copy."""
+    for w in weights[:2]:
+        fn(w)  # warm-up: compiles, tunes
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(4):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (4 * len(weights)))
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(num_bytes: int) -> int:
+    return max(2, -(-MIN_BYTES // num_bytes))
+
+
+def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
+    from octavo.kernels.fp8 import quantize_fp8_per_channel, quantize_fp8_per_token
+    from octavo.kernels.int4 import pack_rows
+    from octavo.kernels.triton import fp8_gemv as fp8_module
+    from octavo.kernels.triton import int4_gemv as int4_module
+    from octavo.kernels.triton.int4_gemm import int4_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    dense = torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
+    fp8_w, fp8_s = quantize_fp8_per_channel(dense)
+    groups = k // GROUP
+    qweight = pack_rows(torch.randint(0, 16, (k, n), device="cuda", generator=gen))
+    scales = torch.full((groups, n), 0.002, device="cuda", dtype=torch.float16)
+    zeros = torch.full((groups, n), 8.0, device="cuda", dtype=torch.float16)
+
+    bf16_bytes, fp8_bytes = 2 * n * k, n * k
+    int4_bytes = n * k // 2 + 2 * groups * n * 2
+    bf16_ws = [dense] + [dense.clone() for _ in range(copies_for(bf16_bytes) - 1)]
+    del dense
+    fp8_ws = [fp8_w] + [fp8_w.clone() for _ in range(copies_for(fp8_bytes) - 1)]
+    int4_ws = [qweight] + [qweight.clone() for _ in range(copies_for(int4_bytes) - 1)]
+
+    def scaled_mm(w):
+        x_fp8, x_scale = quantize_fp8_per_token(x)
+        return torch._scaled_mm(x_fp8, w.t(), scale_a=x_scale, scale_b=fp8_s.reshape(1, -1),
+                                out_dtype=torch.bfloat16)
+
+    result = {
+        "shape": name, "n": n, "k": k, "m": m,
+        "bf16_us": time_per_call(lambda w: F.linear(x, w), bf16_ws),
+        "bf16_floor_us": bf16_bytes / bandwidth * 1e6,
+        "fp8_mm_us": time_per_call(scaled_mm, fp8_ws),
+        "fp8_gemv_us": time_per_call(lambda w: fp8_module.fp8_gemv(x, w, fp8_s), fp8_ws),
+        "fp8_floor_us": fp8_bytes / bandwidth * 1e6,
+        "int4_gemm_us": time_per_call(lambda w: int4_gemm(x, w, scales, zeros, GROUP), int4_ws),
+        "int4_gemv_us": time_per_call(
+            lambda w: int4_module.int4_gemv(x, w, scales, zeros, GROUP), int4_ws),
+        "int4_floor_us": int4_bytes / bandwidth * 1e6,
+    }
+    result["fp8_rel_err"] = rel_err(fp8_module.fp8_gemv(x, fp8_w, fp8_s),
+                                    x.float() @ (fp8_w.float() * fp8_s[:, None]).t())
+    if args.sweep:
+        for label, module, ws, call in (
+                ("fp8", fp8_module, fp8_ws, lambda w, c: fp8_module.fp8_gemv(x, w, fp8_s, c)),
+                ("int4", int4_module, int4_ws,
+                 lambda w, c: int4_module.int4_gemv(x, w, scales, zeros, GROUP, None, c))):
+            best = None
+            for config in sweep_configs(m):
+                try:
+                    us = time_per_call(lambda w, c=config: call(w, c), ws)
+                except Exception as exc:  # registers / shared memory for this tile
+                    print(f"  skip {label} {config}: {type(exc).__name__}", file=sys.stderr)
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, config)
+            if best is not None:
+                result[f"{label}_best_us"], result[f"{label}_best_config"] = \
+                    best[0], asdict(best[1])
+    return result
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.float() - expected).abs().max() / expected.abs().max()).item()
+
+
+def sweep_configs(m: int):
+    """About 35 configs: output blocks x input steps x warps, split-K chosen from the shape."""
+    from octavo.kernels.triton.skinny_gemm import SkinnyConfig
+
+    for block_n in (16, 32, 64, 128, 256):
+        for block_k in (64, 128, 256, 512):
+            for warps in (4, 8):
+                if block_n * block_k <= 32 * 1024:  # registers of the per-lane accumulator
+                    yield SkinnyConfig(block_n, block_k, 0, warps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,16", help="comma-separated row counts M")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also search the skinny kernels' launch configs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_quant_gemv: no CUDA device found; this benchmark times GPU kernels "
+                 "(the CPU Triton interpreter is only for tests: pytest tests/kernels)")
+    bandwidth = copy_bandwidth()
+    rows = [int(m) for m in args.rows.split(",")]
+    results = [run_case(name, n, k, m, args, bandwidth) for m in rows for name, n, k in SHAPES]
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e9:.0f} GB/s  "
+          "(us per call; floor = bytes / copy bandwidth)")
+    cols = ["bf16", "bf16_floor", "fp8_mm", "fp8_gemv", "fp8_floor", "int4_gemm", "int4_gemv",
+            "int4_floor"]
+    header = f"{'shape':>8}{'N':>7}{'K':>7}{'M':>4}" + "".join(f"{c:>12}" for c in cols)
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        line = f"{r['shape']:>8}{r['n']:>7}{r['k']:>7}{r['m']:>4}" + "".join(
+            f"{r[c + '_us']:>12.1f}" for c in cols)
+        for label in ("fp8", "int4"):
+            if f"{label}_best_us" in r:
+                c = r[f"{label}_best_config"]
+                line += (f"  {label} best {r[f'{label}_best_us']:.1f} (n{c['block_n']} "
+                         f"k{c['block_k']} s{c['split_k']} w{c['num_warps']})")
+        print(line)
+    print(f"\none decode step's linear layers ({NUM_LAYERS} x {' + '.join(STEP_SHAPES)}), ms:")
+    for m in rows:
+        step = {c: NUM_LAYERS * sum(r[c + "_us"] for r in results
+                                    if r["m"] == m and r["shape"] in STEP_SHAPES) / 1e3
+                for c in cols}
+        print(f"  M={m:<3}" + "  ".join(f"{c} {v:.2f}" for c, v in step.items()))
+    print(json.dumps({"bench": "quant_gemv", "device": torch.cuda.get_device_name(),
+                      "copy_bandwidth_gb_per_s": bandwidth / 1e9, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
