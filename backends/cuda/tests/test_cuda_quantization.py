@@ -1,8 +1,8 @@
 """Quantized weights and the fp8 KV cache end to end on an NVIDIA GPU (skipped in CI).
 
 The same checks as the CPU tests (``tests/model_executor/quantization``), through the CUDA
-backend's kernels: ``torch._scaled_mm`` for fp8 weights (H100), the Triton int4 and GGUF
-dequantize-in-GEMM kernels, and the fp8 KV-cache write / prefill / decode kernels (with CUDA
+backend's kernels: the w8a16 skinny kernel and ``torch._scaled_mm`` for fp8 weights (H100),
+the Triton int4 skinny and dequantize-in-GEMM kernels and the GGUF one, and the fp8 KV-cache write / prefill / decode kernels (with CUDA
 graphs for decode).
 """
 
@@ -65,6 +65,15 @@ def _assert_greedy_close(ours, reference, atol: float) -> float:
     return worst
 
 
+# What e4m3 rounding alone does to this random tiny model's nearly flat logits, measured on the
+# CPU with the same model, prompts and measure (benchmarks/cpu/fp8_rounding_gap.py): the fp8
+# KV cache against the bf16 one parts at a near tie of 0.34 nats; fp8 activations through
+# _scaled_mm (prefill rows; decode rows take the w8a16 kernel) move logprobs by 0.28. The GPU
+# gave 0.30 and 0.34. The bound keeps a margin over those and still catches a wrong scale or
+# layout (whole nats).
+FP8_ROUNDING_GAP = 0.5
+
+
 def test_fp8_kv_cache_doubles_the_blocks_and_keeps_greedy(dense_folder):
     memory = 64 * 2**20
     dense_llm, dense = _run(dense_folder, dtype="bfloat16", kv_cache_memory_bytes=memory,
@@ -72,7 +81,7 @@ def test_fp8_kv_cache_doubles_the_blocks_and_keeps_greedy(dense_folder):
     fp8_llm, fp8 = _run(dense_folder, dtype="bfloat16", kv_cache_memory_bytes=memory,
                         num_gpu_blocks_override=None, kv_cache_dtype="fp8")
     assert fp8_llm.llm_engine.num_blocks == 2 * dense_llm.llm_engine.num_blocks
-    _assert_greedy_close(fp8, dense, atol=0.1)
+    _assert_greedy_close(fp8, dense, atol=FP8_ROUNDING_GAP)
 
 
 def test_fp8_kv_cache_eager_equals_cuda_graphs(dense_folder):
@@ -82,14 +91,30 @@ def test_fp8_kv_cache_eager_equals_cuda_graphs(dense_folder):
 
 
 def test_fp8_weights_scaled_mm_close_to_dequantized(dense_folder, tmp_path):
-    """fp8 checkpoint through torch._scaled_mm (fp8 activations too) against the dense model
-    holding the dequantized weights, in bf16."""
+    """fp8 checkpoint (prefill through torch._scaled_mm with fp8 activations, decode steps
+    through the w8a16 kernel) against the dense model holding the dequantized weights, in
+    bf16."""
     folder = tmp_path / "fp8"
     weights = write_fp8(dense_folder, folder, scheme="tensor")
     reference = write_dense(dense_folder, tmp_path / "ref", weights)
     _, ours = _run(folder, dtype="bfloat16")
     _, theirs = _run(reference, dtype="bfloat16")
-    _assert_greedy_close(ours, theirs, atol=0.15)
+    _assert_greedy_close(ours, theirs, atol=FP8_ROUNDING_GAP)
+
+
+def test_fp8_weights_w8a16_decode_close_to_dequantized(dense_folder, tmp_path):
+    """One prompt at a time with a 16-token prefill chunk: every matmul has at most
+    SMALL_M_MAX rows, so the whole run takes the w8a16 kernel (activations unquantized) and
+    only float32-vs-bf16 sum rounding separates it from the dense model (0.000 on the CPU,
+    where both are the same bf16 matmul)."""
+    folder = tmp_path / "fp8"
+    weights = write_fp8(dense_folder, folder, scheme="tensor")
+    reference = write_dense(dense_folder, tmp_path / "ref", weights)
+    chunked = dict(dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=16,
+                   enable_chunked_prefill=True)
+    _, ours = _run(folder, **chunked)
+    _, theirs = _run(reference, **chunked)
+    _assert_greedy_close(ours, theirs, atol=0.1)
 
 
 def test_gptq_triton_kernel_equals_dequantized(dense_folder, tmp_path):

@@ -36,8 +36,9 @@ TRITON_GPU_CAPABILITIES = BackendCapabilities(
     block_sizes=(8, 16, 32, 64),
     cuda_graphs=True,
     async_scheduling=True,
-    # fp8 through torch._scaled_mm (dequantized where the GPU has no FP8 tensor cores), int4
-    # AWQ/GPTQ and GGUF through the Triton dequantize-in-GEMM kernels.
+    # fp8 through the Triton w8a16 skinny kernel (<= 16 rows) and torch._scaled_mm (more),
+    # dequantized where the GPU has no FP8 tensor cores; int4 AWQ/GPTQ through the Triton
+    # skinny (<= 16 rows) and dequantize-in-GEMM kernels; GGUF through the latter.
     quantization_methods=("fp8", "compressed-tensors", "awq", "gptq", "gguf"),
     # fp8 (e4m3) KV cache: the write kernel quantizes, the attention kernels upcast.
     kv_cache_dtypes=("auto", "fp8"),
