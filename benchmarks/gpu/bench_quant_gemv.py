@@ -127,8 +127,8 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
             best = None
             for config in sweep_configs(m):
                 try:
-                    us = time_per_call(lambda w, c=config: call(w, c), ws)
-                except Exception as exc:  # registers / shared memory for this tile
+                    us = time_per_call(lambda w, c=config, f=call: f(w, c), ws)
+                except Exception as exc:  # noqa: BLE001  (a tile too big for this GPU)
                     print(f"  skip {label} {config}: {type(exc).__name__}", file=sys.stderr)
                     continue
                 if best is None or us < best[0]:

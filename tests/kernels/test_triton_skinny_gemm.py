@@ -1,5 +1,6 @@
-"""The small-M ("skinny") quantized kernels (fp8 w8a16, int4 GPTQ/AWQ) against plain torch
-references (dequantize, then matmul: ``fp8_linear_reference``, ``int4_linear_reference``).
+"""The small-M ("skinny") quantized kernels (fp8 w8a16, int4 GPTQ/AWQ, GGUF blocks) against
+plain torch references (dequantize, then matmul: ``fp8_linear_reference``,
+``int4_linear_reference``, ``gguf_matmul_reference``).
 
 On the CPU they run under the Triton interpreter at small shapes, through both code paths
 (one row: elementwise sums; 2-16 rows: ``tl.dot``), with and without split-K; ``gpu`` tests
@@ -12,15 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 from octavo.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_fp8_per_channel
+from octavo.kernels.gguf import GGUF_BLOCKS, gguf_matmul_reference
 from octavo.kernels.int4 import int4_linear, int4_linear_reference
 from octavo.kernels.skinny import SMALL_M_MAX, m_bucket, use_small_m_kernel
 from octavo.kernels.triton import fp8_gemv as fp8_gemv_module
 from octavo.kernels.triton.fp8_gemv import fp8_gemv
+from octavo.kernels.triton.gguf_gemv import gguf_gemv
 from octavo.kernels.triton.int4_gemv import fit_block_k, int4_gemv
 from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, choose_split_k
 
 from tests.kernels.conftest import DEVICE, TOLERANCES
-from tests.kernels.test_triton_quant_gemm import int4_weight
+from tests.kernels.test_triton_quant_gemm import gguf_weight, int4_weight
 
 # Interpreter configs: one program per block of outputs, and K split over 3 programs (atomics).
 SMALL_CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1),
@@ -60,8 +63,7 @@ def test_fp8_gemv_matches_the_dequantized_reference(config, m, dtype):
     out = fp8_gemv(x, weight, scale, config)
     expected = fp8_linear_reference(x, weight, scale, None)  # activations unquantized
     assert out.shape == (m, n) and out.dtype == dtype
-    atol, rtol = TOLERANCES[dtype]
-    assert relative_error(out, expected) < atol
+    assert relative_error(out, expected) < TOLERANCES[dtype][0]
 
 
 def test_fp8_gemv_takes_a_per_tensor_scale_and_refuses_block_scales():
@@ -92,8 +94,7 @@ def test_int4_gemv_matches_the_dequantized_reference(config, m, sym, act_order, 
     # float32 reference on the same (rounded) activations: the kernel dequantizes in float32
     expected = int4_linear_reference(args[0].float(), *args[1:], group_size, g)
     assert out.shape == (m, n) and out.dtype == dtype
-    atol, rtol = TOLERANCES[dtype]
-    assert relative_error(out, expected) < atol
+    assert relative_error(out, expected) < TOLERANCES[dtype][0]
 
 
 @pytest.mark.parametrize("m", [1, 4], ids=lambda m: f"m{m}")
@@ -228,3 +229,32 @@ def test_layers_dispatch_small_m_to_the_skinny_kernels_on_gpu():
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     assert relative_error(int4_linear(x, qweight, scales, zeros, 128),
                           int4_gemv(x, qweight, scales, zeros, 128)) < 1e-3
+
+
+# ---- GGUF ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_BLOCKS))
+@pytest.mark.parametrize("m", [1, 5], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("config", [SkinnyConfig(16, 64, split_k=1),
+                                    SkinnyConfig(16, 32, split_k=3)], ids=["split1", "split3"])
+def test_gguf_gemv_matches_the_reference(qtype, m, config):
+    n, k = 24, 512
+    blocks = gguf_weight(qtype, n, k).to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    out = gguf_gemv(x, blocks, qtype, k, config)
+    expected = gguf_matmul_reference(x, blocks, qtype, k)
+    assert out.shape == (m, n)
+    assert relative_error(out, expected) < TOLERANCES[torch.float32][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", list(GGUF_BLOCKS))
+@pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"m{m}")
+def test_gguf_gemv_llama3_8b_shape_on_gpu(qtype, m):
+    n, k = 4096, 14336  # down_proj
+    blocks = gguf_weight(qtype, n, k).to("cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = gguf_gemv(x, blocks, qtype, k)
+    expected = gguf_matmul_reference(x.float(), blocks, qtype, k)
+    assert relative_error(out, expected) < GPU_RELATIVE_ERROR

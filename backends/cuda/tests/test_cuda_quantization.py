@@ -110,8 +110,8 @@ def test_fp8_weights_w8a16_decode_close_to_dequantized(dense_folder, tmp_path):
     folder = tmp_path / "fp8"
     weights = write_fp8(dense_folder, folder, scheme="tensor")
     reference = write_dense(dense_folder, tmp_path / "ref", weights)
-    chunked = dict(dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=16,
-                   enable_chunked_prefill=True)
+    chunked = {"dtype": "bfloat16", "max_num_seqs": 1, "max_num_batched_tokens": 16,
+               "enable_chunked_prefill": True}
     _, ours = _run(folder, **chunked)
     _, theirs = _run(reference, **chunked)
     _assert_greedy_close(ours, theirs, atol=0.1)

@@ -17,9 +17,10 @@ Blocks (little-endian; ``d``/``dmin`` are float16):
 
 ``dequantize_blocks`` is the vectorized torch reference (checked against ``gguf``'s numpy
 ``gguf.quants.dequantize``); ``gguf_linear`` multiplies without keeping a dense weight: through
-a backend's kernel when given one (``octavo_quant_kernels``: ``gguf_matmul``), the Triton
-dequantize-in-GEMM kernel on GPUs (``octavo.kernels.triton.gguf_gemm``), else by dequantizing
-the weight just for the matmul (``gguf_matmul_reference``).
+a backend's kernel when given one (``octavo_quant_kernels``: ``gguf_matmul``), on GPUs the
+Triton skinny kernel for at most ``SMALL_M_MAX`` rows (``octavo.kernels.triton.gguf_gemv``) and
+the dequantize-in-GEMM tile kernel for more (``octavo.kernels.triton.gguf_gemm``), else by
+dequantizing the weight just for the matmul (``gguf_matmul_reference``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from octavo.kernels.skinny import use_small_m_kernel
 from octavo.kernels.triton_support import optional_triton_kernels
 
 #: qtype name -> (values per block, bytes per block).
@@ -135,6 +137,10 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, in_features: 
     if backend_kernel is not None:
         return backend_kernel(x, blocks, qtype, in_features)
     if x.device.type == "cuda":
+        if use_small_m_kernel(x.shape[0]):
+            triton_kernels = optional_triton_kernels("gguf_gemv")
+            if triton_kernels is not None:
+                return triton_kernels.gguf_gemv(x, blocks, qtype, in_features)
         triton_kernels = optional_triton_kernels("gguf_gemm")
         if triton_kernels is not None:
             return triton_kernels.gguf_gemm(x, blocks, qtype, in_features)

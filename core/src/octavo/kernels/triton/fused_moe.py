@@ -187,7 +187,7 @@ def _gate_up_kernel(
     up_ptrs = gate_ptrs + N * stride_w_row
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(K, BLOCK_K)):
         k_mask = ks < K - k * BLOCK_K
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
@@ -248,7 +248,7 @@ def _down_kernel(
     w_ptrs = (w_ptr + expert * stride_w_expert + cols[None, :].to(tl.int64) * stride_w_row
               + ks[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(K, BLOCK_K)):
         k_mask = ks < K - k * BLOCK_K
         a = tl.load(act_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)

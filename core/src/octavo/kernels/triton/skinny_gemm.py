@@ -110,7 +110,7 @@ class SkinnyTuner:
         for config in dict.fromkeys([default, *candidates]):  # unique, default first
             try:
                 ms = do_bench(lambda c=config: run(c), warmup=3, rep=15, return_mode="median")
-            except Exception as exc:  # a config the device cannot run (shared memory, ...)
+            except Exception as exc:  # noqa: BLE001  (a config this device cannot run)
                 logger.debug("%s %s: %s failed: %s", self.name, key, config, exc)
                 continue
             timings.append((ms, config))
