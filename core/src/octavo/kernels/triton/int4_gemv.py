@@ -72,8 +72,7 @@ def _int4_gemv_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    words_per_step: tl.constexpr = BLOCK_K // 8
-    offs_w = tl.arange(0, words_per_step)
+    offs_w = tl.arange(0, BLOCK_K // 8)  # word rows of a step
     nibble = tl.arange(0, 8)
     shifts = nibble * 4
     k_start = pid_k * k_split
@@ -81,7 +80,7 @@ def _int4_gemv_kernel(
     if BLOCK_M == 1:
         # Per word row: sums over a word's eight inputs (in one thread) scaled by their group,
         # added across steps; reduced over the rows once at the end.
-        acc_rows = tl.zeros((words_per_step, BLOCK_N), dtype=tl.float32)
+        acc_rows = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
