@@ -75,8 +75,12 @@ def _fp8_gemv_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
         if BLOCK_M == 1:
-            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-            acc_lanes += w.to(tl.float32) * x[None, :]
+            # x loaded as a [BLOCK_N, BLOCK_K] broadcast (repeats hit L1): it then has w's
+            # register layout, where a [BLOCK_K] load would be shuffled through shared memory
+            # (barriers) every step.
+            x = tl.load(x_ptr + offs_k[None, :] + offs_n[:, None] * 0, mask=k_mask[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+            acc_lanes += w.to(tl.float32) * x
         else:
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]

@@ -90,36 +90,61 @@ def _int4_gemv_kernel(
         row_mask = rows * 8 < k_end  # K and k_end are multiples of 8
         words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
                         mask=row_mask[:, None] & n_mask[None, :], other=0)  # [W, BLOCK_N]
-        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [W, 8, BLOCK_N], input 8w + j
+        # [W, 8, BLOCK_N]: input 8w + j in nibble j (for the tl.dot paths; the one-row paths
+        # shift nibble by nibble and leave it unused, so it is not computed there)
+        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
         offs_k = k0 + offs_w[:, None] * 8 + nibble[None, :]  # [W, 8]
         k_mask = offs_k < k_end
-        if HAS_G_IDX:
+        if HAS_G_IDX and BLOCK_M == 1:
+            # Every input has its own group: gather its scale and zero per nibble, in the
+            # words' [W, BLOCK_N] layout (as the natural-order path below).
+            x_words = x_ptr + k0 + offs_w[:, None] * 8  # [W, 1]
+            x_mask = row_mask[:, None]
+            for j in tl.static_range(8):
+                xj = tl.load(x_words + j, mask=x_mask, other=0.0).to(tl.float32)  # [W, 1]
+                gj = tl.load(g_idx_ptr + k0 + offs_w[:, None] * 8 + j, mask=x_mask, other=0)
+                sz = gj.to(tl.int64) * N + offs_n[None, :]  # [W, BLOCK_N]
+                sz_mask = x_mask & n_mask[None, :]
+                scale = tl.load(scales_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                zero = tl.load(zeros_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                qj = ((words >> (4 * j)) & 0xF).to(tl.float32)
+                acc_rows += (qj - zero) * scale * xj
+        elif HAS_G_IDX:
             groups = tl.load(g_idx_ptr + offs_k, mask=k_mask, other=0)  # [W, 8]
             sz = groups[:, :, None].to(tl.int64) * N + offs_n[None, None, :]
             sz_mask = k_mask[:, :, None] & n_mask[None, None, :]
             scale = tl.load(scales_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
             zero = tl.load(zeros_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
             w = (q.to(tl.float32) - zero) * scale  # [W, 8, BLOCK_N]
-            if BLOCK_M == 1:
-                x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [W, 8]
-                acc_rows += tl.sum(w * x[:, :, None], axis=1)
-            else:
-                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-                            + (k0 + tl.arange(0, BLOCK_K))[None, :],
-                            mask=m_mask[:, None] & (k0 + tl.arange(0, BLOCK_K) < k_end)[None, :],
-                            other=0.0)  # [BLOCK_M, BLOCK_K]
-                w2 = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)
-                acc += dot_fp32(x, w2, UPCAST_DOT, "ieee")
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+                        + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                        mask=m_mask[:, None] & (k0 + tl.arange(0, BLOCK_K) < k_end)[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            w2 = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)
+            acc += dot_fp32(x, w2, UPCAST_DOT, "ieee")
         else:
             g = k0 // group_size
-            scale = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            zero = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             if BLOCK_M == 1:
-                x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [W, 8]
-                qx = tl.sum(q.to(tl.float32) * x[:, :, None], axis=1)  # [W, BLOCK_N]
-                xs = tl.sum(x, axis=1)  # [W]
-                acc_rows += (qx - xs[:, None] * zero[None, :]) * scale[None, :]
+                # Nibble by nibble in the words' [W, BLOCK_N] layout, x as [W, 1] columns:
+                # no register shuffles through shared memory inside the loop.
+                x_words = x_ptr + k0 + offs_w[:, None] * 8  # [W, 1]: inputs 8w .. 8w + 7
+                x_mask = row_mask[:, None]
+                qx = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+                xs = tl.zeros((BLOCK_K // 8, 1), dtype=tl.float32)
+                for j in tl.static_range(8):
+                    xj = tl.load(x_words + j, mask=x_mask, other=0.0).to(tl.float32)
+                    qx += ((words >> (4 * j)) & 0xF).to(tl.float32) * xj
+                    xs += xj
+                # The group's scales and zeros broadcast over the word rows in the load itself
+                # (repeats hit L1), again to stay in the words' layout.
+                sz = g * N + offs_n[None, :] + offs_w[:, None] * 0  # [W, BLOCK_N]
+                sz_mask = n_mask[None, :] & x_mask
+                scale = tl.load(scales_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                zero = tl.load(zeros_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                acc_rows += (qx - xs * zero) * scale
             else:
+                scale = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                zero = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 offs_kk = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_kk[None, :],
                             mask=m_mask[:, None] & (offs_kk < k_end)[None, :],
