@@ -74,8 +74,10 @@ def _gguf_gemv_kernel(
         w = _dequant_tile(rows, offs_k, mask, QTYPE, QBLOCK, TYPE_SIZE)
         w = tl.where(mask, w, 0.0)  # [BLOCK_K, BLOCK_N] float32
         if BLOCK_M == 1:
-            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-            acc_lanes += w * x[:, None]
+            # x as a [BLOCK_K, BLOCK_N] broadcast: the tile's register layout (see fp8_gemv)
+            x = tl.load(x_ptr + offs_k[:, None] + offs_n[None, :] * 0, mask=k_mask[:, None],
+                        other=0.0).to(tl.float32)
+            acc_lanes += w * x
         else:
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
