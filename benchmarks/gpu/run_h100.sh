@@ -191,7 +191,7 @@ for stage in "${stages[@]}"; do
       ;;
     quant-tests)
       # Quantized weights and the fp8 KV cache on the GPU: Triton int4/GGUF GEMMs and fp8 KV
-      # kernels at Llama-3-8B shapes, and end to end through the CUDA backend (~3 min).
+      # kernels at Llama-3-8B shapes, and end to end through the CUDA backend (~6 min).
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_quant_gemm.py \
         tests/kernels/test_triton_skinny_gemm.py tests/kernels/test_triton_fp8_kv_cache.py \
         backends/cuda/tests/test_cuda_quantization.py \

@@ -10,6 +10,8 @@ dispatch (which kernel runs for how many rows).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from octavo.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_fp8_per_channel
@@ -150,6 +152,12 @@ LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (14336, 4096), (4096, 14
 GPU_RELATIVE_ERROR = 1e-2
 
 
+@functools.cache
+def full_size_int4(n: int, k: int, act_order: bool):
+    """Llama-3-8B-sized int4 weights, quantized once on the CPU for every row count."""
+    return int4_weight(n, k, 128, sym=False, act_order=act_order)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
 @pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"m{m}")
@@ -167,7 +175,7 @@ def test_fp8_gemv_llama3_8b_shapes_on_gpu(n, k, m):
 @pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act-order"])
 def test_int4_gemv_llama3_8b_shapes_on_gpu(n, k, m, act_order):
-    qweight, scales, zeros, g_idx = int4_weight(n, k, 128, sym=False, act_order=act_order)
+    qweight, scales, zeros, g_idx = full_size_int4(n, k, act_order)
     x = torch.randn(m, k).to(torch.bfloat16)
     args = [t.cuda() for t in (x, qweight, scales, zeros)]
     g = g_idx.cuda() if g_idx is not None else None
