@@ -144,14 +144,15 @@ def _windowed_tiny(tmp_path_factory, arch: str) -> Path:
 def test_fp8_weights_on_new_architectures_close_to_dequantized(tmp_path_factory, tmp_path,
                                                               arch):
     """Gemma 2/3 and Phi-3 (fused qkv_proj/gate_up_proj, one scale each) through the same fp8
-    linear method as Llama, against the dense model holding the dequantized weights (bf16)."""
+    linear method as Llama, against the dense model holding the dequantized weights (bf16);
+    prefill rows quantize activations to fp8 as in the Llama test, hence its bound."""
     dense_folder = _windowed_tiny(tmp_path_factory, arch)
     folder = tmp_path / "fp8"
     weights = write_fp8(dense_folder, folder, scheme="tensor")
     reference = write_dense(dense_folder, tmp_path / "ref", weights)
     _, ours = _run(folder, dtype="bfloat16")
     _, theirs = _run(reference, dtype="bfloat16")
-    _assert_greedy_close(ours, theirs, atol=0.15)
+    _assert_greedy_close(ours, theirs, atol=FP8_ROUNDING_GAP)
 
 
 @pytest.mark.parametrize("arch", ["mistral-swa", "gemma2"])
