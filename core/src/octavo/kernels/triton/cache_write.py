@@ -147,7 +147,10 @@ def round_to_e4m3(x):
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
     inverse_step = ((127 - (exponent - 3)) << 23).to(tl.float32, bitcast=True)
     rounded = ((tl.abs(x) * inverse_step + 12582912.0) - 12582912.0) * step
-    return tl.where(bits < 0, -rounded, rounded)  # keeps the sign of zero, as torch does
+    # The sign goes back as a bit: compiled, ``-rounded`` is ``0 - rounded``, which turns a
+    # negative value rounded to zero into +0 where torch's cast keeps -0.
+    sign = bits & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
