@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-
 from octavo.benchmarks.serve_client import (
     BenchServeError,
     ServeRequest,

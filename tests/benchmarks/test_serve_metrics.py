@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-
 from octavo.benchmarks.serve_client import arrival_times, length_range, random_dataset
 from octavo.benchmarks.serve_metrics import (
     RequestResult,

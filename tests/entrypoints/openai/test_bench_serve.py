@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from octavo.cli.main import main
 
 from tests.entrypoints.openai.conftest import API_KEY, SERVED_NAME, free_port, wait_idle

@@ -18,6 +18,7 @@ chunk arrived, how many tokens came back); ``calculate_metrics`` turns a run's r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 
@@ -51,8 +52,7 @@ class RequestResult:
     @property
     def itl(self) -> list[float]:
         """Gaps between successive chunks (s)."""
-        times = self.chunk_times
-        return [b - a for a, b in zip(times, times[1:])]
+        return [b - a for a, b in pairwise(self.chunk_times)]
 
     @property
     def tpot(self) -> float | None:

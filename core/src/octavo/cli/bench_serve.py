@@ -129,7 +129,7 @@ def _load_tokenizer(name: str):
 
 def run_serve(args: argparse.Namespace) -> int:
     from octavo.benchmarks.serve_client import BenchServeError
-    from octavo.benchmarks.serve_metrics import parse_goodput
+    from octavo.benchmarks.serve_metrics import calculate_metrics, parse_goodput
 
     slos = parse_goodput(args.goodput)
     percentiles = _percentiles(args.metric_percentiles)
@@ -137,17 +137,31 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--endpoint must start with /, got {args.endpoint!r}")
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     try:
-        return asyncio.run(_run(args, base_url, slos, percentiles))
+        model, run = asyncio.run(_run(args, base_url))
     except BenchServeError as exc:
         raise RuntimeError(str(exc)) from None
+    metrics = calculate_metrics(run.results, run.duration_s, slos, percentiles)
+    result = _result_dict(args, base_url, model, metrics, run.max_in_flight)
+    _print_summary(metrics, percentiles, run.max_in_flight, slos)
+    print(json.dumps(result), flush=True)
+    if args.save_result:
+        path = _result_path(args, model)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"result written to {path}", file=sys.stderr)
+    if metrics.failed:
+        first = next(r.error for r in run.results if not r.success)
+        print(f"octavo bench: error: {metrics.failed} of {len(run.results)} requests failed; "
+              f"first: {first}", file=sys.stderr)
+        return 1
+    return 0
 
 
-async def _run(args: argparse.Namespace, base_url: str, slos: dict[str, float],
-               percentiles: tuple[float, ...]) -> int:
+async def _run(args: argparse.Namespace, base_url: str):
+    """The served model's name and the run's records."""
     from tqdm.auto import tqdm
 
     from octavo.benchmarks import serve_client as sc
-    from octavo.benchmarks.serve_metrics import calculate_metrics
 
     api_key = os.environ.get("OPENAI_API_KEY") or None
     async with sc.make_client() as client:
@@ -171,21 +185,7 @@ async def _run(args: argparse.Namespace, base_url: str, slos: dict[str, float],
                                         args.max_concurrency, lambda _: bar.update(1))
         finally:
             bar.close()
-    metrics = calculate_metrics(run.results, run.duration_s, slos, percentiles)
-    result = _result_dict(args, base_url, model, metrics, run.max_in_flight)
-    _print_summary(metrics, percentiles, run.max_in_flight, slos)
-    print(json.dumps(result), flush=True)
-    if args.save_result:
-        path = _result_path(args, model)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"result written to {path}", file=sys.stderr)
-    if metrics.failed:
-        first = next(r.error for r in run.results if not r.success)
-        print(f"octavo bench: error: {metrics.failed} of {len(run.results)} requests failed; "
-              f"first: {first}", file=sys.stderr)
-        return 1
-    return 0
+    return model, run
 
 
 def _result_dict(args: argparse.Namespace, base_url: str, model: str, m, max_in_flight: int) -> dict:
