@@ -130,10 +130,11 @@ def test_requests_arrive_at_the_requested_rate():
 
     server = _run(main())
     seen = np.asarray(server.arrivals) - server.arrivals[0]
-    # Each request reached the server when planned (never early; late only by scheduling).
+    # Each request reached the server when planned: never early, late only by the event
+    # loop's scheduling (loose bounds: CI's two cores are shared), and lateness does not add up.
     lateness = seen - np.asarray(send_times)
-    assert lateness.min() > -0.005 and np.median(lateness) < 0.02, lateness
-    assert seen[-1] == pytest.approx(send_times[-1], abs=0.1)
+    assert lateness.min() > -0.005 and np.median(lateness) < 0.05, lateness
+    assert seen[-1] == pytest.approx(send_times[-1], abs=0.25)
 
 
 def test_an_unreachable_server_is_one_clear_error():
