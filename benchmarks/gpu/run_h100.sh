@@ -277,7 +277,10 @@ for stage in "${stages[@]}"; do
         >"$OUT/bench-serve-server.log" 2>&1 &
       SERVER_PID=$!
       if wait_health $SERVER_PID $PORT; then
-        octavo bench serve --port $PORT --model $MODEL --num-prompts 500 --input-len 512 \
+        # The client's own CPU time: user + sys close to wall means the client, not the
+        # server, was the limit.
+        TIMEFORMAT="bench serve client: %R s wall, %U s user, %S s sys"
+        time octavo bench serve --port $PORT --model $MODEL --num-prompts 500 --input-len 512 \
           --output-len 128 --ignore-eos --seed 0 --disable-tqdm \
           2>"$OUT/bench-serve.err" | tee "$OUT/bench-serve.log"
         tail -3 "$OUT/bench-serve.err"
