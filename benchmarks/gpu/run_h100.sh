@@ -6,7 +6,7 @@
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
-#                                    [bench-swap] [profile-structured]
+#                                    [bench-swap] [profile-structured] [bench-serve]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -21,6 +21,26 @@ JSON_MODEL=/tmp/qwen2.5-0.5b-smollm2-vocab
 # on the GPU); the GPTQ one's config asks for 4-bit group-128 weights.
 L8B=/tmp/llama3-8b-config
 L8B_GPTQ=/tmp/llama3-8b-gptq-config
+# Waits until the server started in the background as $1 (its pid) answers /health on port $2.
+wait_health() {
+  python3 - "$1" "$2" <<'PY' || return 1
+import os, sys, time, urllib.request
+pid, port = int(sys.argv[1]), sys.argv[2]
+deadline = time.monotonic() + 240
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit("the server exited while starting")
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200:
+            sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(0.5)
+sys.exit("the server did not answer /health in 240 s")
+PY
+}
 make_l8b() {
   [ -d $L8B ] || python3 benchmarks/gpu/make_random_model.py --shape llama3-8b --config-only \
     --out $L8B || exit 1
@@ -245,6 +265,48 @@ for stage in "${stages[@]}"; do
         --max-num-seqs 256 --kv-cache-dtype fp8 2>"$OUT/quant-w1-kvfp8.err" \
         | tee "$OUT/quant-w1-kvfp8.log" | tail -2
       grep -h "max concurrency" "$OUT/quant-w1-kvfp8.err" | tail -1
+      ;;
+    bench-serve)
+      # 500 requests at once, 512 in / 128 out, EOS ignored, over HTTP (`octavo serve` +
+      # `octavo bench serve`), then the same token ids through AsyncLLM in-process
+      # (`bench throughput --async-engine`, same seed and lengths), same engine flags; the
+      # ratio is HTTP output tok/s / in-process output tok/s. ~3 min.
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      PORT=8011
+      octavo serve $MODEL --dtype bfloat16 --max-num-seqs 256 --port $PORT \
+        >"$OUT/bench-serve-server.log" 2>&1 &
+      SERVER_PID=$!
+      if wait_health $SERVER_PID $PORT; then
+        # The client's own CPU time: user + sys close to wall means the client, not the
+        # server, was the limit.
+        TIMEFORMAT="bench serve client: %R s wall, %U s user, %S s sys"
+        time octavo bench serve --port $PORT --model $MODEL --num-prompts 500 --input-len 512 \
+          --output-len 128 --ignore-eos --seed 0 --disable-tqdm \
+          2>"$OUT/bench-serve.err" | tee "$OUT/bench-serve.log"
+        tail -3 "$OUT/bench-serve.err"
+      else
+        tail -20 "$OUT/bench-serve-server.log"
+      fi
+      kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID
+      echo "server exited with $?"
+      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 500 \
+        --input-len 512 --output-len 128 --workload-seed 0 --max-num-seqs 256 --async-engine \
+        2>"$OUT/bench-serve-inproc.err" | tee "$OUT/bench-serve-inproc.log"
+      tail -3 "$OUT/bench-serve-inproc.err"
+      python3 - "$OUT/bench-serve.log" "$OUT/bench-serve-inproc.log" <<'PY'
+import json, sys
+def last_json(path):
+    lines = [l for l in open(path) if l.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+http, inproc = last_json(sys.argv[1]), last_json(sys.argv[2])
+if http is None or inproc is None:
+    sys.exit("bench-serve: a run printed no result")
+h, a = http["output_throughput"], inproc["output_tokens_per_s"]
+print(f"bench-serve: HTTP {h:,.0f} output tok/s ({http['completed']} requests, "
+      f"{http['total_output_tokens']:,} tokens, TTFT p99 {http['p99_ttft_ms']:.0f} ms, "
+      f"TPOT median {http['median_tpot_ms']:.1f} ms) vs AsyncLLM in-process {a:,.0f} "
+      f"({inproc['output_tokens']:,} tokens): HTTP / in-process = {h / a:.2f}")
+PY
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

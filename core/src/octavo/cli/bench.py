@@ -1,4 +1,5 @@
-"""``octavo bench throughput|latency``: measured figures plus one JSON line.
+"""``octavo bench throughput|latency``: measured figures plus one JSON line (``octavo bench
+serve`` lives in ``octavo.cli.bench_serve``).
 
 Throughput: a synthetic workload (random token-id prompts, lengths uniform in the given
 ranges, fixed seed) run through ``LLM.generate`` (or, with ``--async-engine``, through
@@ -92,7 +93,7 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
 def add_parser(sub) -> None:
     parser = sub.add_parser(
         "bench",
-        help="measure throughput or latency",
+        help="measure throughput or latency, offline or of a running server",
         description="Benchmarks (figures, not tests). Prints a summary and one JSON line.",
     )
     modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
@@ -140,6 +141,10 @@ def add_parser(sub) -> None:
                           "process may use)")
     add_engine_options(lat)
     lat.set_defaults(func=run_latency)
+
+    from octavo.cli.bench_serve import add_serve_parser
+
+    add_serve_parser(modes)
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.core_client import EngineCoreClient, EngineDeadError, EngineShuttingDownError
+from octavo.engine.output_collector import RequestOutputCollector
 from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
 from octavo.engine.processor import KVCacheCapacity, Processor, PromptType
 from octavo.engine.stats import IterationStats, StatLogger
@@ -86,8 +87,8 @@ class AsyncLLM:
         # Why the engine is dead, once it is (None while healthy).
         self.dead_reason: str | None = None
         self._dead_callbacks: list[Callable[[str], None]] = []
-        # Where each unfinished request's outputs go.
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Where each unfinished request's outputs wait for its consumer (merged while it lags).
+        self._queues: dict[str, RequestOutputCollector] = {}
         self._utility_calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._call_ids = itertools.count()
         self._output_task: asyncio.Task[None] | None = None
@@ -143,7 +144,7 @@ class AsyncLLM:
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         arrival_time: float | None = None,
         priority: int = 0,
-    ) -> asyncio.Queue[RequestOutput | BaseException]:
+    ) -> RequestOutputCollector:
         """Validate and queue a request, all or nothing (a ``BeamSearchParams``: a beam
         search, with one output when it finishes; ``priority``: see ``--scheduling-policy``).
 
@@ -161,7 +162,7 @@ class AsyncLLM:
         else:
             processed = self.processor.process(request_id, prompt, params, arrival_time,
                                                priority)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue = RequestOutputCollector(merge_deltas=output_kind is RequestOutputKind.DELTA)
         self.output_processor.add_request(request_id, processed, output_kind)
         self._queues[request_id] = queue
         try:
@@ -192,12 +193,16 @@ class AsyncLLM:
             yield output
 
     async def iterate_outputs(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+        self, request_id: str, queue: RequestOutputCollector
     ) -> AsyncIterator[RequestOutput]:
-        """The outputs of a request queued with ``add_request`` (aborts it if left early)."""
+        """The outputs of a request queued with ``add_request`` (aborts it if left early).
+
+        DELTA outputs that arrive while the consumer is busy come merged into one
+        (``RequestOutputCollector``): the deltas still join up to the whole output.
+        """
         try:
             while True:
-                item = await queue.get()
+                item = queue.get_nowait() or await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import signal
 import socket
@@ -109,6 +110,11 @@ def build_app(args: ServerArgs) -> FastAPI:
         engine = await AsyncLLM.from_engine_args(args.engine_args)
         try:
             _attach_engine(app, engine, args)
+            # What start-up made (modules, the tokenizer, the app: ~400k objects) lives as long
+            # as the server: out of the collector's sight, so that a full collection, which
+            # would stop every stream for 0.1-0.2 s, only scans what requests allocate.
+            gc.collect()
+            gc.freeze()
             yield
         finally:
             await engine.shutdown()

@@ -30,6 +30,7 @@ from octavo.entrypoints.openai.serving_engine import (
     merge_streams,
     top_entries,
 )
+from octavo.entrypoints.openai.sse import CompletionChunkEncoder
 from octavo.errors import InvalidRequestError
 from octavo.outputs import PositionLogprobs, RequestOutput
 from octavo.sampling_params import BeamSearchParams, SamplingParams
@@ -175,6 +176,9 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets = [0 if request.echo else len(p.text) for p in prompts for _ in range(n)]
         prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         num_generated = 0
+        encoder = CompletionChunkEncoder(request_id, created, model, include_usage)
+        # Events with text only (the common case) skip pydantic: see entrypoints.openai.sse.
+        plain = request.logprobs is None and request.prompt_logprobs is None
         try:
             async for i, output in merge_streams(streams):
                 prompt = prompts[i]
@@ -184,6 +188,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     index = i * n + completion.index
                     num_generated += len(completion.token_ids)
                     text = completion.text
+                    if plain:
+                        if request.echo and not echoed[index]:
+                            echoed[index] = True
+                            text = prompt.text + text
+                        yield encoder.text_chunk(index, text, completion.finish_reason)
+                        continue
                     token_ids = list(completion.token_ids)
                     positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
                     if request.echo and not echoed[index]:

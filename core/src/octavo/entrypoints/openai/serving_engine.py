@@ -24,6 +24,7 @@ from starlette.responses import StreamingResponse
 
 from octavo.engine.async_llm import AsyncLLM, RequestOutputKind
 from octavo.engine.core_client import EngineDeadError
+from octavo.engine.output_collector import RequestOutputCollector
 from octavo.entrypoints.openai.errors import OpenAIError, engine_dead_error
 from octavo.entrypoints.openai.protocol import SamplingFields, unsupported_fields
 from octavo.errors import InvalidRequestError
@@ -187,7 +188,7 @@ class OpenAIServing:
         """
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
         self.check_admission(len(prompts) * width)
-        added: list[tuple[str, asyncio.Queue[Any]]] = []
+        added: list[tuple[str, RequestOutputCollector]] = []
         try:
             for i, prompt in enumerate(prompts):
                 sub_id = f"{request_id}-{i}"

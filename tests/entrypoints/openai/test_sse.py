@@ -1,0 +1,30 @@
+"""The fast SSE encoder writes what pydantic's ``CompletionStreamResponse`` writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from octavo.entrypoints.openai.protocol import CompletionChoice, CompletionStreamResponse
+from octavo.entrypoints.openai.sse import CompletionChunkEncoder
+
+TEXTS = ["", "hello", ' "quoted" \\ back/slash', "caf\u00e9 \u4f60\u597d \U0001f600", "\n\t\r\x00\x1f\x7f",
+         "\ufffd", "</script>"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("finish", [None, "stop", "length"])
+def test_text_chunk_is_the_pydantic_chunk(text, finish, include_usage):
+    request_id, created, model = 'cmpl-"x"\u00e9', 1_700_000_000, "org/model \u00e9"
+    encoder = CompletionChunkEncoder(request_id, created, model, include_usage)
+    fast = encoder.text_chunk(3, text, finish)
+    reference = CompletionStreamResponse(
+        id=request_id, created=created, model=model,
+        choices=[CompletionChoice(index=3, text=text, finish_reason=finish)],
+    ).model_dump_json(exclude=None if include_usage else {"usage"})
+    assert fast.startswith("data: ") and fast.endswith("\n\n")
+    body = fast[len("data: "):-2]
+    assert json.loads(body) == json.loads(reference)
+    assert list(json.loads(body)) == list(json.loads(reference))  # same key order
+    assert body == reference  # byte for byte, as it happens
