@@ -15,6 +15,7 @@ import math
 import os
 import sys
 from datetime import datetime
+from pathlib import Path
 
 from octavo.cli.options import RawDescriptionHelpFormatter
 
@@ -127,6 +128,19 @@ def _load_tokenizer(name: str):
                          "with the model's local folder") from None
 
 
+def _prompt_vocab_size(folder: str, tokenizer_size: int) -> int:
+    """How many token ids prompts may draw from: the tokenizer's, or the model's vocabulary
+    when the folder's config.json gives a smaller one (a tokenizer may hold more ids than the
+    model's embedding: those are refused with a 400). The same bound as ``bench throughput``
+    (the model's ``vocab_size``), so one seed gives both the same prompts."""
+    config_path = Path(folder) / "config.json"
+    if not config_path.is_file():
+        return tokenizer_size
+    config = json.loads(config_path.read_text())
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return min(tokenizer_size, vocab) if isinstance(vocab, int) and vocab > 0 else tokenizer_size
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from octavo.benchmarks.serve_client import BenchServeError
     from octavo.benchmarks.serve_metrics import calculate_metrics, parse_goodput
@@ -166,9 +180,11 @@ async def _run(args: argparse.Namespace, base_url: str):
     api_key = os.environ.get("OPENAI_API_KEY") or None
     async with sc.make_client() as client:
         model = args.model or await sc.served_model(client, base_url, api_key)
-        tokenizer = _load_tokenizer(args.tokenizer or model)
+        folder = args.tokenizer or model
+        tokenizer = _load_tokenizer(folder)
         requests = sc.random_dataset(args.num_prompts, args.input_len, args.output_len,
-                                     args.range_ratio, args.prefix_len, len(tokenizer), args.seed)
+                                     args.range_ratio, args.prefix_len,
+                                     _prompt_vocab_size(folder, len(tokenizer)), args.seed)
         send_times = sc.arrival_times(len(requests), args.request_rate, args.burstiness,
                                       args.seed)
         target = sc.Target(url=base_url + args.endpoint, model=model, api_key=api_key,
