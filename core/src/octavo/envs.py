@@ -59,3 +59,10 @@ def cpu_gguf_kernels() -> bool:
     """``OCTAVO_CPU_GGUF_KERNELS``: whether the CPU backend gives the ``gguf`` quantization
     method its C++ kernels (default yes; ``0``/``false``: the method's torch path runs)."""
     return os.environ.get("OCTAVO_CPU_GGUF_KERNELS", "1").strip() not in ("0", "false", "False")
+
+
+def cpu_layer_kernels() -> bool:
+    """``OCTAVO_CPU_LAYER_KERNELS``: whether the CPU backend gives the model layers its C++
+    RMSNorm, rotary and SiLU-and-mul ops (``octavo.kernels.host_layer_kernels``; default yes;
+    ``0``/``false``: the layers' torch code runs)."""
+    return os.environ.get("OCTAVO_CPU_LAYER_KERNELS", "1").strip() not in ("0", "false", "False")

@@ -1,8 +1,9 @@
 """The CPU backend's C++ kernels: built on first use, cached, loaded in ms.
 
-One library holds the paged attention (``ops.cpp``, ``attention_<isa>.cpp``) and the matmuls
+One library holds the paged attention (``ops.cpp``, ``attention_<isa>.cpp``), the matmuls
 on GGUF-quantized weights (``quant_ops.cpp``, ``quant_<isa>.cpp``; Python API in
-``octavo_cpu.quant``).
+``octavo_cpu.quant``) and the decoder's small per-layer ops (``layer_ops.cpp``: RMSNorm, rotary,
+SiLU-and-mul; given to the layers by ``octavo_cpu.layers``).
 
 Where the sources are: ``octavo_cpu/csrc/`` inside this package, not the repository's top-level
 ``csrc/cpu`` (which only points here). As package data they travel with every install mode
@@ -50,7 +51,8 @@ logger = logging.getLogger("octavo.cpu.kernels")  # under the octavo tree: shown
 CSRC_DIR = Path(__file__).parent / "csrc"
 # Compiled, in this order; the headers beside them are hashed into the cache key too.
 SOURCES = ("ops.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_avx512bf16.cpp",
-           "quant_ops.cpp", "quant_avx2.cpp", "quant_avx512vnni.cpp", "threads.cpp")
+           "quant_ops.cpp", "quant_avx2.cpp", "quant_avx512vnni.cpp", "threads.cpp",
+           "layer_ops.cpp")
 # No -m flags: each attention_<isa>.cpp selects its instruction set with a pragma.
 CFLAGS = ("-O3", "-DNDEBUG", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
@@ -82,6 +84,11 @@ class CPUKernels:
     gguf_dequantize_op: Any = field(default=None, repr=False)
     # bind_threads(cpus, include_caller) -> cpu per OpenMP thread (octavo_cpu.threads).
     bind_threads_op: Any = field(default=None, repr=False)
+    # The decoder's small ops (csrc/layer_ops.cpp), given to the layers by octavo_cpu.layers.
+    rms_norm_op: Any = field(default=None, repr=False)
+    fused_add_rms_norm_op: Any = field(default=None, repr=False)
+    rotary_neox_op: Any = field(default=None, repr=False)
+    silu_and_mul_op: Any = field(default=None, repr=False)
 
     @property
     def isa(self) -> str:
@@ -223,6 +230,10 @@ def _load_or_build() -> CPUKernels:
         gguf_matmul_op=ops.gguf_matmul.default,
         gguf_dequantize_op=ops.gguf_dequantize.default,
         bind_threads_op=ops.bind_threads.default,
+        rms_norm_op=ops.rms_norm.default,
+        fused_add_rms_norm_op=ops.fused_add_rms_norm.default,
+        rotary_neox_op=ops.rotary_neox.default,
+        silu_and_mul_op=ops.silu_and_mul.default,
     )
 
 

@@ -23,7 +23,9 @@ quantization method it gives :class:`GGUFQuantKernels`, whose ``gguf_matmul`` an
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from octavo import envs
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # The C++ ops' qtype codes (csrc/quant_common.h, QType).
 _QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4}
+# Activation dtypes the C++ op takes.
+_OP_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _kernels() -> CPUKernels | None:
@@ -118,6 +122,27 @@ class GGUFQuantKernels:
         rows = x.reshape(-1, in_features)
         out = gguf_matmul(rows, blocks, qtype, in_features)
         return out.reshape(*x.shape[:-1], blocks.shape[0])
+
+    def gguf_matmul_bound(self, blocks: torch.Tensor, qtype: str,
+                          in_features: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> gguf_matmul(x, blocks, qtype, in_features)`` with the weight checked once
+        here rather than at every call: a layer's matmul at batch 1 takes tens of
+        microseconds, the Python checks of each call several. ``blocks`` must stay as it is."""
+        if (blocks.device.type != "cpu" or qtype not in _QTYPE_CODES
+                or _kernels() is None):
+            return functools.partial(self.gguf_matmul, blocks=blocks, qtype=qtype,
+                                     in_features=in_features)
+        _check(blocks, qtype, in_features)
+        op = _kernels().gguf_matmul_op
+        code = _QTYPE_CODES[qtype]
+
+        def matmul(x: torch.Tensor) -> torch.Tensor:
+            if (x.dim() == 2 and x.dtype in _OP_DTYPES and x.device.type == "cpu"
+                    and x.stride(1) == 1):
+                return op(x, blocks, code, in_features, "")  # the op checks x's shape
+            return self.gguf_matmul(x, blocks, qtype, in_features)
+
+        return matmul
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: str,
                         in_features: int) -> torch.Tensor:

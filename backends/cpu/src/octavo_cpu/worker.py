@@ -1,12 +1,14 @@
 """The CPU worker: the core's worker on the host, with its threads planned and pinned
 (``octavo_cpu.threads``). GGUF weights kept in their blocks run on the backend's C++ kernels
-through the ``gguf`` quantization method (``octavo_cpu.quant.quant_kernels``)."""
+through the ``gguf`` quantization method (``octavo_cpu.quant.quant_kernels``); the layers'
+small ops (RMSNorm, rotary, SiLU-and-mul) on its C++ ops (``octavo_cpu.layers``)."""
 
 from __future__ import annotations
 
 import torch
 from octavo.worker.worker import Worker
 
+from octavo_cpu.layers import register_layer_kernels
 from octavo_cpu.threads import configure_threads
 
 
@@ -15,3 +17,4 @@ class CPUWorker(Worker):
         self.device = torch.device("cpu")
         configure_threads(self.config.parallel_config.cpu_threads, self.ranks.world_size,
                           self.local_rank)
+        register_layer_kernels()

@@ -1,7 +1,8 @@
 """Gated activations of the feed-forward block.
 
 On CUDA tensors ``SiluAndMul`` runs the Triton kernel of ``octavo.kernels.triton.activation``
-(one launch instead of three eager ops); elsewhere, or without Triton, ``forward_native``.
+(one launch instead of three eager ops); on a host device the backend's kernel where it
+registered one (``octavo.kernels.host_layer_kernels``); elsewhere ``forward_native``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from octavo.kernels.host_layer_kernels import host_layer_kernels
 from octavo.kernels.triton_support import optional_triton_kernels
 
 
@@ -20,7 +22,12 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
-        kernels = optional_triton_kernels("activation") if x.is_cuda else None
+        if not x.is_cuda:
+            host = host_layer_kernels(x.device.type)
+            if host is not None and host.silu_and_mul is not None:
+                return host.silu_and_mul(x)
+            return self.forward_native(x)
+        kernels = optional_triton_kernels("activation")
         if kernels is None:
             return self.forward_native(x)
         return kernels.silu_and_mul(x)

@@ -1,7 +1,9 @@
 """Root-mean-square layer norm, optionally fused with the residual add before it.
 
 On CUDA tensors ``RMSNorm`` runs the Triton kernels of ``octavo.kernels.triton.rmsnorm`` (one
-launch instead of ~8 eager ops); elsewhere, or without Triton, ``forward_native``.
+launch instead of ~8 eager ops); on a host device the backend's kernels where it registered
+them (``octavo.kernels.host_layer_kernels``: the CPU backend's C++ op); elsewhere
+``forward_native``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from octavo.kernels.host_layer_kernels import host_layer_kernels
 from octavo.kernels.triton_support import optional_triton_kernels
 
 
@@ -39,7 +42,15 @@ class RMSNorm(nn.Module):
         CUDA tensors go through the fused Triton kernel (same math, see
         ``octavo.kernels.triton.rmsnorm``), others through ``forward_native``.
         """
-        kernels = optional_triton_kernels("rmsnorm") if x.is_cuda else None
+        if not x.is_cuda:
+            host = host_layer_kernels(x.device.type)
+            if host is not None and self.weight.dtype == x.dtype:
+                if residual is None and host.rms_norm is not None:
+                    return host.rms_norm(x, self.weight, self.eps)
+                if residual is not None and host.fused_add_rms_norm is not None:
+                    return host.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self.forward_native(x, residual)
+        kernels = optional_triton_kernels("rmsnorm")
         if kernels is None:
             return self.forward_native(x, residual)
         if residual is None:

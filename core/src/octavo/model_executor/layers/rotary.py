@@ -29,7 +29,8 @@ the rest passes through. Parameters are read from a ``transformers`` config in e
   ``"rope_type"``).
 
 On CUDA tensors ``RotaryEmbedding`` runs the Triton kernel of ``octavo.kernels.triton.rotary``
-(query and key in one launch); elsewhere, or without Triton, ``forward_native``.
+(query and key in one launch); on a host device the backend's kernel where it registered one
+(``octavo.kernels.host_layer_kernels``); elsewhere ``forward_native``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from octavo.kernels.host_layer_kernels import host_layer_kernels
 from octavo.kernels.triton_support import optional_triton_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -317,7 +319,12 @@ class RotaryEmbedding(nn.Module):
         CUDA tensors go through the Triton kernel (same math, see
         ``octavo.kernels.triton.rotary``), others through ``forward_native``.
         """
-        kernels = optional_triton_kernels("rotary") if query.is_cuda else None
+        if not query.is_cuda:
+            host = host_layer_kernels(query.device.type)
+            if host is not None and host.rotary_neox is not None:
+                return host.rotary_neox(positions, query, key, self.cos_sin_cache)
+            return self.forward_native(positions, query, key)
+        kernels = optional_triton_kernels("rotary")
         if kernels is None:
             return self.forward_native(positions, query, key)
         return self.forward_triton(kernels.apply_rotary, positions, query, key)

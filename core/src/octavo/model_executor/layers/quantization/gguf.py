@@ -152,14 +152,24 @@ class GGUFLinearMethod(LinearMethod):
                 for qtype, rows, row_bytes, offset in runs]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        # The per-type runs are fixed once loaded: made once, not at every step.
+        # The per-type runs are fixed once loaded: made once, not at every step. A backend
+        # kernel that can check a weight once (``gguf_matmul_bound``) gets each run bound to
+        # it here, so a step's matmul is one call without the per-call checks.
         layer.gguf_runs = self._views(layer)
+        bind = getattr(self.config.kernels, "gguf_matmul_bound", None)
+        layer.gguf_matmuls = None if bind is None else tuple(
+            bind(blocks, qtype, layer.gguf_input_size) for qtype, blocks in layer.gguf_runs)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        k = layer.gguf_input_size
-        runs = getattr(layer, "gguf_runs", None) or self._views(layer)
-        outs = [gguf_linear(x, blocks, qtype, k, self.config.kernels) for qtype, blocks in runs]
+        matmuls = getattr(layer, "gguf_matmuls", None)
+        if matmuls is not None:
+            outs = [matmul(x) for matmul in matmuls]
+        else:
+            k = layer.gguf_input_size
+            runs = getattr(layer, "gguf_runs", None) or self._views(layer)
+            outs = [gguf_linear(x, blocks, qtype, k, self.config.kernels)
+                    for qtype, blocks in runs]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out + bias
 
