@@ -84,7 +84,7 @@ struct WChunk {
 struct Q4_0 {
   static constexpr int kBlockElems = 32, kBlockBytes = 18, kChunks = 1;
   // Decode path gemv4 (below): where the nibbles start in a block, whether it has an offset m.
-  static constexpr bool kGemv4 = true, kHasMin = false;
+  static constexpr bool kGemv4 = true, kGemv4Signed = false, kHasMin = false;
   static constexpr int kNibbles = 2;
   static constexpr Kind kKind = Kind::kUnsigned;
   struct Block {
@@ -104,7 +104,7 @@ struct Q4_0 {
 
 struct Q4_1 {
   static constexpr int kBlockElems = 32, kBlockBytes = 20, kChunks = 1;
-  static constexpr bool kGemv4 = true, kHasMin = true;
+  static constexpr bool kGemv4 = true, kGemv4Signed = false, kHasMin = true;
   static constexpr int kNibbles = 4;
   static constexpr Kind kKind = Kind::kUnsigned;
   struct Block {
@@ -124,7 +124,7 @@ struct Q4_1 {
 };
 
 struct Q8_0 {
-  static constexpr bool kGemv4 = false;
+  static constexpr bool kGemv4 = false, kGemv4Signed = true;
   static constexpr int kBlockElems = 32, kBlockBytes = 34, kChunks = 1;
   static constexpr Kind kKind = Kind::kSigned;
   struct Block {
@@ -143,7 +143,7 @@ struct Q8_0 {
 };
 
 struct Q4_K {
-  static constexpr bool kGemv4 = false;
+  static constexpr bool kGemv4 = false, kGemv4Signed = false;
   static constexpr int kBlockElems = 256, kBlockBytes = 144, kChunks = 8;
   static constexpr Kind kKind = Kind::kUnsigned;
   struct Block {
@@ -171,7 +171,7 @@ struct Q4_K {
 };
 
 struct Q6_K {
-  static constexpr bool kGemv4 = false;
+  static constexpr bool kGemv4 = false, kGemv4Signed = false;
   static constexpr int kBlockElems = 256, kBlockBytes = 210, kChunks = 8;
   static constexpr Kind kKind = Kind::kSigned16;
   struct Block {
@@ -573,12 +573,62 @@ __attribute__((noinline)) void gemv4(const QuantGemmArgs& a, int64_t n0) {
   }
 }
 
+// The decode path of Q8_0 (the LM head of most GGUF files): 4 columns' int32 dot products
+// packed by two horizontal adds into one vector [A B C D | A B C D], scaled by one vector of
+// d x dx and accumulated by one FMA per block (the direct tile spends one of each per column).
+__attribute__((noinline)) inline void gemv4_q8_0(const QuantGemmArgs& a, int64_t n0) {
+  const int64_t num_blocks = a.in_features / 32;
+  const int64_t stride = a.weight_stride;
+  const uint8_t* w0 = a.weight + n0 * stride;
+  const uint8_t* w1 = w0 + stride;
+  const uint8_t* w2 = w1 + stride;
+  const uint8_t* w3 = w2 + stride;
+  const uint8_t* ahead = w0 + 8 * stride;
+  const int8_t* xq = a.x.q;
+  const float* xd = a.x.d;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t at = b * 34;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 4 * at), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 4 * at + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 4 * at + 128), _MM_HINT_T0);
+    const __m256i x = load256(xq + 32 * b);
+    __m256i v[4];
+    const uint8_t* rows[4] = {w0 + at, w1 + at, w2 + at, w3 + at};
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = load256(rows[c] + 2);
+      v[c] = qdot(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+    }
+    // [A B C D | A B C D]: each column's sum over its low 16 values, then its high 16.
+    const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
+                                           _mm256_hadd_epi32(v[2], v[3]));
+    const __m128 d = _mm_cvtph_ps(_mm_setr_epi16(
+        short(load_u16(rows[0])), short(load_u16(rows[1])), short(load_u16(rows[2])),
+        short(load_u16(rows[3])), 0, 0, 0, 0));
+    const __m128 dd = _mm_mul_ps(d, _mm_set1_ps(xd[b]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set_m128(dd, dd), acc);
+  }
+  const __m128 y = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  alignas(16) float out[4];
+  _mm_store_ps(out, y);
+  for (int c = 0; c < 4; ++c) {
+    if (a.out_bf16) {
+      static_cast<uint16_t*>(a.out)[n0 + c] = to_bf16(out[c]);
+    } else {
+      static_cast<float*>(a.out)[n0 + c] = out[c];
+    }
+  }
+}
+
 template <class F>
 void gemm_format(const QuantGemmArgs& a, int64_t n_begin, int64_t n_end) {
   if (a.num_rows == 1) {
     int64_t n = n_begin;
     if constexpr (F::kGemv4) {
       for (; n + 4 <= n_end; n += 4) gemv4<F>(a, n);
+    }
+    if constexpr (F::kGemv4Signed) {
+      for (; n + 4 <= n_end; n += 4) gemv4_q8_0(a, n);
     }
     for (; n + 4 <= n_end; n += 4) tile<F, 1, 4>(a, 0, n);
     for (; n < n_end; ++n) tile<F, 1, 1>(a, 0, n);
