@@ -321,7 +321,9 @@ class RotaryEmbedding(nn.Module):
         """
         if not query.is_cuda:
             host = host_layer_kernels(query.device.type)
-            if host is not None and host.rotary_neox is not None:
+            # The host kernel rotates whole heads: partial rotary stays on the torch code.
+            if (host is not None and host.rotary_neox is not None
+                    and self.rotary_dim == self.head_dim):
                 return host.rotary_neox(positions, query, key, self.cos_sin_cache)
             return self.forward_native(positions, query, key)
         kernels = optional_triton_kernels("rotary")
