@@ -231,6 +231,7 @@ def test_silu_and_mul_strided_and_batched_rows():
 
 def test_cpu_layers_never_call_kernels(monkeypatch):
     """CPU tensors stay on the torch path even where Triton is importable."""
+    import octavo.kernels.host_layer_kernels as host_kernels
     import octavo.kernels.triton.activation as activation_kernels
     import octavo.kernels.triton.rmsnorm as rmsnorm_kernels
     import octavo.kernels.triton.rotary as rotary_kernels
@@ -245,6 +246,9 @@ def test_cpu_layers_never_call_kernels(monkeypatch):
         (activation_kernels, "silu_and_mul"),
     ]:
         monkeypatch.setattr(module, name, fail)
+    # No host backend's ops either (a CPU engine started earlier in this process registers the
+    # CPU backend's C++ ops; test_cpu_layer_ops.py checks those).
+    monkeypatch.setattr(host_kernels, "_registered", {})
     norm, rope = make_norm(64, torch.float32, device="cpu"), make_rope(64, device="cpu")
     x = torch.randn(3, 64)
     assert torch.equal(norm(x), norm.forward_native(x))
