@@ -46,13 +46,13 @@ def reference(tiny_llama: Path):
         llm.llm_engine.shutdown()
 
 
-def assert_same(got, want) -> None:
+def assert_same(got, want, atol: float = 1e-4) -> None:
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
         assert tokens == want_tokens
         for pos, want_pos in zip(logprobs, want_logprobs, strict=True):
             assert pos.keys() == want_pos.keys()
             for token_id, value in pos.items():
-                assert abs(value - want_pos[token_id]) < 1e-4
+                assert abs(value - want_pos[token_id]) < atol
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -75,7 +75,11 @@ def test_preempted_outputs_equal_unpreempted_ones(tiny_llama: Path, reference, m
 
 def test_swap_with_an_fp8_kv_cache(tiny_llama: Path) -> None:
     """``--kv-cache-dtype fp8``: blocks swapped out and back in keep their fp8 bytes (the mover
-    copies them as uint8), so the outputs equal the same fp8 engine without preemption."""
+    copies them as uint8), so the outputs equal the same fp8 engine without preemption: the
+    same tokens, logprobs within 5e-3. Not 1e-4 as in float32: preemption changes which
+    requests share a step, the CPU matmuls' sums differ with the batch size by ~1e-7, and a
+    key that lands on the other side of an e4m3 rounding step (1/16 of its value) moves a
+    logprob by 1e-4 to 1e-3 (3.2e-4 seen once the norms became one C++ op)."""
     want_llm = make_llm(tiny_llama, kv_cache_dtype="fp8")
     try:
         want = run(want_llm)
@@ -86,7 +90,7 @@ def test_swap_with_an_fp8_kv_cache(tiny_llama: Path) -> None:
     try:
         assert llm.llm_engine.engine_core.executor.worker.model_runner.kv_caches[0].dtype == (
             torch.float8_e4m3fn)
-        assert_same(run(llm), want)
+        assert_same(run(llm), want, atol=5e-3)
         assert llm.llm_engine.stats().num_preemptions_swap > 0
         assert_host_pool_free(llm)
         assert_no_leaks(llm)
