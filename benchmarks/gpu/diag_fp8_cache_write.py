@@ -12,6 +12,7 @@ import torch
 def main() -> None:
     from octavo.attention.reference import quantize_kv, write_kv_reference
     from octavo.kernels.triton.cache_write import write_kv_cache
+
     from tests.kernels.conftest import make_paged_batch
 
     for dtype in (torch.bfloat16, torch.float16):

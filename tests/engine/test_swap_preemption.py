@@ -148,11 +148,10 @@ def test_bad_swap_settings_are_refused(tiny_llama: Path) -> None:
 
 
 def test_metrics_say_which_preemption_happened() -> None:
-    from prometheus_client.parser import text_string_to_metric_families
-
     from octavo.engine.stats import IterationStats
     from octavo.entrypoints.openai.metrics import PrometheusStatLogger
     from octavo.messages import SchedulerStats
+    from prometheus_client.parser import text_string_to_metric_families
 
     logger = PrometheusStatLogger("m")
 

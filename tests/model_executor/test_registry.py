@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from octavo.model_executor.models import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,

@@ -7,10 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
-
 from octavo.model_executor.layers.rotary import (
     RopeParameters,
     RotaryEmbedding,
@@ -19,6 +15,9 @@ from octavo.model_executor.layers.rotary import (
     get_rope,
     rope_parameters_from_config,
 )
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 LLAMA31_ROPE = {
     "rope_type": "llama3",

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-
 from octavo.sampling_params import SamplingParams, StructuredOutputsParams
+
 from tests.helpers.engine import assert_no_leaks, make_llm, prompts_of_lengths
 
 PROMPTS = prompts_of_lengths([3, 9, 17, 30, 41], seed=5)

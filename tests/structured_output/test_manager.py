@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.manager import StructuredOutputManager
 

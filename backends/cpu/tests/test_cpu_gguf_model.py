@@ -20,7 +20,6 @@ from octavo.model_executor.layers.quantization.gguf import (
     GGUFEmbeddingMethod,
     GGUFLinearMethod,
 )
-
 from octavo_cpu import quant
 
 _KEPT = (GGUFLinearMethod, GGUFEmbeddingMethod)

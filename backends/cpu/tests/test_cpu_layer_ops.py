@@ -20,7 +20,6 @@ from octavo.kernels.host_layer_kernels import host_layer_kernels, register_host_
 from octavo.model_executor.layers import RMSNorm, SiluAndMul
 from octavo.model_executor.layers.rotary import RopeParameters, RotaryEmbedding
 from octavo_cpu import layers, quant
-
 from test_cpu_quant import make_blocks
 
 

@@ -35,8 +35,16 @@ from octavo_cpu import quant_reference
 from octavo_cpu.kernels import CPUKernels, load_kernels
 from octavo_cpu.quant_reference import BLOCK_LAYOUTS, QTYPES, row_bytes
 
-__all__ = ["QTYPES", "BLOCK_LAYOUTS", "GGUFQuantKernels", "dequantize", "gguf_matmul",
-           "kernels_available", "quant_kernels", "row_bytes"]
+__all__ = [
+    "BLOCK_LAYOUTS",
+    "QTYPES",
+    "GGUFQuantKernels",
+    "dequantize",
+    "gguf_matmul",
+    "kernels_available",
+    "quant_kernels",
+    "row_bytes",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -417,8 +417,7 @@ class ModelRunner:
             query_start_loc.append(flat_start + num_new)
             seq_lens.append(end)
             block_table_rows.append(state.block_table_row)
-            if len(block_ids) > max_num_blocks:
-                max_num_blocks = len(block_ids)
+            max_num_blocks = max(max_num_blocks, len(block_ids))
             does_sample = end == num_known
             samples.append(does_sample)
             if does_sample:
