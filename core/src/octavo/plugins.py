@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+from typing import Any, TypeVar
 
 import pluggy
 
 from octavo import envs, hookspecs
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _trace_logger = logging.getLogger("octavo.hooks")
 
@@ -54,6 +56,26 @@ def get_plugin_manager() -> pluggy.PluginManager:
     if _default_pm is None:
         _default_pm = build_plugin_manager()
     return _default_pm
+
+
+def registered_classes(hook: Any, kind: str, base: type[T]) -> dict[str, type[T]]:
+    """Call a ``register(name, cls)`` hook (``pm.hook.octavo_register_...``) and return what
+    the plugins registered, by name; a later registration of a name wins, so a plugin can
+    replace a built-in. ``kind`` names the things in errors ("tool-call parser"); a name
+    that is not a non-empty string is a ``ValueError``, a class that is not a subclass of
+    ``base`` a ``TypeError``."""
+    found: dict[str, type[T]] = {}
+
+    def register(name: str, cls: Any) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a {kind} needs a non-empty name, got {name!r}")
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise TypeError(f"{kind} {name!r} must be a subclass of "
+                            f"{base.__module__}.{base.__qualname__}, got {cls!r}")
+        found[name] = cls
+
+    hook(register=register)
+    return found
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:

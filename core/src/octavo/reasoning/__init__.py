@@ -7,8 +7,6 @@ parsers (``deepseek_r1``, ``qwen3``) come through the same hook
 
 from __future__ import annotations
 
-from typing import Any
-
 import pluggy
 
 from octavo.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
@@ -24,22 +22,11 @@ __all__ = [
 
 def reasoning_parsers(pm: pluggy.PluginManager | None = None) -> dict[str, type[ReasoningParser]]:
     """Every registered reasoning parser by name (a later registration of a name wins)."""
-    if pm is None:
-        from octavo.plugins import get_plugin_manager
+    from octavo.plugins import get_plugin_manager, registered_classes
 
-        pm = get_plugin_manager()
-    found: dict[str, type[ReasoningParser]] = {}
-
-    def register(name: str, parser_cls: Any) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a reasoning parser needs a non-empty name, got {name!r}")
-        if not (isinstance(parser_cls, type) and issubclass(parser_cls, ReasoningParser)):
-            raise TypeError(f"reasoning parser {name!r} must be a subclass of "
-                            f"octavo.reasoning.ReasoningParser, got {parser_cls!r}")
-        found[name] = parser_cls
-
-    pm.hook.octavo_register_reasoning_parsers(register=register)
-    return found
+    pm = get_plugin_manager() if pm is None else pm
+    return registered_classes(pm.hook.octavo_register_reasoning_parsers, "reasoning parser",
+                              ReasoningParser)
 
 
 def get_reasoning_parser(name: str, pm: pluggy.PluginManager | None = None) -> type[ReasoningParser]:

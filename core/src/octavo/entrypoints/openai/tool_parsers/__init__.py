@@ -8,8 +8,6 @@ replace a built-in one.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pluggy
 
 from octavo.entrypoints.openai.tool_parsers.base import (
@@ -33,22 +31,11 @@ __all__ = [
 
 def tool_parsers(pm: pluggy.PluginManager | None = None) -> dict[str, type[ToolParser]]:
     """Every registered tool-call parser by name (a later registration of a name wins)."""
-    if pm is None:
-        from octavo.plugins import get_plugin_manager
+    from octavo.plugins import get_plugin_manager, registered_classes
 
-        pm = get_plugin_manager()
-    found: dict[str, type[ToolParser]] = {}
-
-    def register(name: str, parser_cls: Any) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a tool-call parser needs a non-empty name, got {name!r}")
-        if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolParser)):
-            raise TypeError(f"tool-call parser {name!r} must be a subclass of "
-                            f"octavo.entrypoints.openai.tool_parsers.ToolParser, got {parser_cls!r}")
-        found[name] = parser_cls
-
-    pm.hook.octavo_register_tool_parsers(register=register)
-    return found
+    pm = get_plugin_manager() if pm is None else pm
+    return registered_classes(pm.hook.octavo_register_tool_parsers, "tool-call parser",
+                              ToolParser)
 
 
 def get_tool_parser(name: str, pm: pluggy.PluginManager | None = None) -> type[ToolParser]:
