@@ -55,8 +55,12 @@ def test_waiting_cap_then_sigterm_lets_requests_finish(tiny_model) -> None:
     server = ServerProcess(tiny_model, "--max-num-seqs", "1", "--max-waiting-requests", "1",
                            "--shutdown-timeout", "60")
     try:
-        body = {"model": SERVED_NAME, "prompt": "Hello world", "max_tokens": 150, "temperature": 0,
-                "ignore_eos": True}
+        # Long enough that the first request still runs when the third arrives: 150 tokens
+        # once finished first on a fast machine (the second then ran, nothing waited, and the
+        # third was admitted). 500 fills the tiny model's 512 positions.
+        max_tokens = 500
+        body = {"model": SERVED_NAME, "prompt": "Hello world", "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True}
         outs = [{}, {}]
         events = [threading.Event(), threading.Event()]
         threads = [threading.Thread(target=stream_all, args=(server, body, events[i], outs[i])) for i in range(2)]
@@ -74,7 +78,7 @@ def test_waiting_cap_then_sigterm_lets_requests_finish(tiny_model) -> None:
             thread.join(60)
         assert server.wait_exit(60) == 0
         for out in outs:  # both in-flight requests completed
-            assert out["status"] == 200 and out["done"] and out["completion_tokens"] == 150
+            assert out["status"] == 200 and out["done"] and out["completion_tokens"] == max_tokens
     finally:
         server.kill()
 
