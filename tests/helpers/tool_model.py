@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-# The model's own template: Hermes-style calls, tools listed by name and parameters.
+# The model's own template: Hermes-style calls, tools listed by name and parameters;
+# ``enable_thinking=False`` closes an empty think block in the prompt, as Qwen3's does.
 CHAT_TEMPLATE = """\
 {%- if tools %}
 <|im_start|>system
@@ -62,12 +63,18 @@ Call: <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
 {% endfor %}
 {% if add_generation_prompt %}
 <|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}
+<think>
+
+</think>
+
+{% endif %}
 {% endif %}
 """
 # DeepSeek-R1's habit: the generation prompt opens the think block.
 R1_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{% if add_generation_prompt %}\n<|im_start|>assistant\n{% endif %}",
-    "{% if add_generation_prompt %}\n<|im_start|>assistant\n<think>\n{% endif %}")
+    "<|im_start|>assistant\n{% if enable_thinking",
+    "<|im_start|>assistant\n<think>\n{% if enable_thinking")
 R1_TEMPLATE_FILE = "chat_template_r1.jinja"
 
 CITIES = ["Paris", "Tokyo", "Berlin", "Rome", "Oslo"]

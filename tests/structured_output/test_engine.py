@@ -211,9 +211,9 @@ def test_a_slow_grammar_does_not_stall_other_requests(tiny_llama: Path) -> None:
     release = threading.Event()
     original = manager._compile
 
-    def slow_compile(params):
+    def slow_compile(params, prompt_token_ids):
         release.wait(30)
-        return original(params)
+        return original(params, prompt_token_ids)
 
     manager._compile = slow_compile
     slow = engine.add_request("slow", {"prompt_token_ids": PROMPTS[0]}, constrained("regex"))

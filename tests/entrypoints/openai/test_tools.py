@@ -27,13 +27,6 @@ def messages_of(case: str) -> list[dict]:
     return CASES[case].messages
 
 
-@pytest.fixture(scope="session")
-def tool_model(tmp_path_factory):
-    from tests.helpers.tool_model import make_tool_model
-
-    return make_tool_model(tmp_path_factory.mktemp("tool-model"))
-
-
 def _serve(model, *args):
     srv = ServerProcess(model, *args)
     try:
@@ -206,6 +199,11 @@ def test_reasoning_then_a_tool_call(client, streamed):
 
 # ---- forced choices: the structured-output engine shapes the answer -----------------------------
 
+# With --reasoning-parser the constraint starts after the thinking; a model that may think can
+# also answer at once. Thinking off (Qwen3's switch: an empty think block closed in the
+# prompt) makes the whole output the constrained answer.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
 
 def assert_valid_calls(message, names):
     calls = calls_of(message)
@@ -220,7 +218,8 @@ def assert_valid_calls(message, names):
 @pytest.mark.parametrize("case", ["paris", "hello", "sky"])
 def test_required_always_gives_valid_calls(client, case, streamed):
     resp = (stream_final if streamed else create)(client, case, tools=TOOLS,
-                                                  tool_choice="required", max_tokens=120)
+                                                  tool_choice="required", max_tokens=120,
+                                                  extra_body=NO_THINKING)
     assert resp.choices[0].finish_reason == "tool_calls"
     assert content_of(resp.choices[0].message) is None
     assert_valid_calls(resp.choices[0].message, set(SCHEMAS))
@@ -228,7 +227,7 @@ def test_required_always_gives_valid_calls(client, case, streamed):
 
 def test_required_without_parallel_calls_gives_one(client):
     resp = create(client, "tokyo", tool_choice="required", parallel_tool_calls=False,
-                  max_tokens=120)
+                  max_tokens=120, extra_body=NO_THINKING)
     assert len(assert_valid_calls(resp.choices[0].message, set(SCHEMAS))) == 1
 
 
@@ -238,7 +237,7 @@ def test_named_function_is_called(client, tool, streamed):
     name = tool["function"]["name"]
     resp = (stream_final if streamed else create)(
         client, "hello", tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}},
-        max_tokens=120)
+        max_tokens=120, extra_body=NO_THINKING)
     assert resp.choices[0].finish_reason == "tool_calls"
     calls = assert_valid_calls(resp.choices[0].message, {name})
     assert len(calls) == 1
@@ -253,10 +252,50 @@ def test_named_function_with_nested_schema_and_refs(client):
                        "note": {"anyOf": [{"type": "null"}, {"type": "boolean"}]}},
         "required": ["days", "guests", "note"], "additionalProperties": False}}}
     resp = create(client, "hello", tools=[tool, *TOOLS],
-                  tool_choice={"type": "function", "function": {"name": "book"}}, max_tokens=120)
+                  tool_choice={"type": "function", "function": {"name": "book"}}, max_tokens=120,
+                  extra_body=NO_THINKING)
     (name, arguments), = calls_of(resp.choices[0].message)
     assert name == "book"
     jsonschema.validate(arguments, tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_required_call_comes_after_the_thinking(client, streamed):
+    """The model thinks first (it learned to for this request): the thinking is its own, and
+    the constrained call follows the end tag."""
+    kwargs = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 120}
+    if streamed:
+        stream = client.chat.completions.create(
+            model=SERVED_NAME, messages=messages_of("berlin"), temperature=0.0, stream=True,
+            **kwargs)
+        chunks = [c for c in stream if c.choices]
+        reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                            for c in chunks)
+        finish_reason = chunks[-1].choices[0].finish_reason
+        message = stream_final(client, "berlin", **kwargs).choices[0].message
+    else:
+        resp = create(client, "berlin", **kwargs)
+        message, finish_reason = resp.choices[0].message, resp.choices[0].finish_reason
+        reasoning = getattr(message, "reasoning_content", None)
+    assert reasoning == "I should call get_weather."
+    assert finish_reason == "tool_calls"
+    assert content_of(message) is None
+    assert_valid_calls(message, set(SCHEMAS))
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_response_format_shapes_the_answer_not_the_thinking(client, thinking):
+    schema = {"type": "object", "properties": {"color": {"type": "string",
+                                                         "enum": ["blue", "red"]}},
+              "required": ["color"], "additionalProperties": False}
+    resp = client.chat.completions.create(
+        model=SERVED_NAME, messages=messages_of("sky"), temperature=0.0, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        extra_body=None if thinking else NO_THINKING)
+    message = resp.choices[0].message
+    assert getattr(message, "reasoning_content", None) == (
+        "Blue light scatters more." if thinking else None)
+    jsonschema.validate(json.loads(message.content), schema)
 
 
 # ---- other parsers -----------------------------------------------------------------------------
@@ -325,6 +364,10 @@ WEATHER = WEATHER_TOOL
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "cannot be combined"),
     ({"messages": [{"role": "tool", "content": "21"}]}, "messages[0].tool_call_id", "tool_call_id"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "may not set 'tools'"),
+    ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs", "variable name"),
+    ({"chat_template_kwargs": {f"k{i}": i for i in range(40)}}, "chat_template_kwargs",
+     "at most 32"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[0].tool_calls[0].function.arguments", "not JSON"),
@@ -336,7 +379,7 @@ def test_bad_tool_input_is_400_and_the_server_goes_on(hermes_server, fields, par
     assert error["param"] == param, error
     assert contains in error["message"], error
     ok = post(hermes_server, {**BASE, "tools": TOOLS, "tool_choice": "required", "max_tokens": 60,
-                              "temperature": 0.0, "parallel_tool_calls": False})
+                              "temperature": 0.0, "parallel_tool_calls": False, **NO_THINKING})
     assert ok.status_code == 200, ok.text
     assert ok.json()["choices"][0]["message"]["tool_calls"]
 

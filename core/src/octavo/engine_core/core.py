@@ -18,7 +18,10 @@ carries its token bitmask. When that mask needs the token its previous step is s
 (``Executor.sample_tokens``): once the previous step is recorded, a grammar thread advances the
 matchers with its tokens and fills the masks while the outputs go out and the next step is
 scheduled, and the sampling is launched just before the next step. The device runs the forward
-pass while the host records, and the grammar thread works while the host schedules.
+pass while the host records, and the grammar thread works while the host schedules. With a
+reasoning parser a constrained request's grammar starts after its reasoning: a step samples a
+thinking request without a mask, except under async scheduling, where its in-flight token may
+be the end tag, so its mask is deferred like any other.
 
 With pipeline parallelism up to one step per stage is in flight (vLLM's "virtual engines"): a
 new batch enters the first stage while earlier ones are still in later stages, so no stage
@@ -44,6 +47,7 @@ from octavo.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from octavo.reasoning import get_reasoning_parser
 from octavo.scheduler.scheduler import Scheduler
 from octavo.structured_output.manager import AcceptedStep, StructuredOutputManager
 
@@ -94,8 +98,10 @@ class EngineCore:
         self.max_in_flight = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
         # Constrained requests (structured outputs) whose grammar is being compiled.
         self._awaiting_grammar: dict[str, Request] = {}
+        reasoning = config.model_config.reasoning_parser
         self.structured_outputs = StructuredOutputManager(
-            self._load_tokenizer, config.model_config.vocab_size)
+            self._load_tokenizer, config.model_config.vocab_size,
+            reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None)
         if pp_size > 1:
             logger.info("pipeline parallelism: up to %d steps in flight", self.max_in_flight)
         elif self.max_in_flight > 1:
@@ -125,7 +131,8 @@ class EngineCore:
             self.scheduler.add_request(core_request, fork_from=request.fork_from)
             return
         self._awaiting_grammar[request.request_id] = core_request
-        self.structured_outputs.submit(request.request_id, constraint)
+        self.structured_outputs.submit(request.request_id, constraint,
+                                       request.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._forget_grammars(request_ids)
@@ -278,6 +285,8 @@ class EngineCore:
             if placeholders == 0 or (
                     request.num_computed_tokens + 1 != request.num_tokens_with_placeholders):
                 continue
+            if not manager.needs_mask(req_id, token_in_flight=placeholders > 1):
+                continue  # thinking: its grammar starts after the reasoning
             rows.append(req_id)
             deferred = deferred or placeholders > 1
         return rows, deferred

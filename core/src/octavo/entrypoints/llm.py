@@ -158,12 +158,14 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Render conversations with the tokenizer's chat template (or ``chat_template``), then generate.
 
         ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts) are given to the
         template, which shows them to the model if it supports tools; the calls the model
         writes stay in the output text (the OpenAI server parses them).
+        ``chat_template_kwargs`` are extra template variables (Qwen3's ``enable_thinking``).
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
@@ -172,6 +174,7 @@ class LLM:
             text = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, tools=tools,
+                **(chat_template_kwargs or {}),
             )
             ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})

@@ -7,10 +7,10 @@ the answer. A parser has two faces:
   generated text piece by piece and says which part of each piece is reasoning and which is
   answer; ``split(text, prompt)`` does the same for a whole text, through the same code, so a
   streamed response always adds up to the non-streamed one.
-* **tokens** (the engine): ``is_reasoning_end(token_ids)`` tells whether the reasoning is over
-  in a token sequence, so that a constraint on the answer (structured outputs) can start right
-  after the end tag (not used by the engine core yet; see ``docs/architecture.md``, "Not built
-  yet").
+* **tokens** (the engine): ``start_token_id``/``end_token_id`` (tags that are one token each)
+  and ``is_reasoning_end(token_ids)`` read token sequences, so that a constraint on the answer
+  (structured outputs) starts right after the end tag (``octavo.structured_output.
+  reasoning_gate``, which follows the text rules above).
 
 Whitespace that separates the parts is not part of either: the reasoning is stripped, and the
 answer loses its leading whitespace.
@@ -45,12 +45,14 @@ class ReasoningStream:
     ``finish()``) decides.
     """
 
-    def __init__(self, start_tag: str, end_tag: str, starts_in_reasoning: bool) -> None:
+    def __init__(self, start_tag: str, end_tag: str, starts_in_reasoning: bool,
+                 answer_only: bool = False) -> None:
         self._start_tag = start_tag
         self._end_tag = end_tag
         # Whether the text is reasoning from its first character (the prompt opened the block).
         self._starts_in_reasoning = starts_in_reasoning
-        self._state = _START
+        # The prompt ended with a closed think block (thinking switched off): all answer.
+        self._state = _CONTENT if answer_only else _START
         # Text received and not yet given out.
         self._buffer = ""
         # Whitespace at the end of the reasoning so far: given out only if more reasoning follows.
@@ -178,10 +180,17 @@ class ReasoningParser:
         """True when the prompt's last think tag is a start tag (the template opened the block)."""
         return prompt.rfind(self.start_tag) > prompt.rfind(self.end_tag)
 
+    def prompt_closes_reasoning(self, prompt: str) -> bool:
+        """True when the prompt ends with an end tag (and whitespace): the template closed an
+        empty think block, as Qwen3's does with ``enable_thinking=False``; everything
+        generated is then answer."""
+        return prompt.rstrip().endswith(self.end_tag)
+
     def stream(self, prompt: str = "") -> ReasoningStream:
         """A splitter for one completion of ``prompt``."""
         return ReasoningStream(self.start_tag, self.end_tag,
-                               self.starts_in_reasoning(self.prompt_opens_reasoning(prompt)))
+                               self.starts_in_reasoning(self.prompt_opens_reasoning(prompt)),
+                               answer_only=self.prompt_closes_reasoning(prompt))
 
     def split(self, text: str, prompt: str = "") -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a whole completion; None for a part that is empty (the

@@ -15,8 +15,12 @@ Lifecycle of a constrained request in the engine core (``octavo.engine_core.core
    thread while the caller goes on (the engine core schedules the next step meanwhile).
 5. ``remove`` when it finishes, is aborted or fails: nothing is kept.
 
+With a reasoning parser, a request's grammar shapes its answer only: its tokens pass through a
+``ReasoningGate`` first, its grammar consumes nothing while it thinks, and its row needs no
+mask then (``needs_mask``; see ``octavo.structured_output.reasoning_gate``).
+
 The tokenizer the grammars are compiled against is built once, lazily, on the background
-thread (about a second for a 150k-token vocabulary).
+thread (about a second for a 150k-token vocabulary), with the reasoning gate.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 from octavo.messages import GrammarBitmask
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.grammar import grammar_text, parser_limits
+from octavo.structured_output.reasoning_gate import GateState, Phase, ReasoningGate
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,14 @@ def _consume(matcher: Any, token_ids: Sequence[int]) -> str | None:
 
 
 @dataclass(slots=True)
+class _Constrained:
+    """A request's matcher and, with a reasoning parser, where it is in its output."""
+
+    matcher: Any
+    gate_state: GateState | None
+
+
+@dataclass(slots=True)
 class CompiledRequest:
     """A request whose grammar finished compiling: ``error`` is None when it compiled."""
 
@@ -77,18 +90,22 @@ class StructuredOutputManager:
         tokenizer_factory: Callable[[], tuple[Any, set[int]]],
         vocab_size: int,
         num_threads: int | None = None,
+        reasoning_parser: type[Any] | None = None,
     ) -> None:
         """``tokenizer_factory`` returns the model's ``transformers`` tokenizer and its EOS
         ids (called once, on the compile thread); ``vocab_size`` is the model's (the logits'
-        width, which may exceed the tokenizer's)."""
+        width, which may exceed the tokenizer's); ``reasoning_parser`` (a ``ReasoningParser``
+        class) makes constraints start after the reasoning."""
         self._tokenizer_factory = tokenizer_factory
+        self._reasoning_parser = reasoning_parser
+        self._gate: ReasoningGate | None = None
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._num_threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._compiler = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="octavo-grammar")
-        self._compiling: dict[str, concurrent.futures.Future[Any]] = {}
-        self._matchers: dict[str, Any] = {}
+        self._compiling: dict[str, concurrent.futures.Future[_Constrained]] = {}
+        self._matchers: dict[str, _Constrained] = {}
         # Guarded by _lock: the compile thread fills it, the engine thread never touches it.
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
@@ -98,9 +115,12 @@ class StructuredOutputManager:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Start compiling ``request_id``'s grammar; ``take_ready`` returns it when done."""
-        self._compiling[request_id] = self._compiler.submit(self._compile, params)
+    def submit(self, request_id: str, params: StructuredOutputsParams,
+               prompt_token_ids: Sequence[int] = ()) -> None:
+        """Start compiling ``request_id``'s grammar; ``take_ready`` returns it when done. The
+        prompt tells the reasoning gate whether the output starts inside a think block."""
+        self._compiling[request_id] = self._compiler.submit(
+            self._compile, params, list(prompt_token_ids))
 
     @property
     def num_compiling(self) -> int:
@@ -146,6 +166,16 @@ class StructuredOutputManager:
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._matchers
 
+    def needs_mask(self, request_id: str, token_in_flight: bool) -> bool:
+        """Whether ``request_id``'s next sampled token needs a mask: it is constrained and
+        not thinking, or (``token_in_flight``: its previous token is not recorded yet) that
+        token may end the thinking. Call only while no grammar-thread work is pending."""
+        entry = self._matchers.get(request_id)
+        if entry is None:
+            return False
+        return (token_in_flight or entry.gate_state is None
+                or entry.gate_state.phase is not Phase.THINKING)
+
     def shutdown(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
         if self._filler is not None:
@@ -158,8 +188,10 @@ class StructuredOutputManager:
     def accept(self, request_id: str, token_ids: list[int]) -> str | None:
         """Advance ``request_id``'s matcher with the tokens it sampled; the matcher's error
         when one was not allowed (the request must then end), else None."""
-        matcher = self._matchers.get(request_id)
-        return None if matcher is None else _consume(matcher, token_ids)
+        entry = self._matchers.get(request_id)
+        if entry is None:
+            return None
+        return _consume(entry.matcher, self._answer_tokens(entry, token_ids))
 
     def accept_step(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, str]:
         """``accept`` for every request of a step: the matcher's error of each request that
@@ -169,8 +201,9 @@ class StructuredOutputManager:
 
     def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
         """The token bitmask of ``request_ids`` (one row each, in order). A request without a
-        matcher (it finished while its step was in flight) gets a row allowing everything:
-        what it samples is thrown away."""
+        matcher (it finished while its step was in flight: what it samples is thrown away) or
+        still thinking gets a row allowing everything; one that may start thinking gets its
+        grammar's row plus the start tag."""
         return self._fill(list(request_ids), self._row_matchers(request_ids))
 
     def accept_and_bitmask_async(
@@ -184,20 +217,33 @@ class StructuredOutputManager:
                 max_workers=1, thread_name_prefix="octavo-grammar-masks")
         self._mask_executor()  # created here, never on two threads at once
         advances = self._advances(sampled)
-        pairs = self._row_matchers(request_ids)
+        entries = self._row_matchers(request_ids)
         request_ids = list(request_ids)
         return self._filler.submit(
-            lambda: AcceptedStep(self._advance(advances), self._fill(request_ids, pairs)))
+            lambda: AcceptedStep(self._advance(advances), self._fill(request_ids, entries)))
 
-    def _advances(self, sampled: Mapping[str, Sequence[int]]) -> list[tuple[str, Any, list[int]]]:
+    def _advances(
+        self, sampled: Mapping[str, Sequence[int]]
+    ) -> list[tuple[str, _Constrained, list[int]]]:
         return [(request_id, self._matchers[request_id], list(token_ids))
                 for request_id, token_ids in sampled.items()
                 if token_ids and request_id in self._matchers]
 
-    def _advance(self, advances: list[tuple[str, Any, list[int]]]) -> dict[str, str]:
+    def _answer_tokens(self, entry: _Constrained, token_ids: Sequence[int]) -> Sequence[int]:
+        """The tokens ``entry``'s grammar consumes: those after its reasoning ended."""
+        if entry.gate_state is None or entry.gate_state.phase is Phase.ANSWERING:
+            return token_ids
+        assert self._gate is not None
+        return self._gate.advance(entry.gate_state, token_ids)
+
+    def _advance(self, advances: list[tuple[str, _Constrained, list[int]]]) -> dict[str, str]:
         errors: dict[str, str] = {}
         single: list[tuple[str, Any, int]] = []
-        for request_id, matcher, token_ids in advances:
+        for request_id, entry, sampled_ids in advances:
+            token_ids = self._answer_tokens(entry, sampled_ids)
+            matcher = entry.matcher
+            if not token_ids:
+                continue
             if len(token_ids) > 1:
                 error = _consume(matcher, token_ids)
                 if error is not None:
@@ -213,26 +259,43 @@ class StructuredOutputManager:
                                           or f"token {token_id} is not allowed by the grammar")
         return errors
 
-    def _row_matchers(self, request_ids: list[str]) -> list[tuple[Any, int]]:
+    def _row_matchers(self, request_ids: list[str]) -> list[tuple[_Constrained, int]]:
         return [(self._matchers[r], i) for i, r in enumerate(request_ids) if r in self._matchers]
 
-    def _fill(self, request_ids: list[str], pairs: list[tuple[Any, int]]) -> GrammarBitmask:
+    def _fill(self, request_ids: list[str],
+              entries: list[tuple[_Constrained, int]]) -> GrammarBitmask:
         # llguidance.numpy, not llguidance.torch: importing the latter imports torch._dynamo
         # (seconds, on the engine thread, at the first constrained step).
         import llguidance.numpy as llg_numpy
 
         rows = np.full((len(request_ids), self.num_words), -1, dtype=np.int32)
+        # Phases are read here, after the tokens of the step before were accepted.
+        pairs = [(entry.matcher, row) for entry, row in entries
+                 if entry.gate_state is None or entry.gate_state.phase is not Phase.THINKING]
         if pairs:
             llg_numpy.fill_next_token_bitmask_par(self._mask_executor(), pairs, rows)
+        may_think = [row for entry, row in entries
+                     if entry.gate_state is not None
+                     and entry.gate_state.phase is Phase.MAY_THINK]
+        if may_think:
+            assert self._gate is not None and self._gate.start_token_id is not None
+            word, bit = divmod(self._gate.start_token_id, 32)
+            rows.view(np.uint32)[may_think, word] |= np.uint32(1 << bit)
         return GrammarBitmask(req_ids=request_ids, num_words=self.num_words,
                               data=rows.tobytes())
 
     # ---- compile thread ------------------------------------------------------------------
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
+    def _compile(self, params: StructuredOutputsParams,
+                 prompt_token_ids: list[int]) -> _Constrained:
+        tokenizer = self._llg_tokenizer()
+        gate_state = (None if self._gate is None
+                      else self._gate.initial_state(prompt_token_ids))
+        return _Constrained(self._compiled_matcher(tokenizer, params), gate_state)
+
+    def _compiled_matcher(self, tokenizer: Any, params: StructuredOutputsParams) -> Any:
         import llguidance
 
-        tokenizer = self._llg_tokenizer()
         grammar = grammar_text(params)
         with self._lock:
             cached = self._cache.get(grammar)
@@ -249,10 +312,15 @@ class StructuredOutputManager:
         return matcher.deep_copy()
 
     def _llg_tokenizer(self) -> Any:
+        """The llguidance tokenizer (and the reasoning gate), built on first use."""
         if self._tokenizer is None:
             import llguidance.hf
 
             tokenizer, eos_ids = self._tokenizer_factory()
+            if self._reasoning_parser is not None:
+                self._gate = ReasoningGate(self._reasoning_parser(tokenizer), tokenizer)
+                logger.info("structured outputs: constraints apply after the reasoning (%s)",
+                            self._reasoning_parser.name)
             self._tokenizer = llguidance.hf.from_tokenizer(
                 tokenizer, n_vocab=self.vocab_size, eos_token=sorted(eos_ids) or None)
             logger.info("structured outputs: grammars compile against a %d-token vocabulary",

@@ -214,7 +214,8 @@ def _add_routes(app: FastAPI) -> None:
                               code="invalid_value")
         if body.messages is not None:
             tools = check_tools(body.tools) if body.tools is not None else None
-            _, token_ids = chat.render(body.messages, body.add_generation_prompt, tools)
+            _, token_ids = chat.render(body.messages, body.add_generation_prompt, tools,
+                                       body.chat_template_kwargs)
         else:
             try:
                 text = check_text(body.prompt, "prompt")

@@ -39,6 +39,38 @@ def load_chat_template(source: str | None, tokenizer: Any) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# Variables the renderer sets itself: ``chat_template_kwargs`` may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token",
+    "pad_token", "raise_exception", "strftime_now"})
+# At most this many extra template variables, and this many characters of them (as JSON).
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_CHARS = 16_384
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` if they can be given to a template as extra variables (Qwen3's
+    ``enable_thinking``, for instance); ``ChatTemplateError`` saying what is wrong otherwise."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ChatTemplateError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs are "
+                                f"accepted, got {len(kwargs)}")
+    for name in kwargs:
+        if not name.isidentifier():
+            raise ChatTemplateError(f"chat_template_kwargs key {name!r} is not a template "
+                                    "variable name")
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {name!r}: the server "
+                                    "sets it (use the request's own field)")
+    try:
+        size = len(json.dumps(kwargs))
+    except (TypeError, ValueError) as exc:
+        raise ChatTemplateError(f"chat_template_kwargs must be JSON values: {exc}") from None
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise ChatTemplateError(f"chat_template_kwargs are {size} characters as JSON; at most "
+                                f"{MAX_TEMPLATE_KWARGS_CHARS} are accepted")
+    return kwargs
+
+
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the chat template refused the conversation: {message}")
 
@@ -73,12 +105,16 @@ class ChatTemplate:
         }
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text of ``messages`` (dicts with ``role`` and string ``content``; assistant
         messages may have ``tool_calls``, tool messages ``tool_call_id``), with ``tools`` (the
-        OpenAI tool dicts, as Hugging Face templates expect them) when given."""
+        OpenAI tool dicts, as Hugging Face templates expect them) when given, and
+        ``template_kwargs`` (checked by ``check_template_kwargs``) as extra variables."""
+        extra = check_template_kwargs(template_kwargs) if template_kwargs else {}
         try:
             return self._template.render(
+                **extra,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,

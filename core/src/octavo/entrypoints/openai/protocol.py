@@ -256,6 +256,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
     # False: at most one call per answer.
     parallel_tool_calls: bool = True
+    # Extra variables for the chat template (Qwen3's enable_thinking, for instance).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class FunctionCallResponse(OpenAIResponse):
@@ -394,8 +396,9 @@ class TokenizeRequest(OpenAIRequest):
     # ...or chat messages, rendered with the chat template first.
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    # With messages: the tools given to the chat template.
+    # With messages: the tools given to the chat template, and extra template variables.
     tools: list[ChatCompletionToolsParam] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(OpenAIResponse):

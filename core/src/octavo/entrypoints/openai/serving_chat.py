@@ -24,6 +24,7 @@ from octavo.entrypoints.openai.chat_output import (
 from octavo.entrypoints.openai.chat_template import (
     ChatTemplate,
     ChatTemplateError,
+    check_template_kwargs,
     load_chat_template,
 )
 from octavo.entrypoints.openai.errors import OpenAIError, engine_dead_error
@@ -83,8 +84,10 @@ class OpenAIServingChat(OpenAIServing):
     # ---- prompt ---------------------------------------------------------------------------
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool,
-               tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        """The prompt text and token ids of a conversation (``tools`` given to the template)."""
+               tools: list[dict[str, Any]] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a conversation (``tools`` and the request's
+        ``chat_template_kwargs`` given to the template)."""
         if self.chat_template is None:
             raise OpenAIError(
                 "this model has no chat template; start the server with --chat-template "
@@ -95,7 +98,12 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("messages must not be empty", 400, param="messages", code="invalid_value")
         conversation = [_entry_of(message, i) for i, message in enumerate(messages)]
         try:
-            text = self.chat_template.render(conversation, add_generation_prompt, tools)
+            extra = check_template_kwargs(template_kwargs) if template_kwargs else None
+        except ChatTemplateError as exc:
+            raise OpenAIError(str(exc), 400, param="chat_template_kwargs",
+                              code="invalid_value") from None
+        try:
+            text = self.chat_template.render(conversation, add_generation_prompt, tools, extra)
             check_text(text, "messages")
         except ChatTemplateError as exc:
             raise OpenAIError(str(exc), 400, param="messages", code="chat_template_error") from None
@@ -116,7 +124,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_completion_tokens
             renamed["max_tokens"] = "max_completion_tokens"
         plan = plan_tool_calls(request, self.tool_parser_cls, self.enable_auto_tool_choice)
-        text, token_ids = self.render(request.messages, request.add_generation_prompt, plan.tools)
+        text, token_ids = self.render(request.messages, request.add_generation_prompt, plan.tools,
+                                      request.chat_template_kwargs)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = plan.constrain(self.sampling_params(request, max_tokens, logprobs,
                                                      params_renamed=renamed))
