@@ -6,7 +6,9 @@ host (docs/benchmarks.md): N rows, each constrained to a schema of
 ``octavo.testing.json_schemas`` (round robin), walking it with tokens drawn at random among
 those its mask allows (as a random-weight model does: most rows soon sit inside long
 strings). Each engine walks with its own masks from the same seed; a row that ends is left
-out of later fills. Compact JSON (no free whitespace) in both.
+out of later fills. Compact JSON (no free whitespace) in both, or with ``--any-whitespace``
+whitespace allowed between tokens (the default of ``response_format`` and of
+``octavo bench throughput --structured json``).
 
     python benchmarks/cpu/bench_grammar_walk_engines.py --tokenizer .bench-assets/smollm2-tokenizer \
         --rows 256 --threads 1,4,8 --steps 30
@@ -32,7 +34,7 @@ def allowed_ids(words: np.ndarray, vocab: int) -> np.ndarray:
 class Llguidance:
     name = "llguidance"
 
-    def __init__(self, tokenizer: Any, vocab: int, threads: int) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, threads: int, any_whitespace: bool) -> None:
         import llguidance
         import llguidance.hf
 
@@ -44,7 +46,7 @@ class Llguidance:
                                                  eos_token=tokenizer.eos_token_id)
         self.executor = llguidance.LLExecutor(num_threads=threads)
         self.grammar_of = lambda schema: grammar_text(
-            StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+            StructuredOutputsParams(json=schema, disable_any_whitespace=not any_whitespace))
 
     def matchers(self, schemas: list[dict], rows: int) -> list[Any]:
         compiled = [self.llg.LLMatcher(self.info, self.grammar_of(s), log_level=0)
@@ -66,16 +68,18 @@ class Llguidance:
 class Xgrammar:
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab: int, threads: int) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, threads: int, any_whitespace: bool) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads)
         self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self.any_whitespace = any_whitespace
 
     def matchers(self, schemas: list[dict], rows: int) -> list[Any]:
-        compiled = [self.compiler.compile_json_schema(json.dumps(s), any_whitespace=False)
+        compiled = [self.compiler.compile_json_schema(json.dumps(s),
+                                                  any_whitespace=self.any_whitespace)
                     for s in schemas]
         return [self.xgr.GrammarMatcher(compiled[i % len(compiled)]) for i in range(rows)]
 
@@ -129,6 +133,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--threads", default="1,4,8", help="comma-separated thread counts")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--any-whitespace", action="store_true",
+                        help="allow whitespace between JSON tokens")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -140,9 +146,9 @@ def main() -> None:
     schemas = [case.schema for case in SCHEMA_CASES]
     for threads in (int(t) for t in args.threads.split(",")):
         for engine_cls in (Llguidance, Xgrammar):
-            engine = engine_cls(tokenizer, vocab, threads)
+            engine = engine_cls(tokenizer, vocab, threads, args.any_whitespace)
             result = {"bench": "grammar_walk", "engine": engine.name, "rows": args.rows,
-                      "threads": threads, "vocab": vocab,
+                      "threads": threads, "vocab": vocab, "any_whitespace": args.any_whitespace,
                       **walk(engine, schemas, args.rows, args.steps, vocab,
                              tokenizer.eos_token_id)}
             print(json.dumps(result), flush=True)
