@@ -59,6 +59,29 @@ def test_max_concurrency_and_rate(server, tiny_model, api_key, capsys):
     assert result["request_rate"] == 200.0 and result["max_concurrency"] == 3
 
 
+def test_several_client_processes_send_every_request_once(server, tiny_model, api_key, capsys):
+    """Requests dealt to 3 client processes: the same counts as one process, the concurrency
+    cap shared between them, and the prompts the same token ids (the server's counters)."""
+    before = wait_idle(server)
+    code, result, err = bench(
+        capsys, "--base-url", server.url, "--model", SERVED_NAME, "--tokenizer", str(tiny_model),
+        "--num-prompts", "13", "--input-len", "10", "--output-len", "5", "--ignore-eos",
+        "--num-client-processes", "3", "--max-concurrency", "7")
+    assert code == 0, err
+    assert "3 client processes" in err
+    assert result["completed"] == 13 and result["failed"] == 0
+    assert result["total_input_tokens"] == 13 * 10 and result["total_output_tokens"] == 13 * 5
+    assert 3 <= result["max_concurrent_requests"] <= 7
+    assert result["output_throughput"] == pytest.approx(13 * 5 / result["duration"], rel=1e-3)
+    after = wait_idle(server)
+    assert (after["octavo:prompt_tokens_total"] - before["octavo:prompt_tokens_total"]
+            == 13 * 10 + 10)  # and the test request's prompt
+    code, _, err = bench(capsys, "--base-url", server.url, "--model", SERVED_NAME,
+                         "--tokenizer", str(tiny_model), "--num-prompts", "2",
+                         "--num-client-processes", "4", "--max-concurrency", "2")
+    assert code != 0 and "--max-concurrency 2 is less than --num-client-processes 4" in err
+
+
 def test_the_model_defaults_to_the_servers_first(server, tiny_model, api_key, capsys):
     # The server lists "tiny" first; the tokenizer comes from the folder.
     code, result, err = bench(capsys, "--base-url", server.url, "--tokenizer", str(tiny_model),

@@ -27,7 +27,9 @@ lengths), sent at --request-rate (inf: all at once; else Poisson, or gamma with
 --burstiness), at most --max-concurrency in flight, every response streamed and each chunk
 timed. Prints request and token throughput, peak output tok/s, mean/median/percentiles of
 TTFT, TPOT, ITL and E2E latency, goodput under --goodput SLOs, and one JSON line. A test
-request goes first: an unreachable server or a wrong model name fails at once.
+request goes first: an unreachable server or a wrong model name fails at once. Against a
+fast server, --num-client-processes spreads the client over several processes so that the
+client is not what limits the figures.
 
 Example:
   octavo serve ./my-model --port 8000 &
@@ -90,6 +92,11 @@ def add_serve_parser(modes) -> None:
                       help="most requests in flight at once (default: no limit)")
     load.add_argument("--ignore-eos", action="store_true",
                       help="send ignore_eos so every request makes exactly its max_tokens")
+    load.add_argument("--num-client-processes", type=_positive_int, default=1,
+                      help="split the client over N processes, requests dealt round robin "
+                           "(one process parses a few thousand streamed chunks a second: use "
+                           "more against a fast server; --max-concurrency is divided between "
+                           "them)")
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                      help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:5000 (milliseconds)")
@@ -149,6 +156,10 @@ def run_serve(args: argparse.Namespace) -> int:
     percentiles = _percentiles(args.metric_percentiles)
     if not args.endpoint.startswith("/"):
         raise ValueError(f"--endpoint must start with /, got {args.endpoint!r}")
+    if args.max_concurrency is not None and args.max_concurrency < args.num_client_processes:
+        raise ValueError(f"--max-concurrency {args.max_concurrency} is less than "
+                         f"--num-client-processes {args.num_client_processes}: each client "
+                         "process needs at least one request in flight")
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     try:
         model, run = asyncio.run(_run(args, base_url))
@@ -197,8 +208,17 @@ async def _run(args: argparse.Namespace, base_url: str):
         bar = tqdm(total=len(requests), desc="bench serve", unit="req", dynamic_ncols=True,
                    disable=args.disable_tqdm)
         try:
-            run = await sc.run_requests(client, target, requests, send_times,
-                                        args.max_concurrency, lambda _: bar.update(1))
+            if args.num_client_processes == 1:
+                run = await sc.run_requests(client, target, requests, send_times,
+                                            args.max_concurrency, lambda _: bar.update(1))
+            else:
+                from octavo.benchmarks.serve_workers import run_in_processes
+
+                print(f"bench serve: {args.num_client_processes} client processes",
+                      file=sys.stderr, flush=True)
+                run = await asyncio.to_thread(
+                    run_in_processes, target, requests, send_times, args.max_concurrency,
+                    args.num_client_processes, lambda done: bar.update(done - bar.n))
         finally:
             bar.close()
     return model, run
