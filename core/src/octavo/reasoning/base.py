@@ -210,21 +210,28 @@ class ReasoningParser:
         followed by what was generated so far): its last think tag is an end tag.
 
         With no tag at all the answer is taken as not begun; an engine constraining the answer
-        therefore waits for an end tag. With a tokenizer whose tags are not single tokens the
-        ids are decoded.
+        therefore waits for an end tag.
         """
+        return self.last_tag(token_ids) == self.end_tag
+
+    def last_tag(self, token_ids: Sequence[int]) -> str | None:
+        """The think tag that comes last in ``token_ids`` (``start_tag`` or ``end_tag``), None
+        when there is none. Tags that are one token each are found by id; otherwise the ids
+        are decoded."""
         if self.end_token_id is not None and self.start_token_id is not None:
             for token_id in reversed(token_ids):
                 if token_id == self.end_token_id:
-                    return True
+                    return self.end_tag
                 if token_id == self.start_token_id:
-                    return False
-            return False
+                    return self.start_tag
+            return None
         if self.tokenizer is None:
             raise ValueError(f"reasoning parser {self.name!r} needs a tokenizer to read token ids")
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
-        end = text.rfind(self.end_tag)
-        return end >= 0 and end > text.rfind(self.start_tag)
+        start, end = text.rfind(self.start_tag), text.rfind(self.end_tag)
+        if start < 0 and end < 0:
+            return None
+        return self.end_tag if end > start else self.start_tag
 
 
 def _single_token_id(tokenizer: Any, text: str) -> int | None:

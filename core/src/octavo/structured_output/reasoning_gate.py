@@ -67,7 +67,7 @@ class ReasoningGate:
                                             skip_special_tokens=False)
         if self._parser.prompt_closes_reasoning(prompt_end):
             return GateState(Phase.ANSWERING)
-        opens = self._prompt_opens_reasoning(prompt_token_ids)
+        opens = self._parser.last_tag(prompt_token_ids) == self._parser.start_tag
         if self._parser.starts_in_reasoning(opens):
             return GateState(Phase.THINKING)
         if self._single_token_tags:
@@ -99,15 +99,3 @@ class ReasoningGate:
         del state.tail[:-self._tail_len]
         text = self._tokenizer.decode(state.tail, skip_special_tokens=False)
         return self._parser.end_tag in text
-
-    def _prompt_opens_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether the prompt's last think tag is a start tag."""
-        if self._single_token_tags:
-            for token_id in reversed(prompt_token_ids):
-                if token_id == self.end_token_id:
-                    return False
-                if token_id == self.start_token_id:
-                    return True
-            return False
-        text = self._tokenizer.decode(list(prompt_token_ids), skip_special_tokens=False)
-        return self._parser.prompt_opens_reasoning(text)
