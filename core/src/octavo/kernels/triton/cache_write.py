@@ -2,7 +2,9 @@
 
 Shared helpers: ``paged_token_offsets`` (block table -> cache addresses), ``dot_fp32`` and
 ``upcast_dot`` (``tl.dot`` with an interpreter workaround), ``scaled_scores`` (softmax scale
-and logit soft-capping), ``check_attention_inputs``.
+and logit soft-capping), ``check_attention_inputs``, and ``store_skinny_output`` (the epilogue
+of the small-M quantized GEMMs: kept here beside ``dot_fp32``, since the interpreter failed to
+call it from ``skinny_gemm``'s module).
 
 Cache layout (``octavo.attention.base``): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
@@ -255,3 +257,21 @@ def write_kv_cache(
         QUANTIZE_FP8=is_fp8_cache(kv_cache),
         num_warps=num_warps,
     )
+
+
+@triton.jit
+def store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N,
+                        BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The small-M kernels' epilogue: ``acc`` (``[BLOCK_N]`` for one row, else
+    ``[BLOCK_M, BLOCK_N]``) stored into the ``[M, N]`` output, or added to it with float32
+    atomics when the inputs are split between programs."""
+    if BLOCK_M == 1:
+        out_ptrs = out_ptr + offs_n
+        out_mask = n_mask
+    else:
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)

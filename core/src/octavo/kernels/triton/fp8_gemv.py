@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.skinny import m_bucket
-from octavo.kernels.triton.cache_write import dot_fp32, upcast_dot
+from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyTuner,
@@ -61,13 +61,13 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
     if BLOCK_M == 1:
         # Products summed per lane across steps, reduced over K once at the end (no
         # cross-thread reduction inside the loop).
         acc_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -88,16 +88,9 @@ def _fp8_gemv_kernel(
     scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)  # [BLOCK_N]
     if BLOCK_M == 1:
         acc = tl.sum(acc_lanes, axis=1) * scale
-        out_ptrs = out_ptr + offs_n
-        out_mask = n_mask
     else:
         acc = acc * scale[None, :]
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K)
 
 
 def default_config(n: int, k: int, m: int) -> SkinnyConfig:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from octavo.kernels.gguf import GGUF_BLOCKS, bytes_per_row
 from octavo.kernels.skinny import m_bucket
-from octavo.kernels.triton.cache_write import dot_fp32, upcast_dot
+from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
 from octavo.kernels.triton.gguf_gemm import _QTYPE_CODES, _dequant_tile
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
@@ -61,11 +61,11 @@ def _gguf_gemv_kernel(
     rows = w_ptr + offs_n[None, :].to(tl.int64) * row_bytes  # [1, BLOCK_N]
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
     if BLOCK_M == 1:
         acc_lanes = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -84,15 +84,7 @@ def _gguf_gemv_kernel(
             acc += dot_fp32(x, w.to(x.dtype), UPCAST_DOT, "ieee")
     if BLOCK_M == 1:
         acc = tl.sum(acc_lanes, axis=0)
-        out_ptrs = out_ptr + offs_n
-        out_mask = n_mask
-    else:
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K)
 
 
 def default_config(n: int, k: int, m: int) -> SkinnyConfig:

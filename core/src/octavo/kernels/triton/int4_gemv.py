@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.skinny import m_bucket
-from octavo.kernels.triton.cache_write import dot_fp32, upcast_dot
+from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyTuner,
@@ -77,13 +77,13 @@ def _int4_gemv_kernel(
     shifts = nibble * 4
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
     if BLOCK_M == 1:
         # Per word row: sums over a word's eight inputs (in one thread) scaled by their group,
         # added across steps; reduced over the rows once at the end.
         acc_rows = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rows = k0 // 8 + offs_w  # [W] word rows
@@ -158,15 +158,7 @@ def _int4_gemv_kernel(
                 acc += (qx - xs[:, None] * zero[None, :]) * scale[None, :]
     if BLOCK_M == 1:
         acc = tl.sum(acc_rows, axis=0)
-        out_ptrs = out_ptr + offs_n
-        out_mask = n_mask
-    else:
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K)
 
 
 def default_config(n: int, k: int, m: int) -> SkinnyConfig:
