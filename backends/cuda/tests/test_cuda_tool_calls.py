@@ -77,6 +77,29 @@ def test_forced_choices_validate(llm, choice):
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
+def test_forced_choice_starts_after_the_thinking(tool_model):
+    """With the qwen3 reasoning parser (async scheduling on CUDA), the model's learned
+    thinking comes out unchanged and the required call after it validates."""
+    request = ChatCompletionRequest(model="m", messages=CASES["berlin"].messages, tools=TOOLS,
+                                    tool_choice="required")
+    plan = plan_tool_calls(request, None, False)
+    params = plan.constrain(SamplingParams(temperature=0.0, max_tokens=120))
+    engine = LLM(str(tool_model), device=DEVICE, dtype="float32", num_gpu_blocks_override=256,
+                 reasoning_parser="qwen3")
+    try:
+        outs = engine.chat([_template_messages(CASES["berlin"].messages)] * 4, params,
+                           tools=plan.tools, use_tqdm=False)
+    finally:
+        engine.llm_engine.shutdown()
+    for out in outs:
+        thinking, _, answer = out.outputs[0].text.partition("</think>")
+        assert thinking == "<think>\nI should call get_weather.\n", out.outputs[0].text
+        extracted = plan.parser_cls.extract(answer)
+        assert extracted.tool_calls, answer
+        for call in extracted.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
 def test_server_tool_calls_and_reasoning(tool_model):
     import openai
 
