@@ -93,6 +93,11 @@ def main() -> None:
         llm.llm_engine.shutdown()
         del llm
         gc.collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the second engine sizes nothing from free memory, but
+            # the first one's weights must be gone before the second loads its own
     same = outputs["baseline"] == outputs["ngram"]
     first_difference = next((i for i, (a, b) in enumerate(zip(outputs["baseline"],
                                                               outputs["ngram"])) if a != b), None)
