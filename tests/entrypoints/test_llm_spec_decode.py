@@ -209,3 +209,57 @@ def test_sampling_runs_and_seeded_requests_are_unchanged(folder: Path, plain) ->
     # A seeded request never speculates: its tokens depend on seed and position only.
     seeded = SamplingParams(temperature=0.8, max_tokens=20, seed=123)
     assert run(llm, PROMPTS[:3], seeded) == run(plain, PROMPTS[:3], seeded)
+
+
+def test_steps_mixing_drafts_with_grammars_prompt_logprobs_and_beams(folder: Path,
+                                                                      plain) -> None:
+    """Requests that never speculate (constrained, beams) and prompt-logprob prefills share
+    steps with requests verifying drafts (max_num_seqs 3: later prompts start while earlier
+    requests decode); each gets what it gets without speculation."""
+    from octavo.sampling_params import BeamSearchParams
+
+    from tests.structured_output.test_engine import check, constrained
+
+    llm = make_llm(folder, speculative_config=NGRAM, max_num_seqs=3)
+    core = llm.llm_engine.engine_core
+    schedule = core.scheduler.schedule
+    beside_drafts: set[str] = set()  # requests scheduled in steps that verified drafts
+
+    def recording_schedule():
+        out = schedule()
+        if out.scheduled_spec_decode_tokens:
+            beside_drafts.update(r for r in out.num_scheduled_tokens
+                                 if r not in out.scheduled_spec_decode_tokens)
+        return out
+
+    core.scheduler.schedule = recording_schedule
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:6]]
+    params = [greedy(NUM_TOKENS), constrained("json", temperature=0.0), greedy(NUM_TOKENS),
+              SamplingParams(temperature=0.0, max_tokens=20, prompt_logprobs=1),
+              constrained("regex", temperature=0.0), greedy(NUM_TOKENS)]
+    got = llm.generate(prompts, params, use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == [
+        list(o.outputs[0].token_ids) for o in want]
+    ids = [o.request_id for o in got]
+    assert {ids[1], ids[3]} <= beside_drafts  # a grammar row, a prompt-logprob prefill
+    check("json", got[1].outputs[0].text)
+    check("regex", got[4].outputs[0].text)
+    assert len(got[3].prompt_logprobs) == len(want[3].prompt_logprobs) == len(PROMPTS[3])
+    for a, b in zip(got[3].prompt_logprobs[1:], want[3].prompt_logprobs[1:]):
+        assert set(a) == set(b)
+        for token, lp in a.items():
+            assert math.isclose(lp.logprob, b[token].logprob, abs_tol=1e-4)
+    assert_no_leaks(llm)
+    assert _accepted(llm) > 0
+    # A beam search beside speculating requests.
+    beams = BeamSearchParams(beam_width=2, max_tokens=12)
+    expected = plain.beam_search([{"prompt_token_ids": PROMPTS[3]}], beams)
+    llm.llm_engine.add_request("spec", {"prompt_token_ids": PROMPTS[0]}, greedy(NUM_TOKENS))
+    beside_drafts.clear()
+    got_beams = llm.beam_search([{"prompt_token_ids": PROMPTS[3]}], beams)
+    assert [s.tokens for s in got_beams[0].sequences] == [s.tokens for s in expected[0].sequences]
+    assert any(r != "spec" for r in beside_drafts), "no beam shared a step with drafts"
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert_no_leaks(llm)
