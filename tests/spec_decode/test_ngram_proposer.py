@@ -47,3 +47,17 @@ def test_matches_reference_on_random_sequences() -> None:
         max_n = rng.randrange(min_n, 6)
         k = rng.randrange(1, 6)
         assert NgramProposer(min_n, max_n, k).propose(tokens) == _reference(tokens, min_n, max_n, k)
+
+
+def test_kept_tokens_per_key_give_the_same_drafts() -> None:
+    rng = random.Random(1)
+    proposer = NgramProposer(1, 3, 4)
+    tokens: list[int] = []
+    for _ in range(200):
+        tokens += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+        assert proposer.propose(tokens, key="a") == _reference(tokens, 1, 3, 4)
+    proposer.forget("a")
+    assert proposer._buffers == {}
+    # A key whose tokens got shorter (not an extension) starts again.
+    assert proposer.propose([1, 2, 1, 5], key="b") == []
+    assert proposer.propose([3, 4, 3], key="b") == [4, 3]

@@ -716,7 +716,8 @@ class Scheduler:
             if not sampled and prompt_logprobs is None:
                 continue
             if not finished and self.proposer is not None and sampled and may_speculate(request):
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids,
+                                                               key=request.request_id)
             new_logprobs = runner_output.logprobs.get(req_id)
             if new_logprobs is not None and num_emitted < len(sampled):
                 new_logprobs = new_logprobs.head(num_emitted)  # a stop cut the accepted drafts
@@ -772,6 +773,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self._finished_req_ids.add(request.request_id)
         for fork in reversed(request.pending_forks):  # they compute their prompt themselves
             self.waiting.prepend(fork)
