@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"messages"},
     {"backends", "hookspecs", "plugins"},
     {"config", "reasoning"},
-    {"attention", "kernels", "sample", "kv_cache", "distributed"},
+    {"attention", "kernels", "sample", "kv_cache", "distributed", "spec_decode"},
     {"model_executor", "transformers_utils"},
     {"worker", "scheduler", "structured_output"},
     {"executor"},

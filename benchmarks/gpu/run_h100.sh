@@ -7,6 +7,7 @@
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [bench-serve]
+#                                    [spec-tests] [bench-spec]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -309,6 +310,24 @@ print(f"bench-serve: HTTP {h:,.0f} output tok/s ({http['completed']} requests, "
       f"TPOT median {http['median_tpot_ms']:.1f} ms) vs AsyncLLM in-process {a:,.0f} "
       f"({inproc['output_tokens']:,} tokens): HTTP / in-process = {h / a:.2f}")
 PY
+      ;;
+    spec-tests)
+      # Speculative decoding (ngram) on CUDA: greedy equality with and without, graphs on/off.
+      python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_spec_decode.py \
+        2>&1 | tee "$OUT/spec-tests.log" | tail -15
+      ;;
+    bench-spec)
+      # ngram speculation at batch 1 on a repetitive prompt (a 64-token block x 4), greedy, 256
+      # output tokens, K = 4: Llama-3-8B shape (dummy bf16 weights) and Qwen2.5-0.5B random.
+      make_l8b
+      python3 benchmarks/gpu/bench_spec_decode.py --model $L8B --load-format dummy \
+        --dtype bfloat16 --device cuda --num-speculative-tokens 4 --output-len 256 \
+        2>"$OUT/bench-spec-l8b.err" | tee "$OUT/bench-spec-l8b.log"
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      python3 benchmarks/gpu/bench_spec_decode.py --model $MODEL --dtype bfloat16 --device cuda \
+        --num-speculative-tokens 4 --output-len 256 \
+        2>"$OUT/bench-spec-q05.err" | tee "$OUT/bench-spec-q05.log"
+      tail -3 "$OUT/bench-spec-l8b.err" "$OUT/bench-spec-q05.err"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

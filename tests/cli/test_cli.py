@@ -223,6 +223,21 @@ def test_bench_latency(tiny_llama, capsys):
     assert result["ms_per_output_token"] >= 0
 
 
+def test_bench_latency_with_speculative_decoding(tiny_llama, capsys):
+    code = main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "8",
+                 "--output-len", "48", "--num-iters", "2", "--num-iters-warmup", "1",
+                 "--num-gpu-blocks-override", "32", "--device", "cpu", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                 '"prompt_lookup_max": 2}'])
+    assert code == 0
+    out = capsys.readouterr().out
+    result = last_json_line(out)
+    assert result["speculative_config"] == {"method": "ngram", "k": 3}
+    assert 0 < result["draft_acceptance_rate"] <= 1
+    assert result["mean_acceptance_length"] > 1
+    assert "speculative decoding: mean acceptance length" in out
+
+
 def test_bench_latency_compare_llama_cpp_needs_a_gguf_model(tiny_llama, capsys):
     code = main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "8",
                  "--output-len", "4", "--num-iters", "1", "--num-gpu-blocks-override", "32",

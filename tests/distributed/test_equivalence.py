@@ -153,3 +153,20 @@ def test_structured_outputs_when_split(model_folder, parallel):
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_tensor_parallel_with_speculative_decoding(model_folder):
+    """ngram drafts verified on two ranks (each runs the rejection sampler on its own copy of
+    the logits) under the same stress: the one-device tokens, drafts accepted."""
+    folder = model_folder("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    llm = make_llm(folder, device="cpu", tensor_parallel_size=2, speculative_config=spec,
+                   **STRESS)
+    try:
+        assert_same(run(llm), reference(folder))
+        stats = llm.llm_engine.stats()
+        assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()

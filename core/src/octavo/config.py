@@ -337,6 +337,92 @@ class ParallelConfig:
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
+# Proposal methods of --speculative-config (vLLM's names); only these run today.
+SPECULATIVE_METHODS = ("ngram",)
+# Methods vLLM has that Octavo does not run yet (named in the error).
+_SPECULATIVE_METHODS_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")
+# The keys --speculative-config accepts.
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
+                     "prompt_lookup_max", "model")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, vLLM's JSON shape): a proposer guesses
+    up to ``num_speculative_tokens`` next tokens of a request, and one target forward over
+    all of them keeps the longest prefix the target's own sampling agrees with (see
+    ``octavo.spec_decode``)."""
+
+    # How drafts are proposed: "ngram" (prompt lookup in the request's own tokens).
+    method: str
+    # Most draft tokens proposed per request and step (K).
+    num_speculative_tokens: int
+    # ngram: shortest and longest suffix of the request's tokens looked up (None: vLLM's
+    # defaults: 5 and 5 when neither is given, else the one given for both).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # draft_model: the draft model's folder (not run yet: see SPECULATIVE_METHODS).
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in _SPECULATIVE_METHODS_NOT_YET:
+            raise ValueError(
+                f"speculative_config: method {self.method!r} is not supported yet; use "
+                f"{', '.join(SPECULATIVE_METHODS)} (e.g. {{\"method\": \"ngram\", "
+                f"\"num_speculative_tokens\": 4}})")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError("speculative_config: num_speculative_tokens must be a positive "
+                             f"integer, got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"speculative_config: {name} must be a positive integer, "
+                                 f"got {value!r}")
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        assert self.prompt_lookup_min is not None and self.prompt_lookup_max is not None
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "
+                f"exceed prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_user(cls, value: Any) -> SpeculativeConfig | None:
+        """From ``--speculative-config`` JSON text, a dict (``LLM(speculative_config=...)``),
+        a ``SpeculativeConfig`` or ``None`` (off). ``ValueError`` names what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON ({error}); pass e.g. "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object (a dict), got "
+                             f"{type(value).__name__}")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"accepted: {', '.join(_SPECULATIVE_KEYS)}")
+        for required in ("method", "num_speculative_tokens"):
+            if required not in value:
+                raise ValueError(f"speculative_config needs {required!r}, e.g. "
+                                 '{"method": "ngram", "num_speculative_tokens": 4}')
+        return cls(**value)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine is built from."""
@@ -353,3 +439,5 @@ class EngineConfig:
     dist_backend: str = "gloo"
     # Extra fields kept for logs/benchmarks.
     extra: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding (None: off).
+    speculative_config: SpeculativeConfig | None = None

@@ -441,6 +441,18 @@ def run_latency(args: argparse.Namespace) -> int:
     }
     print(f"latency : {mean:.3f} s per request, TTFT {ttft * 1000:.1f} ms, "
           f"{per_token_ms:.2f} ms per output token")
+    spec = engine.config.speculative_config
+    if spec is not None:
+        from octavo.engine.stats import spec_decode_summary
+
+        stats = engine.stats()  # warm-up included
+        result["speculative_config"] = {"method": spec.method, "k": spec.num_speculative_tokens}
+        if stats.spec_decode_num_draft_tokens:
+            result["draft_acceptance_rate"] = round(
+                stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens, 4)
+            result["mean_acceptance_length"] = round(
+                1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts, 3)
+        print(spec_decode_summary(stats) or "speculative decoding: no draft was verified")
     if llama is not None:
         result.update(llama.summary(result, octavo_ids))
     print(json.dumps(result))

@@ -19,6 +19,7 @@ from octavo.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     layer_sliding_windows,
 )
 from octavo.model_executor.generation_config import load_sampling_defaults
@@ -161,6 +162,11 @@ class EngineArgs:
         "hiding host work behind device work (same outputs; a request that stops computes one "
         "token that is thrown away); the backend's default is on where the device runs "
         "asynchronously to the host (CUDA, ROCm)", cli=_TOGGLE)
+    speculative_config: str | dict[str, Any] | None = _option(
+        None, "speculative decoding as JSON in vLLM's shape, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+        "(method ngram: prompt lookup; steps with drafts run without async scheduling)",
+        metavar="JSON")
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and backend, and check every option.
@@ -175,6 +181,8 @@ class EngineArgs:
         from octavo.distributed.checks import check_parallel_config
         from octavo.plugins import get_plugin_manager
 
+        # Checked first: a malformed JSON is refused before any model is looked up.
+        speculative = SpeculativeConfig.from_user(self.speculative_config)
         pm = get_plugin_manager()
         backend = select_backend(pm, self.device)
         start = time.perf_counter()
@@ -188,6 +196,11 @@ class EngineArgs:
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = backend.capabilities.async_scheduling
+        if speculative is not None and async_scheduling:
+            # The drafts of a step depend on the tokens of the step before: the simplest
+            # correct schedule runs one step at a time.
+            logger.info("speculative decoding: async scheduling is off (one step at a time)")
+            async_scheduling = False
         windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
         quantization = self._resolve_quantization(pm, backend, hf_config, gguf_file)
         model_config = ModelConfig(**self._options_of(
@@ -218,7 +231,11 @@ class EngineArgs:
             backend=backend.name,
             backend_capabilities=backend.capabilities,
             dist_backend=backend.dist_backend,
+            speculative_config=speculative,
         )
+        if speculative is not None and config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding does not run with pipeline parallelism yet; "
+                             "drop --speculative-config or use --pipeline-parallel-size 1")
         if self.reasoning_parser is not None:
             from octavo.reasoning import get_reasoning_parser
 

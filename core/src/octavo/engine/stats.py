@@ -59,3 +59,52 @@ class StatLogger(Protocol):
     """Receives a snapshot after every engine-core step (e.g. Prometheus metrics)."""
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+
+
+def spec_decode_summary(stats: SchedulerStats, since: SchedulerStats | None = None) -> str | None:
+    """One line on speculative decoding (since start, or the change since ``since``):
+    mean acceptance length (tokens emitted per verifying step, the target's own included),
+    draft acceptance rate and acceptance rate per draft position; None when no draft was
+    verified."""
+    num_drafts = stats.spec_decode_num_drafts
+    num_draft_tokens = stats.spec_decode_num_draft_tokens
+    num_accepted = stats.spec_decode_num_accepted_tokens
+    per_pos = list(stats.spec_decode_num_accepted_tokens_per_pos)
+    if since is not None:
+        num_drafts -= since.spec_decode_num_drafts
+        num_draft_tokens -= since.spec_decode_num_draft_tokens
+        num_accepted -= since.spec_decode_num_accepted_tokens
+        for i, old in enumerate(since.spec_decode_num_accepted_tokens_per_pos):
+            per_pos[i] -= old
+    if num_drafts <= 0:
+        return None
+    per_position = ", ".join(f"{n / num_drafts:.3f}" for n in per_pos)
+    return (f"speculative decoding: mean acceptance length {1 + num_accepted / num_drafts:.2f}, "
+            f"draft acceptance rate {num_accepted / max(num_draft_tokens, 1):.1%}, "
+            f"per-position acceptance rate {per_position} (drafts {num_drafts}, draft tokens "
+            f"{num_draft_tokens}, accepted {num_accepted})")
+
+
+class SpecDecodeLogger:
+    """A ``StatLogger`` that logs ``spec_decode_summary`` of the last ``interval_s`` seconds
+    at most once per interval (the server adds it when speculation is on)."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self.interval_s = interval_s
+        self._last_time = self._clock()
+        self._last: SchedulerStats | None = None
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        now = self._clock()
+        if now - self._last_time < self.interval_s:
+            return
+        line = spec_decode_summary(scheduler_stats, self._last)
+        if line is not None:
+            import logging
+
+            logging.getLogger(__name__).info("%s", line)
+        self._last_time = now
+        self._last = scheduler_stats

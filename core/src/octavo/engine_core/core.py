@@ -86,6 +86,7 @@ class EngineCore:
             max_model_len=config.model_config.max_model_len,
             pipeline_parallel_size=pp_size,
             num_host_blocks=num_host_blocks,
+            speculative_config=config.speculative_config,
         )
         self._block_hasher = block_hasher(config.cache_config.block_size)
         # Steps launched and not recorded yet, oldest first, and how many may be.
@@ -102,6 +103,10 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(
             self._load_tokenizer, config.model_config.vocab_size,
             reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None)
+        spec = config.speculative_config
+        if spec is not None:
+            logger.info("speculative decoding: %s, up to %d draft tokens per step",
+                        spec.method, spec.num_speculative_tokens)
         if pp_size > 1:
             logger.info("pipeline parallelism: up to %d steps in flight", self.max_in_flight)
         elif self.max_in_flight > 1:

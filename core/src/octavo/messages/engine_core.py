@@ -53,7 +53,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
 
     # Request id.
     request_id: str
-    # Tokens sampled this step (0 or 1 today).
+    # Tokens sampled this step (0 or 1; up to 1 + num_speculative_tokens with speculation).
     new_token_ids: list[int]
     # "stop", "length" or "abort" once finished, else None.
     finish_reason: str | None = None
@@ -133,6 +133,13 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_swapped: int = 0
     # Fraction of the host KV block pool (--swap-space) in use, in [0, 1].
     host_kv_cache_usage: float = 0.0
+    # Speculative decoding, since start (vLLM's spec_decode_* counters): requests' steps that
+    # verified drafts, draft tokens verified, drafts accepted, and drafts accepted at each
+    # draft position (index 0 = the first draft).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
     @property
     def prefix_cache_hit_rate(self) -> float:

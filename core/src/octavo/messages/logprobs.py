@@ -14,3 +14,8 @@ class LogprobsLists(msgspec.Struct, array_like=True):
     logprobs: list[list[float]]
     # [num_positions] rank of the chosen token (1 = most likely).
     ranks: list[int]
+
+    def head(self, num_positions: int) -> LogprobsLists:
+        """The first ``num_positions`` positions (a stop cut a step's tokens short)."""
+        return LogprobsLists(self.token_ids[:num_positions], self.logprobs[:num_positions],
+                             self.ranks[:num_positions])

@@ -104,6 +104,9 @@ class Request:
         # The beam search this request is a beam of (an
         # octavo.scheduler.beam_search.BeamSearchGroup), None for a sampled request.
         self.beam_group: Any = None
+        # Draft tokens proposed to follow all_token_ids (speculative decoding): the next step
+        # verifies them; [] when none (see octavo.spec_decode).
+        self.spec_token_ids: list[int] = []
         self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []
         if block_hasher is not None:

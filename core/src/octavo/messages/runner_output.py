@@ -13,9 +13,11 @@ class ModelRunnerOutput:
 
     # Request ids in the order of the step.
     req_ids: list[str] = field(default_factory=list)
-    # Sampled token ids per request: [] for a prefill chunk that does not end the prompt.
+    # Sampled token ids per request: [] for a prefill chunk that does not end the prompt;
+    # with speculative decoding the accepted drafts and the target's next token.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    # Logprobs of the sampled token per request id, for requests that asked.
+    # Logprobs of the sampled tokens per request id (one row per token), for requests that
+    # asked.
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Prompt logprobs of the positions computed this step, per request id that asked.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

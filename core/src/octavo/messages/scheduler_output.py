@@ -114,6 +114,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens each request verifies this step (vLLM's name).
+    # Such a request's num_scheduled_tokens is 1 + len(drafts): its last token, then the
+    # drafts; it gets logits at all of them and returns 1 .. len(drafts) + 1 tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -33,7 +33,7 @@ import itertools
 import logging
 import time
 
-from octavo.config import CacheConfig, SchedulerConfig
+from octavo.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.messages import (
     CachedRequestData,
@@ -51,6 +51,8 @@ from octavo.sampling_params import BeamSearchParams
 from octavo.scheduler.beam_search import BeamSearchGroup
 from octavo.scheduler.preemption import swap_threshold_tokens
 from octavo.scheduler.request_queue import FCFSQueue, PriorityQueue, RequestQueue
+from octavo.scheduler.spec_decode import SpecDecodeStats, may_speculate
+from octavo.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +68,18 @@ class Scheduler:
         max_model_len: int,
         pipeline_parallel_size: int = 1,
         num_host_blocks: int = 0,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
+        # Speculative decoding: proposes drafts when a request's step is recorded (None: off).
+        self.proposer: NgramProposer | None = None
+        self.spec_stats = SpecDecodeStats()
+        if speculative_config is not None:
+            assert not scheduler_config.async_scheduling and pipeline_parallel_size == 1, (
+                "speculative decoding runs one step at a time (EngineArgs turns async off)")
+            self.proposer = NgramProposer(speculative_config.prompt_lookup_min,
+                                          speculative_config.prompt_lookup_max,
+                                          speculative_config.num_speculative_tokens)
         # Pipeline parallelism: up to one step per stage in flight, each of other requests (a
         # request's next step needs its last token, which only the last stage sees), and the
         # workers get the tokens from here (CachedRequestData.new_token_ids).
@@ -193,6 +205,10 @@ class Scheduler:
             num_preemptions_swap=self.num_preemptions_swap,
             num_swapped=len(self.swapped),
             host_kv_cache_usage=self.kv_cache_manager.host_usage(),
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
         )
 
     # ---- one step ----------------------------------------------------------------------
@@ -219,11 +235,15 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _advance(request: Request, num_new: int) -> None:
+    def _advance(request: Request, num_new: int, num_drafts: int = 0) -> None:
         """Count a scheduled step's tokens as computed; one that completes the known tokens
-        samples the next token, which is a placeholder until its result comes back."""
+        samples the next token, which is a placeholder until its result comes back.
+
+        ``num_drafts`` of the ``num_new`` tokens are draft tokens after the known ones
+        (speculative decoding): counted as computed until the step's result rolls the rejected
+        ones back (``update_from_output``); the step's placeholder stands for all it emits."""
         request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens_with_placeholders:
+        if request.num_computed_tokens - num_drafts == request.num_tokens_with_placeholders:
             request.num_output_placeholders += 1
 
     def _unit_of(self, request: Request) -> list[Request]:
@@ -252,9 +272,15 @@ class Scheduler:
                 index += len(unit)  # not enough budget for one token per beam: next step
                 continue
             num_new: list[int] = []
+            drafts: dict[str, list[int]] = {}
             left = budget
             for request in members:
                 n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, left)
+                if request.spec_token_ids and n == 1:
+                    draft = self._drafts_to_verify(request, left - 1)
+                    if draft:
+                        drafts[request.request_id] = draft
+                        n += len(draft)
                 num_new.append(n)
                 left -= n
             members = [r for r, n in zip(members, num_new) if n > 0]
@@ -270,12 +296,21 @@ class Scheduler:
             if unit_preempted:
                 break
             for request, n in zip(members, num_new):
-                self._schedule_running_request(request, n, out, forked)
+                self._schedule_running_request(request, n, out, forked,
+                                               drafts.get(request.request_id))
                 budget -= n
             index += len(unit)
         for request in forked:
             self._insert_running(request)
         return preempted_any
+
+    def _drafts_to_verify(self, request: Request, room: int) -> list[int]:
+        """The request's drafts this step verifies: at most ``room`` of them (the token budget
+        left after its last token), and no more than could be emitted (max_tokens,
+        max_model_len: a step emits up to drafts + 1 tokens)."""
+        room = min(room, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return request.spec_token_ids[:max(room, 0)]
 
     def _blocks_to_allocate(self, requests: list[Request], num_new: list[int]) -> int:
         """Blocks the pool must give these running requests (at most: copies-on-write of one
@@ -284,7 +319,7 @@ class Scheduler:
                    for r, n in zip(requests, num_new))
 
     def _schedule_running_request(self, request: Request, num_new: int, out: SchedulerOutput,
-                                  forked: list[Request]) -> None:
+                                  forked: list[Request], drafts: list[int] | None = None) -> None:
         manager = self.kv_cache_manager
         new_block_ids = manager.allocate_slots(request, num_new)
         assert new_block_ids is not None, f"{request.request_id}: blocks were counted as free"
@@ -299,7 +334,10 @@ class Scheduler:
             ))
         out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens += num_new
-        self._advance(request, num_new)
+        if drafts:
+            out.scheduled_spec_decode_tokens[request.request_id] = drafts
+        request.spec_token_ids = []
+        self._advance(request, num_new, len(drafts or ()))
         if request.pending_forks and request.num_output_placeholders:
             self._fork_pending(request, out, forked)
 
@@ -450,6 +488,7 @@ class Scheduler:
                      ", ".join(r.request_id for r in unit), mode)
         for request in unit:
             self.running.remove(request)
+            request.spec_token_ids = []
         self.num_preemptions += 1
         self.num_preemptions_swap += int(swap)
         group = unit[0].beam_group
@@ -511,6 +550,7 @@ class Scheduler:
 
     def _reset_to_waiting(self, request: Request) -> None:
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -658,21 +698,36 @@ class Scheduler:
                     request, computed, scheduler_output.num_computed_before(req_id)
                 )
             finished = False
+            num_emitted = 0
+            if sampled:
+                request.num_output_placeholders -= 1  # one per step, however many it emits
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and sampled:
+                # Rejected drafts' KV slots are free again: the next step rewrites them
+                # before anything reads them (attention reads only positions < seq_len).
+                request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                self.spec_stats.record(len(drafts), len(sampled) - 1)
             for token_id in sampled:
-                request.num_output_placeholders -= 1
+                num_emitted += 1
                 request.append_output_token(token_id)
                 if request.check_stop(self.max_model_len):
                     finished = True
                     break
             if not sampled and prompt_logprobs is None:
                 continue
+            if not finished and self.proposer is not None and sampled and may_speculate(request):
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids,
+                                                               key=request.request_id)
+            new_logprobs = runner_output.logprobs.get(req_id)
+            if new_logprobs is not None and num_emitted < len(sampled):
+                new_logprobs = new_logprobs.head(num_emitted)  # a stop cut the accepted drafts
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
-                    new_token_ids=list(sampled),
+                    new_token_ids=list(sampled[:num_emitted]),
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
-                    new_logprobs=runner_output.logprobs.get(req_id),
+                    new_logprobs=new_logprobs,
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     first_scheduled_time=request.first_scheduled_time,
@@ -718,6 +773,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self._finished_req_ids.add(request.request_id)
         for fork in reversed(request.pending_forks):  # they compute their prompt themselves
             self.waiting.prepend(fork)

@@ -36,9 +36,10 @@ from octavo.model_executor.model_loader import load_model
 from octavo.model_executor.models.interfaces import IntermediateTensors
 from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
-from octavo.sample.metadata import GrammarRows, SamplingRow
+from octavo.sample.metadata import GrammarRows, SamplingMetadata, SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput, mask_by_bitmask
 from octavo.sampling_params import SamplingParams
+from octavo.spec_decode.rejection_sampler import rejection_sample, target_distribution
 from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
@@ -102,6 +103,10 @@ class _StepInputs:
     samples: list[bool]
     # Prompt-logprob positions per request id: (flat indices, target token ids).
     prompt_logprob_positions: dict[str, tuple[list[int], list[int]]]
+    # Speculative decoding: per sampling request (in sample order), the draft tokens it
+    # verifies ([]: none; it then has one row in sample_indices, else 1 + len(drafts));
+    # None when no request of the step has drafts.
+    spec_drafts: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -288,6 +293,9 @@ class ModelRunner:
         if hidden is None:  # a pipeline stage before the last: nothing sampled here
             step = PendingStepOutput.ready(ModelRunnerOutput(
                 req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
+        elif inputs.spec_drafts is not None:
+            assert not scheduler_output.sampling_deferred, "speculation runs without async"
+            step = self._sample_speculative(hidden, inputs, scheduler_output.grammar_bitmask)
         elif scheduler_output.sampling_deferred:
             step = DeferredStepOutput(self._last_step)
             self._deferred = (step, hidden, inputs)
@@ -391,6 +399,8 @@ class ModelRunner:
         # Inputs still on the device: (flat index, row in the last step's sampled tokens).
         pending_flat: list[int] = []
         pending_rows: list[int] = []
+        spec_tokens = so.scheduled_spec_decode_tokens
+        spec_drafts: list[list[int]] | None = [] if spec_tokens else None
         bs = self.block_size
         for req_id in req_ids:
             state = self.requests[req_id]
@@ -399,7 +409,17 @@ class ModelRunner:
             end = start + num_new
             block_ids = state.block_ids
             num_known = len(state.token_ids)
-            if num_new == 1:
+            drafts = spec_tokens.get(req_id, []) if spec_tokens else []
+            if drafts:
+                # The last known token, then the drafts: logits at every one of them.
+                assert start + 1 == num_known and num_new == 1 + len(drafts), (
+                    f"{req_id}: drafts must follow its last token")
+                input_ids.append(state.token_ids[start])
+                input_ids.extend(drafts)
+                positions.extend(range(start, end))
+                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+                num_known = end
+            elif num_new == 1:
                 if start < num_known:
                     input_ids.append(state.token_ids[start])
                 else:  # sampled by the step in flight: read it on the device
@@ -421,8 +441,11 @@ class ModelRunner:
             does_sample = end == num_known
             samples.append(does_sample)
             if does_sample:
-                sample_indices.append(flat_start + num_new - 1)
-                num_tokens_before_sample.append(end)
+                sample_indices.extend(range(flat_start + num_new - 1 - len(drafts),
+                                            flat_start + num_new))
+                num_tokens_before_sample.append(end - len(drafts))
+                if spec_drafts is not None:
+                    spec_drafts.append(drafts)
                 if so.forked_reqs:
                     sample_of[req_id] = (flat_start + num_new - 1, end)
             if state.sampling_params.prompt_logprobs is not None:
@@ -438,6 +461,8 @@ class ModelRunner:
             samples.append(True)
             sample_indices.append(flat_index)
             num_tokens_before_sample.append(end)
+            if spec_drafts is not None:
+                spec_drafts.append([])
         # One host-to-device copy for every per-token vector and index.
         num_tokens = len(input_ids)
         num_pending = len(pending_flat)
@@ -465,6 +490,7 @@ class ModelRunner:
             req_ids=req_ids,
             samples=samples,
             prompt_logprob_positions=prompt_positions,
+            spec_drafts=spec_drafts,
         )
 
     def _build_metadata(
@@ -565,6 +591,83 @@ class ModelRunner:
 
         return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, previous, sampled)
 
+    def _sample_speculative(
+        self, hidden: torch.Tensor, inputs: _StepInputs, grammar_bitmask: GrammarBitmask | None
+    ) -> PendingStepOutput:
+        """Sample a step where some requests verify draft tokens (speculative decoding).
+
+        Every sampling request has ``1 + k`` logits rows (``k`` = its drafts, maybe 0); row
+        ``j`` is sampled as if drafts ``< j`` were already generated (penalties and min_tokens
+        see them), and the rejection sampler (``octavo.spec_decode.rejection_sampler``) keeps
+        the drafts the target agrees with plus one token of its own. Requests emit 1 .. k + 1
+        tokens; logprobs come per emitted token. Runs one step at a time (no token in flight).
+        """
+        assert inputs.spec_drafts is not None
+        output = ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]
+        )
+        step_rows = [i for i, does_sample in enumerate(inputs.samples) if does_sample]
+        states = [self.requests[inputs.req_ids[i]] for i in step_rows]
+        drafts = inputs.spec_drafts
+        rows: list[SamplingRow] = []
+        draft_of_row: list[int] = []
+        row_of: dict[str, int] = {}
+        for state, draft in zip(states, drafts):
+            assert len(state.token_ids) == state.num_computed_tokens + 1 or not draft
+            row_of[state.req_id] = len(rows)  # constrained requests have no drafts: one row
+            for j in range(len(draft) + 1):
+                rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids,
+                                        state.output_token_ids + draft[:j]))
+            draft_of_row += draft + [-1]
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [rows, vocab]
+        metadata = SamplingMetadata.from_rows(
+            rows, logits.shape[1], logits.device, _grammar_rows(grammar_bitmask, states, row_of),
+            self.sampler.logits_processors)
+        argmax, probs, greedy = target_distribution(self.sampler, logits, metadata)
+        draft_ids = host_to_device(torch.tensor(draft_of_row, dtype=torch.long), self.device)
+        decided = rejection_sample(argmax, probs, greedy, draft_ids, [len(d) for d in drafts],
+                                   seeded_rows=metadata.seeded_rows)
+        device_tensors = [decided.token_ids, decided.num_emitted]
+        if metadata.max_num_logprobs is not None:
+            num_top = min(metadata.max_num_logprobs, metadata.vocab_size)
+            lp = compute_logprobs(logits, decided.row_token_ids, num_top)
+            device_tensors += [lp.token_ids, lp.logprobs, lp.ranks]
+        prompt_logprob_reqs = [
+            (req_id, self.requests[req_id].sampling_params.prompt_logprobs)
+            for req_id in inputs.prompt_logprob_positions
+        ]
+        for req_id, _ in prompt_logprob_reqs:
+            tensors = self._prompt_logprobs(hidden, req_id, inputs)
+            device_tensors += [tensors.token_ids, tensors.logprobs, tensors.ranks]
+        with_logprobs = metadata.max_num_logprobs is not None
+
+        def finalize(host: list[torch.Tensor]) -> ModelRunnerOutput:
+            token_ids, num_emitted = host[0].tolist(), host[1].tolist()
+            host = host[2:]
+            lp_host = None
+            if with_logprobs:
+                lp_host = LogprobsTensors(*host[:3])
+                host = host[3:]
+            first_row = 0
+            for i, state, draft, emitted, n in zip(step_rows, states, drafts, token_ids,
+                                                   num_emitted):
+                emitted = emitted[:n]
+                if not (self.tokens_from_scheduler or state.tokens_from_scheduler):
+                    state.token_ids.extend(emitted)
+                    state.output_token_ids.extend(emitted)
+                output.sampled_token_ids[i] = emitted
+                num = state.sampling_params.logprobs
+                if lp_host is not None and num is not None:
+                    output.logprobs[state.req_id] = _to_lists(lp_host, first_row,
+                                                              first_row + n, num)
+                first_row += len(draft) + 1
+            for k, (req_id, num) in enumerate(prompt_logprob_reqs):
+                tensors = LogprobsTensors(*host[3 * k : 3 * k + 3])
+                output.prompt_logprobs[req_id] = _to_lists(tensors, 0, len(tensors.ranks), num)
+            return output
+
+        return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, None, None)
+
     def _sampling_rows(
         self,
         states: list[CachedRequestState],
@@ -605,12 +708,15 @@ class ModelRunner:
 
 
 def _grammar_rows(
-    bitmask: GrammarBitmask | None, states: list[CachedRequestState]
+    bitmask: GrammarBitmask | None, states: list[CachedRequestState],
+    row_of: dict[str, int] | None = None,
 ) -> GrammarRows | None:
-    """The bitmask rows of the step's constrained requests, by their row among ``states``."""
+    """The bitmask rows of the step's constrained requests, by their row among ``states``
+    (or their logits row ``row_of[req_id]``)."""
     if bitmask is None or not bitmask.req_ids:
         return None
-    row_of = {state.req_id: row for row, state in enumerate(states)}
+    if row_of is None:
+        row_of = {state.req_id: row for row, state in enumerate(states)}
     data = np.frombuffer(bitmask.data, dtype="<i4").reshape(len(bitmask.req_ids),
                                                             bitmask.num_words)
     keep = [i for i, req_id in enumerate(bitmask.req_ids) if req_id in row_of]

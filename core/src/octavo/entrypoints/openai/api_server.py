@@ -154,6 +154,10 @@ def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs) -> None:
                                    enable_auto_tool_choice=args.enable_auto_tool_choice, **common)
     state.metrics = PrometheusStatLogger(names[0], vllm_names=args.vllm_metric_names)
     engine.stat_loggers.append(state.metrics)
+    if args.engine_args.speculative_config is not None:
+        from octavo.engine.stats import SpecDecodeLogger
+
+        engine.stat_loggers.append(SpecDecodeLogger())
     on_dead = getattr(state, "on_engine_dead", None)
     if on_dead is not None:
         engine.on_dead(on_dead)

@@ -58,6 +58,10 @@ METRICS = (
     ("request_generation_tokens", "histogram", "Generated tokens per finished request (all its completions)."),
     ("request_params_n", "histogram", "The n of each finished request."),
     ("request_params_max_tokens", "histogram", "The max_tokens of each finished request that set one."),
+    ("spec_decode_num_drafts", "counter", "Speculative decoding: request steps that verified draft tokens."),
+    ("spec_decode_num_draft_tokens", "counter", "Speculative decoding: draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "counter", "Speculative decoding: draft tokens accepted."),
+    ("spec_decode_num_accepted_tokens_per_pos", "counter", "Speculative decoding: draft tokens accepted, by position in the draft (label position, 0 = first)."),
 )
 
 _BUCKETS = {
@@ -109,6 +113,7 @@ class PrometheusStatLogger:
         self._series: dict[str, _Series] = {}
         self._request_success: list[Counter] = []
         self._preemptions: list[Counter] = []
+        self._accepted_per_pos: list[Counter] = []
         for name, (kind, text) in kinds.items():
             made = []
             for prefix in self.prefixes:
@@ -126,6 +131,10 @@ class PrometheusStatLogger:
                         counter.labels(model_name, mode)  # exported as 0 from the start
                     self._preemptions.append(counter)
                     continue
+                if name == "spec_decode_num_accepted_tokens_per_pos":
+                    self._accepted_per_pos.append(Counter(
+                        full, text, ["model_name", "position"], registry=self.registry))
+                    continue
                 if kind == "gauge":
                     metric = Gauge(full, text, ["model_name"], registry=self.registry)
                 elif kind == "counter":
@@ -138,6 +147,9 @@ class PrometheusStatLogger:
         self._last_num_preemptions = {mode: 0 for mode in PREEMPTION_MODES}
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
+        self._last_spec = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                           "spec_decode_num_accepted_tokens": 0}
+        self._last_accepted_per_pos: list[int] = []
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         s, sched, it = self._series, scheduler_stats, iteration_stats
@@ -151,6 +163,7 @@ class PrometheusStatLogger:
         self._count_since_last("prefix_cache_queries", sched.prefix_cache_queries,
                                "_last_prefix_queries")
         self._count_since_last("prefix_cache_hits", sched.prefix_cache_hits, "_last_prefix_hits")
+        self._count_spec_decode(sched)
         if it.num_prompt_tokens:
             s["prompt_tokens"].inc(it.num_prompt_tokens)
         if it.num_generation_tokens:
@@ -184,6 +197,22 @@ class PrometheusStatLogger:
                 for counter in self._preemptions:
                     counter.labels(self.model_name, mode).inc(new)
             self._last_num_preemptions[mode] = total
+
+    def _count_spec_decode(self, sched: SchedulerStats) -> None:
+        for name, last in self._last_spec.items():
+            total = getattr(sched, name)
+            if total > last:
+                self._series[name].inc(total - last)
+            self._last_spec[name] = total
+        per_pos = sched.spec_decode_num_accepted_tokens_per_pos
+        last_per_pos = self._last_accepted_per_pos
+        for position, total in enumerate(per_pos):
+            new = total - (last_per_pos[position] if position < len(last_per_pos) else 0)
+            for counter in self._accepted_per_pos:
+                series = counter.labels(self.model_name, str(position))  # shown from here on
+                if new > 0:
+                    series.inc(new)
+        self._last_accepted_per_pos = list(per_pos)
 
     def _count_since_last(self, name: str, total: int, last_attr: str) -> None:
         """Counters of the engine core arrive as totals since start: add what is new."""

@@ -1,0 +1,84 @@
+"""Speculative decoding (ngram) on an NVIDIA GPU (run through the device tool; skipped in CI).
+
+Greedy outputs with speculation equal those without, with drafts accepted, on the CUDA backend
+with CUDA graphs on: steps that verify drafts (several query tokens per sequence) run eagerly
+(``CudaGraphRunner.can_run`` takes pure decode steps only), steps without drafts replay graphs.
+The rejection sampler's output distribution on the device matches the target's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from octavo import LLM, SamplingParams
+from octavo.spec_decode.rejection_sampler import rejection_sample
+
+from tests.helpers.tiny import make_tiny_model
+from tests.spec_decode.test_rejection_sampler import _chi_square_p_value
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or getattr(torch.version, "hip", None) is not None,
+        reason="needs an NVIDIA GPU and a CUDA build of torch",
+    ),
+]
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23, 24] * 3, [100, 101, 102],
+           [40, 41] * 9, list(range(50, 90))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # head_dim 64: one the Triton kernels take.
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", hidden_size=256,
+                           intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_greedy_equal_with_and_without_ngram(model_dir, enforce_eager: bool) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True, logprobs=2)]
+    # Two engines on one GPU: a fixed KV pool each (the default would take 90% of the memory).
+    plain = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,
+                enforce_eager=enforce_eager)
+    spec = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,
+               enforce_eager=enforce_eager, speculative_config=NGRAM)
+    assert not spec.llm_engine.engine_core.async_scheduling  # speculation runs one step at a time
+    for p in params:
+        want = plain.generate([{"prompt_token_ids": t} for t in PROMPTS], p, use_tqdm=False)
+        got = spec.generate([{"prompt_token_ids": t} for t in PROMPTS], p, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        if p.logprobs:
+            for a, b in zip(got, want):
+                for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                    for token, lp in x.items():
+                        assert abs(lp.logprob - y[token].logprob) < 1e-3
+    stats = spec.llm_engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    # A small token budget: prompt chunks share steps with draft verification.
+    small = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,
+                enforce_eager=enforce_eager, speculative_config=NGRAM,
+                max_num_batched_tokens=16, max_num_seqs=3)
+    got = small.generate([{"prompt_token_ids": t} for t in PROMPTS], params[0], use_tqdm=False)
+    want = plain.generate([{"prompt_token_ids": t} for t in PROMPTS], params[0], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_rejection_sampler_distribution_on_the_device() -> None:
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    p = torch.tensor([0.05, 0.10, 0.40, 0.15, 0.30], device=device)
+    q = torch.tensor([0.40, 0.30, 0.05, 0.20, 0.05], device=device)
+    trials = 100_000
+    draft = torch.multinomial(q, trials, replacement=True)
+    rows = torch.stack([p, torch.full_like(p, 0.2)]).repeat(trials, 1)
+    drafts = torch.stack([draft, torch.full_like(draft, -1)], dim=1).reshape(-1)
+    draft_probs = torch.stack([q, torch.zeros_like(q)]).repeat(trials, 1)
+    out = rejection_sample(rows.argmax(1), rows,
+                           torch.zeros(2 * trials, dtype=torch.bool, device=device), drafts,
+                           [1] * trials, draft_probs=draft_probs)
+    counts = torch.bincount(out.token_ids[:, 0], minlength=5).cpu()
+    assert _chi_square_p_value(counts, p.cpu()) > 1e-3
