@@ -50,6 +50,10 @@ def add_parser(sub) -> None:
     group.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="format of the model's tool calls: hermes (Qwen2.5, Qwen3, Hermes), "
                        "llama3_json (Llama 3.1+), mistral, or one a plugin registers")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) served under their own model names "
+                       "(needs --enable-lora): name=path, or JSON "
+                       '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
     add_engine_options(parser)
     parser.set_defaults(func=run)
 
@@ -84,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.enable_auto_tool_choice:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the format of "
                          "the model's tool calls, e.g. hermes)")
+    from octavo.entrypoints.openai.serving_models import parse_lora_modules
+
+    lora_modules = parse_lora_modules(args.lora_modules or [])
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     server_args = ServerArgs(
         engine_args=engine_args,
         host=args.host,
@@ -99,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         vllm_metric_names=args.vllm_metric_names,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=envs.allow_runtime_lora_updating(),
     )
     return run_server(server_args, sock)
 
