@@ -182,3 +182,13 @@ def test_lora_needs_enable_lora(lora_models) -> None:
                          lora_request=_lora(lora_models, "qv"))
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_n_completions_share_the_adapter(llm, lora_models, reference) -> None:
+    # n > 1 forks the first completion's prompt blocks; every completion runs the adapter.
+    params = greedy(NUM_TOKENS, n=3, logprobs=0)
+    out = llm.generate(PROMPTS[1], params, use_tqdm=False,
+                       lora_request=_lora(lora_models, "mlp"))[0]
+    expected_ids, _ = reference.greedy("mlp", PROMPTS[1])
+    assert [c.token_ids for c in out.outputs] == [expected_ids] * 3
+    assert_no_leaks(llm)

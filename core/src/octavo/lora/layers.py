@@ -91,6 +91,11 @@ class LoRABatch:
         self.mapping: LoRAMapping | None = None
         # Run the Triton kernels (GPU) instead of the torch reference.
         self.use_kernels = use_kernels
+        self.kernel = None
+        if use_kernels:
+            from octavo.kernels.triton.lora import lora_shrink_expand
+
+            self.kernel = lora_shrink_expand
 
 
 def lora_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor,
@@ -155,12 +160,10 @@ class LoRALinear(nn.Module):
         mapping = self.batch.mapping
         if mapping is None:
             return
-        if self.batch.use_kernels:
-            from octavo.kernels.triton.lora import lora_shrink_expand
-
-            lora_shrink_expand(x, out, self.lora_a, self.lora_b, mapping.token_indices,
-                               mapping.group_slots_dev, mapping.group_starts_dev,
-                               len(mapping.group_slots), mapping.max_group_size)
+        if self.batch.kernel is not None:
+            self.batch.kernel(x, out, self.lora_a, self.lora_b, mapping.token_indices,
+                              mapping.group_slots_dev, mapping.group_starts_dev,
+                              len(mapping.group_slots), mapping.max_group_size)
         else:
             lora_torch(x, out, self.lora_a, self.lora_b, mapping)
 

@@ -119,7 +119,7 @@ def lora_shrink_expand(
     x = x if x.stride(1) == 1 else x.contiguous()
     assert out.stride(1) == 1, "out must be contiguous in its last dimension"
     block_r = max(16, triton.next_power_of_2(R))
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    precision = "ieee"  # (fp32 exactly; 16-bit operands ignore it)
     upcast = upcast_dot(x.dtype)
     shrunk = torch.empty(num_lora_tokens, R, dtype=torch.float32, device=x.device)
     blocks_m = triton.cdiv(max_group_size, block_m)
