@@ -147,3 +147,21 @@ def test_serving_models_without_lora() -> None:
     with pytest.raises(OpenAIError, match="--enable-lora") as info:
         models.add_lora("x", "/x")
     assert info.value.status_code == 400
+
+
+def test_serve_refuses_bad_lora_modules_before_loading(lora_models, tmp_path, capsys) -> None:
+    import torch
+    from octavo.cli.main import main
+
+    threads = torch.get_num_threads()  # `serve` gives its front end one torch thread
+    base = ["serve", str(lora_models.model), "--port", "0", "--dtype", "float32"]
+    try:
+        assert main(base + ["--enable-lora", "--lora-modules", f"x={tmp_path / 'nope'}"]) == 1
+        assert "LoRA adapter 'x': no such folder" in capsys.readouterr().err
+        assert main(base + ["--lora-modules", f"qv={lora_models.adapters['qv']}"]) == 1
+        assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+        assert main(base + ["--enable-lora", "--max-lora-rank", "8",
+                            "--lora-modules", f"mlp={lora_models.adapters['mlp']}"]) == 1
+        assert "rank 16 is over the engine's max_lora_rank 8" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)

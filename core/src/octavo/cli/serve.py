@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     # Fail here, with one clear line, on a missing model or backend or a bad option or template
     # (cheap: reads config.json; the weights load in the engine-core process).
-    engine_args.create_engine_config()
+    config = engine_args.create_engine_config()
     if args.chat_template is not None:
         from octavo.entrypoints.openai.chat_template import ChatTemplate, load_chat_template
 
@@ -91,8 +91,14 @@ def run(args: argparse.Namespace) -> int:
     from octavo.entrypoints.openai.serving_models import parse_lora_modules
 
     lora_modules = parse_lora_modules(args.lora_modules or [])
-    if lora_modules and not args.enable_lora:
+    if lora_modules and config.lora_config is None:
         raise ValueError("--lora-modules needs --enable-lora")
+    if lora_modules:
+        from octavo.lora.peft import inspect_adapter
+
+        for module in lora_modules:  # a bad adapter is reported now, before the model loads
+            inspect_adapter(module.name, module.path, config.lora_config.max_lora_rank,
+                            config.model_config.hf_config)
     server_args = ServerArgs(
         engine_args=engine_args,
         host=args.host,
