@@ -192,3 +192,22 @@ def test_n_completions_share_the_adapter(llm, lora_models, reference) -> None:
     expected_ids, _ = reference.greedy("mlp", PROMPTS[1])
     assert [c.token_ids for c in out.outputs] == [expected_ids] * 3
     assert_no_leaks(llm)
+
+
+def test_adapters_with_speculative_decoding(lora_models, reference) -> None:
+    # ngram drafts are verified with the request's adapter: the same tokens as PEFT.
+    llm = make_llm(lora_models.model, enable_lora=True, max_loras=3, max_lora_rank=16,
+                   num_gpu_blocks_override=128,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    try:
+        cases = [("all", PROMPTS[0]), (None, PROMPTS[1]), ("qv", PROMPTS[2]), ("mlp", PROMPTS[0])]
+        loras = [None if a is None else _lora(lora_models, a) for a, _ in cases]
+        outputs = llm.generate([p for _, p in cases], greedy(NUM_TOKENS, logprobs=0),
+                               use_tqdm=False, lora_request=loras)
+        _check_against_reference(outputs, cases, reference)
+        stats = llm.llm_engine.engine_core.scheduler.spec_stats
+        assert stats.num_draft_tokens > 0, "no draft was verified"
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()
