@@ -34,7 +34,7 @@ install:
 install-dev: install
 	$(PIP) install -e "./core[hf,ray]" -e ./backends/cuda -e ./backends/rocm \
 		-e ./plugins/gpt2 -e ./plugins/flex-attention -e ./plugins/template-accelerator \
-		pytest pytest-timeout hypothesis triton openai httpx jsonschema
+		pytest pytest-timeout hypothesis triton openai httpx jsonschema peft
 
 demo: install
 	octavo generate "$(PROMPT)" --max-tokens 32

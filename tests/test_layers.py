@@ -16,12 +16,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "core" / "src" / "octavo"
 
 # Lowest first; a module may import its own layer and those below it.
 LAYERS: list[set[str]] = [
-    {"version", "envs", "logger", "errors", "sampling_params", "outputs", "transfer"},
+    {"version", "envs", "logger", "errors", "sampling_params", "lora_request", "outputs",
+     "transfer"},
     {"messages"},
     {"backends", "hookspecs", "plugins"},
     {"config", "reasoning"},
     {"attention", "kernels", "sample", "kv_cache", "distributed", "spec_decode"},
-    {"model_executor", "transformers_utils"},
+    {"model_executor", "transformers_utils", "lora"},
     {"worker", "scheduler", "structured_output"},
     {"executor"},
     {"engine_core"},

@@ -8,6 +8,7 @@
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [bench-serve]
 #                                    [spec-tests] [bench-spec]
+#                                    [lora-tests] [bench-lora]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -242,6 +243,22 @@ for stage in "${stages[@]}"; do
           2>"$OUT/quant-latency-$name.err" | tee "$OUT/quant-latency-$name.log" | tail -2
         grep -h "max concurrency" "$OUT/quant-latency-$name.err" | tail -1
       done
+      ;;
+    lora-tests)
+      # Multi-LoRA on CUDA: a mixed-adapter batch against transformers+PEFT, the Triton
+      # shrink/expand kernels against torch at Llama-3-8B shapes (~2 min).
+      python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_lora.py \
+        tests/kernels/test_triton_lora.py 2>&1 | tee "$OUT/lora-tests.log" | tail -15
+      ;;
+    bench-lora)
+      # W1 through LLM.generate without adapters, then with 4 rank-16 adapters round-robin
+      # (Qwen2.5-0.5B shape, then Llama-3-8B shape with dummy weights); output tok/s (~10 min).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      python3 benchmarks/gpu/bench_lora.py --model $MODEL 2>"$OUT/bench-lora-q05.err" \
+        | tee "$OUT/bench-lora-q05.log"
+      make_l8b
+      python3 benchmarks/gpu/bench_lora.py --model $L8B --load-format dummy \
+        2>"$OUT/bench-lora-l8b.err" | tee "$OUT/bench-lora-l8b.log"
       ;;
     quant-w1)
       # W1 (256 requests, 100-1024 in/out tokens) through LLM.generate, Llama-3-8B shape

@@ -5,11 +5,12 @@
     print(llm.generate("Hello", octavo.SamplingParams(max_tokens=20))[0].outputs[0].text)
 """
 
+from octavo.lora_request import LoRARequest
 from octavo.outputs import CompletionOutput, Logprob, RequestOutput
 from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.version import __version__
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):

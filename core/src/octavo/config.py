@@ -333,6 +333,36 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+@dataclass(slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (``--enable-lora``): how many adapters the device holds at once.
+
+    Every adapted linear layer keeps ``max_loras`` slots of LoRA weights padded to
+    ``max_lora_rank``; a step may mix requests of up to ``max_loras`` different adapters (and
+    requests of none). Adapters are read on first use, kept in host memory up to
+    ``max_cpu_loras`` and evicted least recently used.
+    """
+
+    # Adapters on the device at once (slots per adapted layer).
+    max_loras: int = 1
+    # Largest adapter rank accepted (the slots' padded rank).
+    max_lora_rank: int = 16
+    # Adapters kept read in host memory (None: max_loras); at least max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif (isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int)
+              or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
+
+
 # The executors that can run a model's ranks (see ParallelConfig.distributed_executor_backend).
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
@@ -437,6 +467,8 @@ class EngineConfig:
     backend_capabilities: BackendCapabilities = field(default_factory=BackendCapabilities)
     # The backend's torch.distributed process-group backend (Backend.dist_backend).
     dist_backend: str = "gloo"
+    # Multi-LoRA serving (None: --enable-lora is off).
+    lora_config: LoRAConfig | None = None
     # Extra fields kept for logs/benchmarks.
     extra: dict[str, Any] = field(default_factory=dict)
     # Speculative decoding (None: off).

@@ -9,6 +9,7 @@
 | ``OCTAVO_CPU_KVCACHE_SPACE`` | KV-cache size in GiB on the CPU backend when ``--cpu-kv-cache-space`` is not given (default 4) |
 | ``OCTAVO_CPU_GGUF_KERNELS`` | ``0`` keeps the CPU backend's C++ GGUF kernels from the ``gguf`` quantization method (its torch path runs; default ``1``); ``--quantization none`` dequantizes a GGUF file while loading |
 | ``OCTAVO_API_KEY`` | the API key of ``octavo serve`` when ``--api-key`` is not given (kept out of ``ps``) |
+| ``OCTAVO_ALLOW_RUNTIME_LORA_UPDATING`` | ``1`` adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` to ``octavo serve`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) |
 """
 
 import os
@@ -66,3 +67,10 @@ def cpu_layer_kernels() -> bool:
     RMSNorm, rotary and SiLU-and-mul ops (``octavo.kernels.host_layer_kernels``; default yes;
     ``0``/``false``: the layers' torch code runs)."""
     return os.environ.get("OCTAVO_CPU_LAYER_KERNELS", "1").strip() not in ("0", "false", "False")
+
+
+def allow_runtime_lora_updating() -> bool:
+    """``OCTAVO_ALLOW_RUNTIME_LORA_UPDATING``: whether the server may load and unload LoRA
+    adapters while it runs (default no; ``1``/``true``: the two endpoints exist)."""
+    return os.environ.get("OCTAVO_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in (
+        "1", "true", "yes")

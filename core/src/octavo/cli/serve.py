@@ -50,6 +50,10 @@ def add_parser(sub) -> None:
     group.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="format of the model's tool calls: hermes (Qwen2.5, Qwen3, Hermes), "
                        "llama3_json (Llama 3.1+), mistral, or one a plugin registers")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) served under their own model names "
+                       "(needs --enable-lora): name=path, or JSON "
+                       '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
     add_engine_options(parser)
     parser.set_defaults(func=run)
 
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     # Fail here, with one clear line, on a missing model or backend or a bad option or template
     # (cheap: reads config.json; the weights load in the engine-core process).
-    engine_args.create_engine_config()
+    config = engine_args.create_engine_config()
     if args.chat_template is not None:
         from octavo.entrypoints.openai.chat_template import ChatTemplate, load_chat_template
 
@@ -84,6 +88,17 @@ def run(args: argparse.Namespace) -> int:
     elif args.enable_auto_tool_choice:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the format of "
                          "the model's tool calls, e.g. hermes)")
+    from octavo.entrypoints.openai.serving_models import parse_lora_modules
+
+    lora_modules = parse_lora_modules(args.lora_modules or [])
+    if lora_modules and config.lora_config is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if lora_modules:
+        from octavo.lora.peft import inspect_adapter
+
+        for module in lora_modules:  # a bad adapter is reported now, before the model loads
+            inspect_adapter(module.name, module.path, config.lora_config.max_lora_rank,
+                            config.model_config.hf_config)
     server_args = ServerArgs(
         engine_args=engine_args,
         host=args.host,
@@ -99,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         vllm_metric_names=args.vllm_metric_names,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=envs.allow_runtime_lora_updating(),
     )
     return run_server(server_args, sock)
 

@@ -16,6 +16,7 @@ from typing import Any
 from octavo.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -168,6 +169,16 @@ class EngineArgs:
         "(method ngram: prompt lookup; steps with drafts run without async scheduling)",
         metavar="JSON")
 
+    enable_lora: bool = _option(
+        False, "serve LoRA adapters (PEFT format): requests choose one by LoRARequest "
+        "(offline) or by model name (server: --lora-modules, /v1/load_lora_adapter)",
+        cli=_SWITCH)
+    max_loras: int = _option(
+        1, "LoRA adapters on the device at once (one step mixes up to this many)", type=int)
+    max_lora_rank: int = _option(16, "largest LoRA rank accepted", type=int)
+    max_cpu_loras: int | None = _option(
+        None, "LoRA adapters kept read in host memory (default: --max-loras)", type=int)
+
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and backend, and check every option.
 
@@ -232,6 +243,7 @@ class EngineArgs:
             backend_capabilities=backend.capabilities,
             dist_backend=backend.dist_backend,
             speculative_config=speculative,
+            lora_config=LoRAConfig(**self._options_of(LoRAConfig)) if self.enable_lora else None,
         )
         if speculative is not None and config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with pipeline parallelism yet; "

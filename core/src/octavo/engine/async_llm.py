@@ -36,6 +36,8 @@ from octavo.messages.engine_core import (
     EngineCoreReady,
     EngineCoreUtilityResult,
 )
+from octavo.errors import InvalidRequestError
+from octavo.lora_request import LoRARequest
 from octavo.outputs import RequestOutput
 from octavo.plugins import get_plugin_manager
 from octavo.sample.logits_processor import LogitsProcessorRegistry
@@ -75,6 +77,7 @@ class AsyncLLM:
             scheduling_policy=self.config.scheduler_config.scheduling_policy,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             logits_processors=LogitsProcessorRegistry(get_plugin_manager()),
+            lora_config=self.config.lora_config,
         )
         # The front end's one record of live requests and their completions.
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -144,6 +147,7 @@ class AsyncLLM:
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Validate and queue a request, all or nothing (a ``BeamSearchParams``: a beam
         search, with one output when it finishes; ``priority``: see ``--scheduling-policy``).
@@ -157,11 +161,14 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, BeamSearchParams):
+            if lora_request is not None:
+                raise InvalidRequestError("beam search with a LoRA adapter is not supported",
+                                          param="lora_request")
             processed = self.processor.process_beam_search(request_id, prompt, params,
                                                            arrival_time, priority)
         else:
             processed = self.processor.process(request_id, prompt, params, arrival_time,
-                                               priority)
+                                               priority, lora_request)
         queue = RequestOutputCollector(merge_deltas=output_kind is RequestOutputKind.DELTA)
         self.output_processor.add_request(request_id, processed, output_kind)
         self._queues[request_id] = queue
@@ -182,13 +189,15 @@ class AsyncLLM:
         request_id: str,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; the last one has ``finished`` set.
 
         :raises ValueError: bad input (before anything is yielded) or refused by the core.
         :raises EngineDeadError: the engine core died.
         """
-        queue = self.add_request(request_id, prompt, params, output_kind, priority=priority)
+        queue = self.add_request(request_id, prompt, params, output_kind, priority=priority,
+                                 lora_request=lora_request)
         async for output in self.iterate_outputs(request_id, queue):
             yield output
 

@@ -15,6 +15,8 @@ from octavo.engine.processor import KVCacheCapacity, ProcessedPrompt, Processor,
 from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
 from octavo.engine_core.core import EngineCore
 from octavo.messages import SchedulerStats
+from octavo.errors import InvalidRequestError
+from octavo.lora_request import LoRARequest
 from octavo.outputs import RequestOutput
 from octavo.plugins import get_plugin_manager
 from octavo.sample.logits_processor import LogitsProcessorRegistry
@@ -37,6 +39,7 @@ class LLMEngine:
             scheduling_policy=config.scheduler_config.scheduling_policy,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             logits_processors=LogitsProcessorRegistry(get_plugin_manager()),
+            lora_config=config.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         core_start = time.perf_counter()
@@ -73,6 +76,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedPrompt:
         """Validate and queue a request, all or nothing; return it as the engine core got it
         (each completion's resolved ``sampling_params``: ``max_tokens`` clipped to the room
@@ -89,11 +93,14 @@ class LLMEngine:
         if self.output_processor.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, BeamSearchParams):
+            if lora_request is not None:
+                raise InvalidRequestError("beam search with a LoRA adapter is not supported",
+                                          param="lora_request")
             processed = self.processor.process_beam_search(request_id, prompt, params,
                                                            arrival_time, priority)
         else:
             processed = self.processor.process(request_id, prompt, params, arrival_time,
-                                               priority)
+                                               priority, lora_request)
         for core_request in processed.core_requests:
             self.engine_core.add_request(core_request)
         self.output_processor.add_request(request_id, processed, output_kind)

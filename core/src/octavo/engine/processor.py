@@ -21,7 +21,7 @@ from typing import Any, Union
 
 from octavo.backends.backend import BackendCapabilities
 from octavo.backends.capabilities import check_request
-from octavo.config import ModelConfig
+from octavo.config import LoRAConfig, ModelConfig
 from octavo.errors import (
     CODE_CONTEXT_LENGTH_EXCEEDED,
     CODE_EMPTY_PROMPT,
@@ -31,6 +31,8 @@ from octavo.errors import (
     InvalidRequestError,
     InvalidRequestTypeError,
 )
+from octavo.lora.peft import inspect_adapter
+from octavo.lora_request import LoRARequest
 from octavo.messages import EngineCoreRequest
 from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sampling_params import BeamSearchParams, SamplingParams
@@ -91,6 +93,8 @@ class Processor:
     :param scheduling_policy: the engine's (``priority`` must be 0 unless it is "priority").
     :param max_num_seqs: the engine's sequence cap (a beam search needs ``beam_width`` at once).
     :param logits_processors: the registered logits processors requests may name (None: none).
+    :param lora_config: the engine's multi-LoRA settings (None: requests may not name an
+        adapter).
     """
 
     def __init__(
@@ -104,8 +108,12 @@ class Processor:
         scheduling_policy: str = "fcfs",
         max_num_seqs: int | None = None,
         logits_processors: LogitsProcessorRegistry | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        # Adapters checked already: lora_int_id -> (name, path).
+        self._checked_loras: dict[int, tuple[str, str]] = {}
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         if capabilities is not None and backend is None:
@@ -162,12 +170,14 @@ class Processor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedPrompt:
         """Validate one request and make its ``n`` (or ``best_of``) engine-core requests; the
         completions after the first fork its prompt blocks (``fork_from``)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestTypeError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self.check_lora(lora_request)
         self._check_params(params)
         self._check_priority(priority)
         text, token_ids = self.tokenize(prompt)
@@ -187,6 +197,7 @@ class Processor:
                 arrival_time=arrival,
                 priority=priority,
                 fork_from=child_request_id(request_id, 0, num) if i else None,
+                lora_request=lora_request,
             )
             for i in range(num)
         ]
@@ -240,6 +251,32 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority, beam_search=params)
         return ProcessedPrompt(text, token_ids, sampling, [core_request], beam_search=params)
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Check a request's adapter: LoRA enabled, its folder a PEFT adapter of this model
+        within ``max_lora_rank`` (read once per adapter id), the id naming one folder."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestTypeError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                param="lora_request")
+        if self.lora_config is None:
+            raise InvalidRequestError(
+                f"request names LoRA adapter {lora_request.lora_name!r} but the engine runs "
+                "without LoRA: start it with --enable-lora (LLM(enable_lora=True))",
+                param="lora_request")
+        key = (lora_request.lora_name, lora_request.lora_path)
+        known = self._checked_loras.get(lora_request.lora_int_id)
+        if known == key:
+            return
+        if known is not None:
+            raise InvalidRequestError(
+                f"lora_int_id {lora_request.lora_int_id} already names adapter {known[0]!r} at "
+                f"{known[1]!r}: give adapter {key[0]!r} another id", param="lora_request")
+        inspect_adapter(lora_request.lora_name, lora_request.lora_path,
+                        self.lora_config.max_lora_rank, self.model_config.hf_config)
+        self._checked_loras[lora_request.lora_int_id] = key
 
     def _check_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int) or not (

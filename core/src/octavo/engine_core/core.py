@@ -87,6 +87,7 @@ class EngineCore:
             pipeline_parallel_size=pp_size,
             num_host_blocks=num_host_blocks,
             speculative_config=config.speculative_config,
+            max_loras=None if config.lora_config is None else config.lora_config.max_loras,
         )
         self._block_hasher = block_hasher(config.cache_config.block_size)
         # Steps launched and not recorded yet, oldest first, and how many may be.
@@ -120,13 +121,16 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request validated by the front end (``octavo.engine.processor``); a
         constrained one waits for its grammar first."""
+        lora = request.lora_request
         core_request = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
-            block_hasher=self._block_hasher,
+            block_hasher=self._block_hasher if lora is None else block_hasher(
+                self.config.cache_config.block_size, lora.lora_int_id),
             arrival_time=request.arrival_time,
             priority=request.priority,
+            lora_request=lora,
         )
         if request.beam_search is not None:
             self.scheduler.add_beam_search(core_request, request.beam_search)

@@ -12,6 +12,7 @@ from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.output_processor import RequestOutputKind
 from octavo.engine.processor import PromptType
+from octavo.lora_request import LoRARequest
 from octavo.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from octavo.sampling_params import BeamSearchParams, SamplingParams
 
@@ -67,6 +68,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in the prompts' order.
 
@@ -74,8 +76,11 @@ class LLM:
         ``prompt_token_ids``, or a list of any of those. ``sampling_params``: one for all
         prompts or one per prompt (default: ``get_default_sampling_params()``). ``priority``:
         one per prompt, lower served first (needs ``scheduling_policy="priority"``).
+        ``lora_request``: the LoRA adapter to run with (needs ``enable_lora=True``), one for all
+        prompts or one per prompt (``None``: the base model).
         """
         prompt_list = _as_prompt_list(prompts)
+        loras = _as_lora_list(lora_request, len(prompt_list))
         params_list = _as_params_list(sampling_params, len(prompt_list),
                                       self.get_default_sampling_params)
         priorities = _as_priority_list(priority, len(prompt_list))
@@ -83,12 +88,12 @@ class LLM:
         # (asked, given) max_tokens of the prompts whose max_tokens was cut to fit.
         clipped: list[tuple[int, int]] = []
         try:
-            for prompt, params, prio in zip(prompt_list, params_list, priorities):
+            for prompt, params, prio, lora in zip(prompt_list, params_list, priorities, loras):
                 request_id = str(next(self._counter))
                 # Only finished requests are returned: no per-step snapshots to build.
                 processed = self.llm_engine.add_request(
                     request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY,
-                    priority=prio,
+                    priority=prio, lora_request=lora,
                 )
                 request_ids.append(request_id)
                 given = processed.core_requests[0].sampling_params.max_tokens
@@ -243,3 +248,15 @@ def _as_params_list(params: Any, count: int, default: Any = SamplingParams) -> l
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one or one per prompt")
     return params
+
+
+def _as_lora_list(lora: Any, count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if isinstance(lora, (list, tuple)):
+        if len(lora) != count:
+            raise ValueError(f"got {len(lora)} lora_request values for {count} prompts")
+        return list(lora)
+    raise TypeError(f"lora_request must be a LoRARequest, a list of them or None, got "
+                    f"{type(lora).__name__}")

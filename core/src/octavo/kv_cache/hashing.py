@@ -1,7 +1,7 @@
 """Chained hashes of full KV blocks: the keys of automatic prefix caching.
 
 The hash of block ``i`` covers the hash of block ``i-1``, the block's token ids and extra keys
-(e.g. a LoRA id later), so two requests share block ``i`` only if their whole prefixes up to
+(the request's LoRA adapter id: the same tokens give other K/V under another adapter), so two requests share block ``i`` only if their whole prefixes up to
 and including it are identical. SHA-256 over a fixed binary encoding: no pickle, no Python
 ``hash()`` (which is salted per process).
 """
@@ -30,15 +30,24 @@ def hash_block_tokens(
 
 
 def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+    extra_keys: bytes = b"",
 ) -> None:
     """Append the hashes of every block of ``token_ids`` that became full (in place)."""
     num_full = len(token_ids) // block_size
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i > 0 else None
-        block_hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))
+        block_hashes.append(hash_block_tokens(
+            parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys))
 
 
-def block_hasher(block_size: int) -> BlockHasher:
-    """The ``Request.block_hasher`` for blocks of ``block_size`` tokens."""
-    return functools.partial(extend_block_hashes, block_size=block_size)
+def lora_extra_keys(lora_int_id: int) -> bytes:
+    """The extra hash key of a request run with LoRA adapter ``lora_int_id`` (0: none)."""
+    return b"" if not lora_int_id else b"lora" + struct.pack("<q", lora_int_id)
+
+
+def block_hasher(block_size: int, lora_int_id: int = 0) -> BlockHasher:
+    """The ``Request.block_hasher`` for blocks of ``block_size`` tokens of a request run with
+    LoRA adapter ``lora_int_id`` (0: the base model)."""
+    return functools.partial(extend_block_hashes, block_size=block_size,
+                             extra_keys=lora_extra_keys(lora_int_id))

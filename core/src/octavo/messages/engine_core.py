@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from octavo.lora_request import LoRARequest
 from octavo.messages.logprobs import LogprobsLists
 from octavo.sampling_params import BeamSearchParams, SamplingParams
 
@@ -33,6 +34,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     # A beam search instead of sampling (sampling_params then hold the beams' greedy logprob
     # settings); the outputs come once, as beam_sequences.
     beam_search: BeamSearchParams | None = None
+    # The LoRA adapter it runs with (None: the base model); checked by the front end.
+    lora_request: LoRARequest | None = None
 
 
 class BeamSequence(msgspec.Struct, kw_only=True):

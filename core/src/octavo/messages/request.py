@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NewType
 
+from octavo.lora_request import LoRARequest
 from octavo.sampling_params import SamplingParams
 
 # A request's id (for n > 1, one completion's id; see ``octavo.engine.processor``).
@@ -62,6 +63,7 @@ class Request:
         block_hasher: BlockHasher | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if sampling_params.max_tokens is None:
             raise ValueError(f"request {request_id}: sampling_params.max_tokens must be resolved")
@@ -93,6 +95,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Scheduling priority (lower first under --scheduling-policy priority).
         self.priority = priority
+        # Its LoRA adapter (None: the base model); block_hasher keys its blocks by it.
+        self.lora_request = lora_request
         # Position in the queues: (priority or 0, arrival time, admission number, beam index);
         # set by the scheduler when the request is added.
         self.sort_key: tuple[float, ...] = ()
@@ -150,6 +154,11 @@ class Request:
         )
 
     @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id (0: none)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
     def skip_prefix_cache(self) -> bool:
         """Prompt logprobs need logits of every prompt token, so no cached prefix is used."""
         return self.sampling_params.prompt_logprobs is not None
@@ -158,7 +167,8 @@ class Request:
         """A new request with this one's tokens, hashes, settings and progress (a beam of a
         beam search forked from its parent); its KV blocks are the caller's to share."""
         child = Request(request_id, self.prompt_token_ids, self.sampling_params,
-                        arrival_time=self.arrival_time, priority=self.priority)
+                        arrival_time=self.arrival_time, priority=self.priority,
+                        lora_request=self.lora_request)
         child._block_hasher = self._block_hasher
         child.block_hashes = list(self.block_hashes)
         child.output_token_ids = list(self.output_token_ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from octavo.lora_request import LoRARequest
 from octavo.sampling_params import SamplingParams
 
 
@@ -33,6 +34,8 @@ class NewRequestData:
     # The scheduler chooses this request's tokens (a beam of a beam search): the worker never
     # appends what it samples; new tokens come in CachedRequestData.new_token_ids.
     tokens_from_scheduler: bool = False
+    # Its LoRA adapter (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

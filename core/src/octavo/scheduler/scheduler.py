@@ -69,8 +69,11 @@ class Scheduler:
         pipeline_parallel_size: int = 1,
         num_host_blocks: int = 0,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = scheduler_config
+        # Most different LoRA adapters running at once (the workers' slots; None: no LoRA).
+        self.max_loras = max_loras
         # Speculative decoding: proposes drafts when a request's step is recorded (None: off).
         self.proposer: NgramProposer | None = None
         self.spec_stats = SpecDecodeStats()
@@ -341,6 +344,15 @@ class Scheduler:
         if request.pending_forks and request.num_output_placeholders:
             self._fork_pending(request, out, forked)
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether ``request`` may run beside the running requests: its adapter is running
+        already, or fewer than ``max_loras`` adapters are."""
+        lora_id = request.lora_int_id
+        if not lora_id or self.max_loras is None:
+            return True
+        running = {r.lora_int_id for r in self.running if r.lora_int_id}
+        return lora_id in running or len(running) < self.max_loras
+
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
             req_id=request.request_id,
@@ -350,6 +362,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             tokens_from_scheduler=request.beam_group is not None,
+            lora_request=request.lora_request,
         )
 
     def _tokens_new_to_workers(self, request: Request) -> list[int]:
@@ -404,6 +417,8 @@ class Scheduler:
             unit = self._unit_of(head)
             if any(r.num_output_placeholders for r in unit):
                 break  # swapped with a token in flight: resume once it is recorded
+            if not self._lora_fits(head):
+                break  # its adapter waits for a slot
             if len(self.running) + len(unit) > self.config.max_num_seqs or budget < len(unit):
                 break
             num_new = []
@@ -440,6 +455,8 @@ class Scheduler:
             group = request.beam_group
             if group is not None and len(self.running) + group.beam_width > self.config.max_num_seqs:
                 break  # room for every beam it will have
+            if not self._lora_fits(request):
+                break  # its adapter waits for a slot (served in order, as any request)
             hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:

@@ -30,6 +30,8 @@ import torch
 from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import EngineConfig, kv_cache_torch_dtype
 from octavo.distributed.parallel_state import ParallelState
+from octavo.lora.manager import LoRAManager
+from octavo.lora_request import LoRARequest
 from octavo.messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from octavo.model_executor.layers.attention import Attention
 from octavo.model_executor.model_loader import load_model
@@ -83,6 +85,8 @@ class CachedRequestState:
     # Row of this request in the sampled-token tensor of the last step that sampled for it:
     # its next input while that token is not in token_ids yet.
     sampled_row: int = -1
+    # Its LoRA adapter (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -153,12 +157,18 @@ class ModelRunner:
         # Replays captured steps where it can (set by the worker once the KV cache exists;
         # see Worker.make_graph_runner); None: every step runs eagerly.
         self.graph_runner: GraphRunner | None = None
+        # The adapters' device slots (--enable-lora), set by load_model.
+        self.lora_manager: LoRAManager | None = None
 
     # ---- set-up ------------------------------------------------------------------------
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.attn_backend, self.device, self.pm,
                                 self.parallel, backend=self.config.backend)
+        if self.config.lora_config is not None:
+            self.lora_manager = LoRAManager(self.model, self.config.lora_config,
+                                            self.model_config.hf_config, self.model_config.dtype,
+                                            self.device)
         if self.parallel.ranks.pp_size > 1:
             self.stage_io = StageIO(self.parallel, self.model_config.hf_config.hidden_size,
                                     self.model_config.dtype, self.device)
@@ -285,10 +295,16 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return PendingStepOutput.ready(ModelRunnerOutput())
         inputs = self._prepare_inputs(scheduler_output)
-        if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
+        lora_step = self._prepare_lora(scheduler_output, inputs.req_ids)
+        if (not lora_step and self.graph_runner is not None
+                and self.graph_runner.can_run(inputs.metadata)):
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
-        else:
-            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
+        else:  # (the captured graphs hold no LoRA: steps with adapters run eagerly)
+            try:
+                hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
+            finally:
+                if lora_step:
+                    self.lora_manager.finish_step()
         step: StepOutput
         if hidden is None:  # a pipeline stage before the last: nothing sampled here
             step = PendingStepOutput.ready(ModelRunnerOutput(
@@ -340,6 +356,7 @@ class ModelRunner:
                 greedy_after_grammar=new.sampling_params.is_greedy_after_grammar,
                 needs_token_history=new.sampling_params.needs_output_token_ids,
                 tokens_from_scheduler=new.tokens_from_scheduler,
+                lora_request=new.lora_request,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -370,7 +387,21 @@ class ModelRunner:
                 block_table_row=self.block_table.add_row(fork.block_ids),
                 greedy_after_grammar=params.is_greedy_after_grammar,
                 needs_token_history=params.needs_output_token_ids,
+                lora_request=parent.lora_request,
             )
+
+    def _prepare_lora(self, so: SchedulerOutput, req_ids: list[str]) -> bool:
+        """Put the step's adapters in slots and set their rows; whether any row has one."""
+        if self.lora_manager is None:
+            return False
+        states = [self.requests[req_id] for req_id in req_ids if req_id in so.num_scheduled_tokens]
+        if all(s.lora_request is None for s in states):
+            return False
+        in_use = {s.lora_request.lora_int_id for s in self.requests.values()
+                  if s.lora_request is not None}
+        self.lora_manager.prepare([s.lora_request for s in states],
+                                  [so.num_scheduled_tokens[s.req_id] for s in states], in_use)
+        return self.lora_manager.active
 
     def _forget(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

@@ -27,7 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -46,13 +46,16 @@ from octavo.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from octavo.entrypoints.openai.serving_chat import OpenAIServingChat
 from octavo.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from octavo.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from octavo.entrypoints.openai.serving_engine import invalid_request
 from octavo.entrypoints.openai.tool_calling import check_tools
 from octavo.errors import InvalidRequestError
@@ -100,6 +103,11 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     # Name of the tool-call parser (octavo.entrypoints.openai.tool_parsers), e.g. "hermes".
     tool_call_parser: str | None = None
+    # LoRA adapters served by name (--lora-modules; needs --enable-lora).
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    # Add POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # (OCTAVO_ALLOW_RUNTIME_LORA_UPDATING=1).
+    allow_runtime_lora_updating: bool = False
 
 
 def build_app(args: ServerArgs) -> FastAPI:
@@ -130,6 +138,8 @@ def build_app(args: ServerArgs) -> FastAPI:
     )
     install_error_handlers(app)
     _add_routes(app)
+    if args.allow_runtime_lora_updating:
+        _add_lora_routes(app)
     _add_docs(app)
     # Added last = outermost: CORS, then the API key, then the body limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
@@ -148,6 +158,11 @@ def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs) -> None:
     state = app.state
     state.engine = engine
     state.served_model_names = names
+    lora_check = engine.processor.check_lora if engine.config.lora_config is not None else None
+    state.models = ServingModels(names, lora_check)
+    for module in args.lora_modules:
+        state.models.add_lora(module.name, module.path, module.base_model_name)
+    common["models"] = state.models
     state.completion = OpenAIServingCompletion(engine, names, **common)
     state.chat = OpenAIServingChat(engine, names, chat_template=args.chat_template,
                                    tool_parser=args.tool_call_parser,
@@ -192,10 +207,15 @@ def _add_routes(app: FastAPI) -> None:
     async def list_models(request: Request) -> ModelList:
         state = request.app.state
         engine: AsyncLLM = state.engine
+        max_model_len = engine.model_config.max_model_len
+        models: ServingModels = state.models
         return ModelList(data=[
-            ModelCard(id=name, root=str(engine.model_config.model),
-                      max_model_len=engine.model_config.max_model_len)
+            ModelCard(id=name, root=str(engine.model_config.model), max_model_len=max_model_len)
             for name in state.served_model_names
+        ] + [
+            ModelCard(id=name, root=lora.lora_path, parent=lora.base_model_name,
+                      max_model_len=max_model_len)
+            for name, lora in models.lora_requests.items()
         ])
 
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
@@ -239,6 +259,23 @@ def _add_routes(app: FastAPI) -> None:
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         return DetokenizeResponse(prompt=chat.tokenizer.decode(token_ids))
+
+
+def _add_lora_routes(app: FastAPI) -> None:
+    """vLLM's runtime adapter endpoints (only with OCTAVO_ALLOW_RUNTIME_LORA_UPDATING=1)."""
+
+    @app.post("/v1/load_lora_adapter", tags=["lora"],
+              summary="Serve a LoRA adapter under a new model name")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+        request.app.state.models.add_lora(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", tags=["lora"],
+              summary="Stop serving a LoRA adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+        request.app.state.models.remove_lora(body.lora_name)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def _add_docs(app: FastAPI) -> None:

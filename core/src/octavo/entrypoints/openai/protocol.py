@@ -378,14 +378,31 @@ class ModelCard(OpenAIResponse):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "octavo"
-    # The model folder or file the name serves.
+    # The model folder or file the name serves (a LoRA adapter's folder).
     root: str
+    # For a LoRA adapter: the base model it runs on (None for the base model).
+    parent: str | None = None
     max_model_len: int
 
 
 class ModelList(OpenAIResponse):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIRequest):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIRequest):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and
+    ignored: the name identifies the adapter)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class TokenizeRequest(OpenAIRequest):

@@ -115,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_fields(request)
-        model = self.check_model(request.model)
+        model, lora = self.resolve_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs",
                               code="invalid_value")
@@ -133,13 +133,15 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_request_id()
         if request.stream:
             ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.DELTA,
-                                             params_renamed=renamed, priority=request.priority)
+                                             params_renamed=renamed, priority=request.priority,
+                                         lora_request=lora)
             return SSEResponse(
                 self._stream(request_id, model, request, len(token_ids), streams, plan, text),
                 on_close=lambda: self.abort_all(ids),
             )
         ids, streams = self.add_requests(request_id, [prompt], params, RequestOutputKind.FINAL_ONLY,
-                                         params_renamed=renamed, priority=request.priority)
+                                         params_renamed=renamed, priority=request.priority,
+                                         lora_request=lora)
         try:
             output = await self.wait_or_disconnect(raw_request, _final(streams[0]))
         except ClientDisconnected:

@@ -51,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_fields(request)
-        model = self.check_model(request.model)
+        model, lora = self.resolve_model(request.model)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported", 400, param="suffix", code="unsupported_field")
         prompts = self._prompts(request.prompt)
@@ -69,13 +69,15 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.new_request_id()
         if request.stream:
             ids, streams = self.add_requests(request_id, engine_prompts, params,
-                                             RequestOutputKind.DELTA, priority=request.priority)
+                                             RequestOutputKind.DELTA, priority=request.priority,
+                                             lora_request=lora)
             return SSEResponse(
                 self._stream(request_id, model, request, prompts, streams),
                 on_close=lambda: self.abort_all(ids),
             )
         ids, streams = self.add_requests(request_id, engine_prompts, params,
-                                         RequestOutputKind.FINAL_ONLY, priority=request.priority)
+                                         RequestOutputKind.FINAL_ONLY, priority=request.priority,
+                                         lora_request=lora)
         try:
             outputs = await self.wait_or_disconnect(raw_request, _collect(streams))
         except ClientDisconnected:

@@ -27,7 +27,9 @@ from octavo.engine.core_client import EngineDeadError
 from octavo.engine.output_collector import RequestOutputCollector
 from octavo.entrypoints.openai.errors import OpenAIError, engine_dead_error
 from octavo.entrypoints.openai.protocol import SamplingFields, unsupported_fields
+from octavo.entrypoints.openai.serving_models import ServingModels
 from octavo.errors import InvalidRequestError
+from octavo.lora_request import LoRARequest
 from octavo.outputs import PositionLogprobs, RequestOutput
 from octavo.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from octavo.structured_output.grammar import validate as validate_structured_outputs
@@ -55,9 +57,12 @@ class OpenAIServing:
         engine: AsyncLLM,
         served_model_names: list[str],
         max_waiting_requests: int | None = None,
+        models: ServingModels | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        # The names requests may give as "model": the base model's and its LoRA adapters'.
+        self.models = models if models is not None else ServingModels(served_model_names)
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
@@ -75,14 +80,12 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""
-        if model is None:
-            return self.served_model_names[0]
-        if model not in self.served_model_names:
-            raise OpenAIError(
-                f"the model {model!r} does not exist; this server serves {self.served_model_names}",
-                404, param="model", code="model_not_found",
-            )
-        return model
+        return self.models.resolve(model)[0]
+
+    def resolve_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """(served name to answer with, the LoRA adapter it names or None); 404 for a model
+        this server does not serve."""
+        return self.models.resolve(model)
 
     def check_batch(self, num_prompts: int, n: int) -> None:
         """400 when one HTTP request asks for more completions (prompts x n) than ``max_n``."""
@@ -177,6 +180,7 @@ class OpenAIServing:
         output_kind: RequestOutputKind,
         params_renamed: dict[str, str] | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
         """Queue one engine request per prompt, all or none; return their ids and output streams.
 
@@ -194,7 +198,7 @@ class OpenAIServing:
                 sub_id = f"{request_id}-{i}"
                 try:
                     queue = self.engine.add_request(sub_id, prompt, params, output_kind,
-                                                    priority=priority)
+                                                    priority=priority, lora_request=lora_request)
                     added.append((sub_id, queue))
                 except InvalidRequestError as exc:
                     renamed = dict(params_renamed or {})

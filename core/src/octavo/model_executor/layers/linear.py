@@ -98,6 +98,8 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = _parameter(self.output_size)
         _attach_loaders(self, self._load)
+        # Batched LoRA adapters (an octavo.lora.layers.LoRALinear, set with --enable-lora).
+        self.lora: nn.Module | None = None
 
     @property
     def shard_names(self) -> tuple[str, ...]:
@@ -105,7 +107,10 @@ class ColumnParallelLinear(nn.Module):
         return tuple(s.name for s in self.shards if s.name is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, output_size (local)]
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, out)
+        return out
 
     def shard_location(self, shard_name: str | None) -> tuple[int, int, OutputShard]:
         """(index, first local output feature, shard) of the projection ``shard_name``."""
@@ -269,17 +274,23 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = _parameter(output_size)
         _attach_loaders(self, self._load)
+        # Batched LoRA adapters (an octavo.lora.layers.LoRALinear, set with --enable-lora):
+        # added to this rank's partial product, before the all-reduce.
+        self.lora: nn.Module | None = None
 
     @property
     def shard_names(self) -> tuple[str, ...]:
         return ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, output_size]
-        if self.parallel.tp_size == 1:  # the bias fused, as nn.Linear does
-            return self.quant_method.apply(self, x, self.bias)
-        if not self.reduce_results:  # this rank's part; the caller all-reduces
-            return self.quant_method.apply(self, x, None)
-        out = self.parallel.all_reduce(self.quant_method.apply(self, x, None))
+        single = self.parallel.tp_size == 1
+        # One rank: the bias fused, as nn.Linear does; several: added once, after the sum.
+        out = self.quant_method.apply(self, x, self.bias if single else None)
+        if self.lora is not None:
+            self.lora.add_to(x, out)
+        if single or not self.reduce_results:  # (else this rank's part; the caller reduces)
+            return out
+        out = self.parallel.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def _load(self, param: nn.Parameter, loaded: Loaded, shard_name: str | None) -> None:
