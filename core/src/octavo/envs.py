@@ -66,3 +66,10 @@ def cpu_layer_kernels() -> bool:
     RMSNorm, rotary and SiLU-and-mul ops (``octavo.kernels.host_layer_kernels``; default yes;
     ``0``/``false``: the layers' torch code runs)."""
     return os.environ.get("OCTAVO_CPU_LAYER_KERNELS", "1").strip() not in ("0", "false", "False")
+
+
+def cpu_fused_layers() -> bool:
+    """``OCTAVO_CPU_FUSED_LAYERS``: whether the CPU backend runs each eligible decoder layer
+    (GGUF weights on its C++ kernels) as one C++ call (``octavo_cpu.fused_layer``; default
+    yes; ``0``/``false``: the layers' Python forward runs)."""
+    return os.environ.get("OCTAVO_CPU_FUSED_LAYERS", "1").strip() not in ("0", "false", "False")
