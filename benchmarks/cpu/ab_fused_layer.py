@@ -16,6 +16,7 @@ import argparse
 import os
 import random
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
             ttft = out.metrics.first_token_time - out.metrics.arrival_time
             ms[switch].append((total - ttft) / (args.output_len - 1) * 1000)
     on, off = min(ms["1"]), min(ms["0"])
-    load = " ".join(open("/proc/loadavg").read().split()[:3])
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print(f"threads {args.cpu_threads}: fused on {[round(x, 2) for x in ms['1']]} ms/token, "
           f"off {[round(x, 2) for x in ms['0']]}; best {on:.2f} vs {off:.2f} ms "
           f"({off / on:.2f}x); same tokens: {tokens['1'] == tokens['0']}; load {load}")
