@@ -53,6 +53,7 @@ LAYOUTS = [
     ("mqa-bs4", 8, 1, 4),
     ("mha-bs32", 4, 4, 32),
     ("gqa2-bs1", 6, 3, 1),
+    ("gqa3-bs16", 9, 3, 16),  # the default model's 3 query heads per KV head: 3-row tiles
 ]
 
 

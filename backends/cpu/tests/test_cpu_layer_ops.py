@@ -109,6 +109,17 @@ def test_silu_and_mul_matches_torch(registered, dtype, tokens):
         torch.testing.assert_close(act(x), act.forward_native(x), **TOLERANCE[dtype])
 
 
+def test_silu_and_mul_vector_path_at_the_ends_of_the_range(registered):
+    # float32 takes an AVX2 path with its own exp (clamped to [-87, 88]), 8 values at a time,
+    # and the scalar code for the tail: values far out on both sides, zeros, and a tail of 3.
+    gate = torch.tensor([-200.0, -90.0, -87.5, -20.0, -1e-30, 0.0, 1e-30, 3.0,
+                         20.0, 87.5, 90.0, 200.0, -5.0, 0.5, 1.0, -0.25, 7.0, -3.0, 0.125])
+    x = torch.cat([gate, torch.linspace(-2.0, 2.0, gate.numel())]).unsqueeze(0)
+    act = SiluAndMul()
+    with torch.inference_mode():
+        torch.testing.assert_close(act(x), act.forward_native(x), rtol=1e-5, atol=1e-6)
+
+
 def test_nothing_registered_runs_torch():
     """Without registered kernels (OCTAVO_CPU_LAYER_KERNELS=0) the layers take forward_native."""
     before = host_layer_kernels("cpu")

@@ -74,3 +74,10 @@ def allow_runtime_lora_updating() -> bool:
     adapters while it runs (default no; ``1``/``true``: the two endpoints exist)."""
     return os.environ.get("OCTAVO_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in (
         "1", "true", "yes")
+
+
+def cpu_fused_layers() -> bool:
+    """``OCTAVO_CPU_FUSED_LAYERS``: whether the CPU backend runs each eligible decoder layer
+    (GGUF weights on its C++ kernels) as one C++ call (``octavo_cpu.fused_layer``; default
+    yes; ``0``/``false``: the layers' Python forward runs)."""
+    return os.environ.get("OCTAVO_CPU_FUSED_LAYERS", "1").strip() not in ("0", "false", "False")

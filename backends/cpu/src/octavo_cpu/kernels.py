@@ -3,7 +3,8 @@
 One library holds the paged attention (``ops.cpp``, ``attention_<isa>.cpp``), the matmuls
 on GGUF-quantized weights (``quant_ops.cpp``, ``quant_<isa>.cpp``; Python API in
 ``octavo_cpu.quant``) and the decoder's small per-layer ops (``layer_ops.cpp``: RMSNorm, rotary,
-SiLU-and-mul; given to the layers by ``octavo_cpu.layers``).
+SiLU-and-mul; given to the layers by ``octavo_cpu.layers``) and a whole decoder layer as one
+call (``decoder_layer.cpp``; installed by ``octavo_cpu.fused_layer``).
 
 Where the sources are: ``octavo_cpu/csrc/`` inside this package, not the repository's top-level
 ``csrc/cpu`` (which only points here). As package data they travel with every install mode
@@ -52,7 +53,7 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 # Compiled, in this order; the headers beside them are hashed into the cache key too.
 SOURCES = ("ops.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_avx512bf16.cpp",
            "quant_ops.cpp", "quant_avx2.cpp", "quant_avx512vnni.cpp", "threads.cpp",
-           "layer_ops.cpp")
+           "layer_ops.cpp", "decoder_layer.cpp")
 # No -m flags: each attention_<isa>.cpp selects its instruction set with a pragma.
 CFLAGS = ("-O3", "-DNDEBUG", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
@@ -89,6 +90,9 @@ class CPUKernels:
     fused_add_rms_norm_op: Any = field(default=None, repr=False)
     rotary_neox_op: Any = field(default=None, repr=False)
     silu_and_mul_op: Any = field(default=None, repr=False)
+    # A whole Llama-style decoder layer in one call (csrc/decoder_layer.cpp), installed on
+    # eligible layers by octavo_cpu.fused_layer.
+    llama_decoder_layer_op: Any = field(default=None, repr=False)
 
     @property
     def isa(self) -> str:
@@ -234,6 +238,7 @@ def _load_or_build() -> CPUKernels:
         fused_add_rms_norm_op=ops.fused_add_rms_norm.default,
         rotary_neox_op=ops.rotary_neox.default,
         silu_and_mul_op=ops.silu_and_mul.default,
+        llama_decoder_layer_op=ops.llama_decoder_layer.default,
     )
 
 

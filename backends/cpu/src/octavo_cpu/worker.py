@@ -1,13 +1,15 @@
 """The CPU worker: the core's worker on the host, with its threads planned and pinned
 (``octavo_cpu.threads``). GGUF weights kept in their blocks run on the backend's C++ kernels
 through the ``gguf`` quantization method (``octavo_cpu.quant.quant_kernels``); the layers'
-small ops (RMSNorm, rotary, SiLU-and-mul) on its C++ ops (``octavo_cpu.layers``)."""
+small ops (RMSNorm, rotary, SiLU-and-mul) on its C++ ops (``octavo_cpu.layers``); decoder
+layers it covers whole as one C++ call each (``octavo_cpu.fused_layer``)."""
 
 from __future__ import annotations
 
 import torch
 from octavo.worker.worker import Worker
 
+from octavo_cpu.fused_layer import install_fused_decoder_layers
 from octavo_cpu.layers import register_layer_kernels
 from octavo_cpu.threads import configure_threads
 
@@ -18,3 +20,7 @@ class CPUWorker(Worker):
         configure_threads(self.config.parallel_config.cpu_threads, self.ranks.world_size,
                           self.local_rank)
         register_layer_kernels()
+
+    def load_model(self) -> None:
+        super().load_model()
+        install_fused_decoder_layers(self.model)

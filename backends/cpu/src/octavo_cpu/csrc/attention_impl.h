@@ -184,6 +184,21 @@ inline void qk_chunk(const float* q, int rows, int head_dim, const KT* const* ke
                                       s + r * kChunk, pf);
     }
   }
+  // The 2 or 3 rows left (a decode step's query heads of one KV head when the group is 2
+  // or 3) share each key load too; only a last single row runs alone.
+  const int left = rows - r;
+  if (left >= 2) {
+    const float* qr = q + int64_t(r) * head_dim;
+    float* sr = s + r * kChunk;
+    if (left == 3) {
+      if (r == 0) qk_rows<3, KT, true>(qr, head_dim, keys, n, sr, pf);
+      else qk_rows<3, KT, false>(qr, head_dim, keys, n, sr, pf);
+    } else {
+      if (r == 0) qk_rows<2, KT, true>(qr, head_dim, keys, n, sr, pf);
+      else qk_rows<2, KT, false>(qr, head_dim, keys, n, sr, pf);
+    }
+    r = rows;
+  }
   for (; r < rows; ++r) {
     if (r == 0) {
       qk_rows<1, KT, true>(q, head_dim, keys, n, s, pf);
@@ -385,6 +400,21 @@ inline void pv_chunk(const float* p, int rows, const int* visible, const VT* con
       pv_rows<kRowBlockPV, VT, false>(p + r * kChunk, values, n, o + int64_t(r) * head_dim,
                                       head_dim, pf);
     }
+  }
+  const int left = rows - r;
+  if (left >= 2) {  // as in qk_chunk: the last 2 or 3 rows share each value load
+    int n = 0;
+    for (int i = 0; i < left; ++i) n = imax(n, visible[r + i]);
+    const float* pr = p + r * kChunk;
+    float* orow = o + int64_t(r) * head_dim;
+    if (n > 0 && left == 3) {
+      if (r == 0) pv_rows<3, VT, true>(pr, values, n, orow, head_dim, pf);
+      else pv_rows<3, VT, false>(pr, values, n, orow, head_dim, pf);
+    } else if (n > 0) {
+      if (r == 0) pv_rows<2, VT, true>(pr, values, n, orow, head_dim, pf);
+      else pv_rows<2, VT, false>(pr, values, n, orow, head_dim, pf);
+    }
+    r = rows;
   }
   for (; r < rows; ++r) {
     if (visible[r] > 0 && r == 0) {

@@ -29,6 +29,11 @@ namespace {
 constexpr int kRowsPerTile = 32;
 // Splitting a tile's keys is worth it only for parts of at least this many keys.
 constexpr int kMinPartSize = 256;
+// Below this many (query row, key) pairs in a step (~20 us of work on one core) the step runs
+// on the calling thread: a parallel region's hand-off and barrier cost about what the second
+// thread would save (a batch-1 decode over a few hundred positions), and far more when
+// another process holds the other core.
+constexpr int64_t kMinParallelWork = 2048;
 
 enum class Isa { kNone, kAvx2, kAvx512, kAvx512Bf16 };
 
@@ -267,7 +272,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   if (tiles.empty()) return out;
 
   // Split the keys of long tiles when there are too few tiles to keep every thread busy.
-  const int num_threads = std::max(1, at::get_num_threads());
+  int num_threads = std::max(1, at::get_num_threads());
+  if (part_size == 0 && total_keys * group < kMinParallelWork) num_threads = 1;
   int64_t part = 0;  // 0: no split
   if (part_size > 0) {
     part = part_size;

@@ -188,6 +188,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # A backend's whole-layer kernel, installed after loading (the CPU backend's
+        # octavo_cpu.fused_layer): same arguments and results as forward, or None for a step
+        # it does not take. None here: forward's own body runs.
+        self.fused_forward: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def forward(
         self,
@@ -198,6 +202,11 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(block output, residual)``; their sum is the stream after this layer."""
+        if self.fused_forward is not None:
+            fused = self.fused_forward(positions, hidden_states, residual, kv_cache,
+                                       attn_metadata)
+            if fused is not None:
+                return fused
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
