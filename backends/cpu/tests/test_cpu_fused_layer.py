@@ -119,3 +119,27 @@ def test_no_fused_layers_without_the_cpp_layer_ops(tiny_folder, tmp_path, monkey
     path = _write_gguf(tiny_folder, tmp_path / "tiny.gguf", TYPES)
     layers, _ = _generate(path, tiny_folder, monkeypatch, "1")
     assert layers == 0
+
+
+def test_lora_keeps_the_python_layers_and_its_adapter_applies(tiny_folder, tmp_path):
+    """With LoRA enabled the layers run their Python forward (one C++ call per layer would
+    skip the adapters' products), and an adapter changes the GGUF model's output."""
+    from octavo import LoRARequest
+    from octavo.testing.lora_adapters import make_peft_adapter
+
+    path = _write_gguf(tiny_folder, tmp_path / "tiny.gguf", TYPES)
+    adapter = make_peft_adapter(tiny_folder, tmp_path / "adapter", rank=8,
+                                target_modules=["q_proj", "v_proj", "down_proj"])
+    llm = LLM(model=str(path), tokenizer=str(tiny_folder), dtype="float32",
+              kv_cache_memory_bytes=8 * 2**20, enable_lora=True, max_lora_rank=8)
+    try:
+        assert _fused_layers(llm) == 0
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+        prompt = [{"prompt_token_ids": list(range(30, 50))}]
+        base = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        tuned = llm.generate(prompt, params, use_tqdm=False,
+                             lora_request=LoRARequest("a", 1, str(adapter)))[0].outputs[0]
+    finally:
+        llm.llm_engine.shutdown()
+    first = lambda out: out.logprobs[0][out.token_ids[0]].logprob  # noqa: E731
+    assert base.token_ids != tuned.token_ids or first(base) != first(tuned)

@@ -6,12 +6,16 @@ layers it covers whole as one C++ call each (``octavo_cpu.fused_layer``)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from octavo.worker.worker import Worker
 
 from octavo_cpu.fused_layer import install_fused_decoder_layers
 from octavo_cpu.layers import register_layer_kernels
 from octavo_cpu.threads import configure_threads
+
+logger = logging.getLogger(__name__)
 
 
 class CPUWorker(Worker):
@@ -23,4 +27,9 @@ class CPUWorker(Worker):
 
     def load_model(self) -> None:
         super().load_model()
+        if self.config.lora_config is not None:
+            # LoRA adds its products in the Python linear layers, which one C++ call per
+            # layer would skip.
+            logger.info("cpu backend: LoRA is enabled; decoder layers run their Python forward")
+            return
         install_fused_decoder_layers(self.model)
