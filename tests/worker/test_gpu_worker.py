@@ -107,3 +107,19 @@ def test_a_rank_beyond_the_visible_gpus_says_what_to_change(monkeypatch):
         tensor_parallel_size=2, pipeline_parallel_size=1))
     with pytest.raises(RuntimeError, match="rank 1 needs GPU 1, but this process sees 1"):
         GPUWorker(config=config, pm=None, rank=1).init_device()
+
+
+def test_torch_host_ops_get_one_thread_unless_omp_num_threads_is_set(monkeypatch) -> None:
+    from octavo.worker.gpu_worker import _one_cpu_thread_for_torch
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        _one_cpu_thread_for_torch()
+        assert torch.get_num_threads() == 2  # the user's choice stands
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        _one_cpu_thread_for_torch()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
