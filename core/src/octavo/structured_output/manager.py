@@ -211,8 +211,8 @@ class StructuredOutputManager:
     ) -> concurrent.futures.Future[AcceptedStep]:
         """``accept_step(sampled)`` then ``bitmask(request_ids)`` on a background thread
         (llguidance releases the GIL while it fills masks), so the caller can go on with other
-        work. No
-        matcher may be used elsewhere until the future is done; removing requests is fine."""
+        work. No matcher may be used elsewhere until the future is done; removing requests is
+        fine."""
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="octavo-grammar-masks")
