@@ -37,7 +37,6 @@ class Llguidance:
     def __init__(self, tokenizer: Any, vocab: int, threads: int, any_whitespace: bool) -> None:
         import llguidance
         import llguidance.hf
-
         from octavo.sampling_params import StructuredOutputsParams
         from octavo.structured_output.grammar import grammar_text
 
@@ -137,9 +136,8 @@ def main() -> None:
                         help="allow whitespace between JSON tokens")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
     from octavo.testing.json_schemas import SCHEMA_CASES
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     vocab = len(tokenizer)
