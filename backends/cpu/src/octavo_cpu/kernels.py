@@ -53,7 +53,7 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 # Compiled, in this order; the headers beside them are hashed into the cache key too.
 SOURCES = ("ops.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_avx512bf16.cpp",
            "quant_ops.cpp", "quant_avx2.cpp", "quant_avx512vnni.cpp", "threads.cpp",
-           "layer_ops.cpp", "decoder_layer.cpp")
+           "layer_ops.cpp", "silu_avx2.cpp", "decoder_layer.cpp")
 # No -m flags: each attention_<isa>.cpp selects its instruction set with a pragma.
 CFLAGS = ("-O3", "-DNDEBUG", "-fopenmp")
 LDFLAGS = ("-fopenmp",)

@@ -24,8 +24,13 @@
 #include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#include <immintrin.h>
 #define OCTAVO_SILU_AVX2 1
+namespace octavo_cpu {
+namespace avx2 {
+// silu_avx2.cpp: one float32 row, 8 values at a time; returns how many values it did.
+int64_t silu_mul_row(const float* g, const float* u, float* y, int64_t d);
+}  // namespace avx2
+}  // namespace octavo_cpu
 #endif
 
 namespace octavo_cpu {
@@ -201,44 +206,6 @@ std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions,
 }
 
 #ifdef OCTAVO_SILU_AVX2
-// exp(x) of 8 floats (Cephes expf, about 1 ulp), x clamped to [-87, 88]: exp(-87) is taken
-// as 0, exp(88) stays finite. Only silu's exp(-g) uses it, where both ends give silu's limits
-// (g for large g, -0 for very negative g, up to rounding).
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x_in) {
-  __m256 x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x_in));
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                    _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
-  const __m256 result = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-  const __m256 tiny = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  return _mm256_andnot_ps(tiny, result);
-}
-
-// One float32 row, 8 values at a time (glibc's scalar expf was most of the op's time); the
-// tail of d % 8 values is left to the caller. Returns how many values it did.
-__attribute__((target("avx2,fma"))) int64_t silu_mul_row_avx2(const float* g, const float* u,
-                                                               float* y, int64_t d) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    const __m256 v = _mm256_loadu_ps(g + i);
-    const __m256 e = exp8(_mm256_xor_ps(v, sign));  // exp(-v)
-    const __m256 silu = _mm256_div_ps(v, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-  }
-  return i;
-}
-
 bool silu_avx2() {
   static const bool yes = [] {
     __builtin_cpu_init();
@@ -259,7 +226,7 @@ void silu_mul_rows(const T* x, int64_t x_stride, T* y, int64_t rows, int64_t d) 
       int64_t start = 0;
 #ifdef OCTAVO_SILU_AVX2
       if constexpr (std::is_same_v<T, float>) {
-        if (silu_avx2()) start = silu_mul_row_avx2(g, u, yr, d);
+        if (silu_avx2()) start = avx2::silu_mul_row(g, u, yr, d);
       }
 #endif
       for (int64_t i = start; i < d; ++i) {

@@ -89,8 +89,8 @@ OCTAVO_INLINE void hsum8(const Vec* v, float* out) {
                                   v[7].v));
 }
 
-// exp(x) for x <= 0 (softmax arguments; -inf gives 0): Cephes expf, about 1 ulp. Inputs below
-// -87 give 0 (exp(-87) < 2e-38, nothing next to the row maximum's exp(0) = 1).
+// exp(x) (softmax arguments, and SiLU's exp(-g)): Cephes expf, about 1 ulp. Inputs below -87
+// give 0 (exp(-87) < 2e-38; -inf gives 0), inputs above 88 are taken as 88 (exp stays finite).
 OCTAVO_INLINE Vec vexp(Vec a) {
   const __m256 x_in = a.v;
   // Constants first: min/max return their second operand when one is NaN, so NaN stays NaN.
