@@ -590,14 +590,7 @@ class ModelRunner:
         if sampler_output is not None and sampler_output.logprobs is not None:
             lp = sampler_output.logprobs
             device_tensors += [lp.token_ids, lp.logprobs, lp.ranks]
-        # (request id, top logprobs asked): finalize may run after the request is forgotten.
-        prompt_logprob_reqs = [
-            (req_id, self.requests[req_id].sampling_params.prompt_logprobs)
-            for req_id in inputs.prompt_logprob_positions
-        ]
-        for req_id, _ in prompt_logprob_reqs:
-            tensors = self._prompt_logprobs(hidden, req_id, inputs)
-            device_tensors += [tensors.token_ids, tensors.logprobs, tensors.ranks]
+        prompt_logprob_reqs = self._prompt_logprob_tensors(hidden, inputs, device_tensors)
 
         def finalize(host: list[torch.Tensor]) -> ModelRunnerOutput:
             if sampled is not None:
@@ -663,13 +656,7 @@ class ModelRunner:
             num_top = min(metadata.max_num_logprobs, metadata.vocab_size)
             lp = compute_logprobs(logits, decided.row_token_ids, num_top)
             device_tensors += [lp.token_ids, lp.logprobs, lp.ranks]
-        prompt_logprob_reqs = [
-            (req_id, self.requests[req_id].sampling_params.prompt_logprobs)
-            for req_id in inputs.prompt_logprob_positions
-        ]
-        for req_id, _ in prompt_logprob_reqs:
-            tensors = self._prompt_logprobs(hidden, req_id, inputs)
-            device_tensors += [tensors.token_ids, tensors.logprobs, tensors.ranks]
+        prompt_logprob_reqs = self._prompt_logprob_tensors(hidden, inputs, device_tensors)
         with_logprobs = metadata.max_num_logprobs is not None
 
         def finalize(host: list[torch.Tensor]) -> ModelRunnerOutput:
@@ -726,6 +713,18 @@ class ModelRunner:
             )
             for s, m in zip(states, missing)
         ]
+
+    def _prompt_logprob_tensors(self, hidden: torch.Tensor, inputs: _StepInputs,
+                                device_tensors: list[torch.Tensor]) -> list[tuple[str, int]]:
+        """Append the step's prompt-logprob tensors to ``device_tensors`` (three per request
+        that asked); returns each such request's (id, top logprobs asked), for ``finalize``,
+        which may run after the request is forgotten."""
+        reqs = [(req_id, self.requests[req_id].sampling_params.prompt_logprobs)
+                for req_id in inputs.prompt_logprob_positions]
+        for req_id, _ in reqs:
+            tensors = self._prompt_logprobs(hidden, req_id, inputs)
+            device_tensors += [tensors.token_ids, tensors.logprobs, tensors.ranks]
+        return reqs
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, req_id: str, inputs: _StepInputs
