@@ -8,8 +8,8 @@ mixes them), output tokens per second of each.
 The adapters are random PEFT-format folders (rank 16 on every q/k/v/o/gate/up/down projection,
 written from the model's config: no ``peft`` needed) in ``--adapter-dir``. Both runs use the
 same engine (``--enable-lora --max-loras 4``), so the no-adapter run also shows what enabling
-LoRA costs when no request uses one (its steps replay CUDA graphs; steps with adapters run
-eagerly).
+LoRA costs when no request uses one. Decode steps replay CUDA graphs in both runs (those with
+adapters stage their rows into the LoRA graph inputs); prefill steps run eagerly.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [bench-serve]
 #                                    [spec-tests] [bench-spec]
-#                                    [lora-tests] [bench-lora]
+#                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/octavo-out}
@@ -250,15 +250,20 @@ for stage in "${stages[@]}"; do
       python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_lora.py \
         tests/kernels/test_triton_lora.py 2>&1 | tee "$OUT/lora-tests.log" | tail -15
       ;;
-    bench-lora)
+    bench-lora|bench-lora-q05|bench-lora-l8b)
       # W1 through LLM.generate without adapters, then with 4 rank-16 adapters round-robin
-      # (Qwen2.5-0.5B shape, then Llama-3-8B shape with dummy weights); output tok/s (~10 min).
-      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
-      python3 benchmarks/gpu/bench_lora.py --model $MODEL 2>"$OUT/bench-lora-q05.err" \
-        | tee "$OUT/bench-lora-q05.log"
-      make_l8b
-      python3 benchmarks/gpu/bench_lora.py --model $L8B --load-format dummy \
-        2>"$OUT/bench-lora-l8b.err" | tee "$OUT/bench-lora-l8b.log"
+      # (Qwen2.5-0.5B shape, ~3 min, then Llama-3-8B shape with dummy weights, ~7 min);
+      # output tok/s. bench-lora-q05 / bench-lora-l8b run one shape each.
+      if [ "$stage" != bench-lora-l8b ]; then
+        [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+        python3 benchmarks/gpu/bench_lora.py --model $MODEL 2>"$OUT/bench-lora-q05.err" \
+          | tee "$OUT/bench-lora-q05.log"
+      fi
+      if [ "$stage" != bench-lora-q05 ]; then
+        make_l8b
+        python3 benchmarks/gpu/bench_lora.py --model $L8B --load-format dummy \
+          2>"$OUT/bench-lora-l8b.err" | tee "$OUT/bench-lora-l8b.log"
+      fi
       ;;
     quant-w1)
       # W1 (256 requests, 100-1024 in/out tokens) through LLM.generate, Llama-3-8B shape

@@ -53,7 +53,8 @@ def test_json_has_every_capability_of_every_backend(with_restricted, capsys):
         "ranks_here": None,  # the host: a process per rank
         "capabilities": {
             "dtypes": ["float32"], "head_dims": [16, 64], "block_sizes": [16],
-            "cuda_graphs": False, "async_scheduling": False, "max_num_seqs": 8, "max_model_len": 128,
+            "cuda_graphs": False, "cuda_graphs_multi_token": False,
+            "async_scheduling": False, "max_num_seqs": 8, "max_model_len": 128,
             "prompt_logprobs": False, "max_logprobs": 2, "quantization_methods": [],
             "kv_cache_dtypes": ["auto"], "sliding_window": False,
             "logits_soft_cap": False,
@@ -73,6 +74,7 @@ def test_json_shows_why_cuda_is_not_available_here(capsys):
     assert (cuda["available"], cuda["reason"]) == (answer.available, answer.reason)
     assert cuda["package"] == "octavo-backend-cuda" and cuda["priority"] == 100
     assert cuda["capabilities"]["cuda_graphs"] is True
+    assert cuda["capabilities"]["cuda_graphs_multi_token"] is True
     assert cuda["capabilities"]["async_scheduling"] is True
     assert cuda["capabilities"]["head_dims"] == [64, 80, 96, 128, 256]
 
@@ -91,7 +93,7 @@ def test_text_lists_each_backend_with_its_capabilities(with_restricted, capsys):
     ]
     assert details[3:] == [
         "dtypes             float32", "head dims          16, 64", "block sizes        16",
-        "CUDA graphs        no", "async scheduling   no",
+        "CUDA graphs        no", "multi-token graphs no", "async scheduling   no",
         "max num seqs       8", "max model len      128",
         "prompt logprobs    no", "max top logprobs   2", "quantization       none",
         "kv cache dtypes    auto", "sliding window     no", "logits soft cap    no",

@@ -101,6 +101,20 @@ def test_no_graph_runner_when_not_declared_or_eager(cuda_graphs, enforce_eager):
     assert GPUWorker(config=config, pm=None).make_graph_runner() is None
 
 
+@pytest.mark.parametrize("speculating, multi_token, want", [
+    (False, True, 1), (True, True, 5), (True, False, 1)])
+def test_verification_steps_are_captured_when_speculating_on_a_backend_that_can(
+        speculating, multi_token, want):
+    config = SimpleNamespace(
+        backend="cuda",
+        backend_capabilities=SimpleNamespace(cuda_graphs=True,
+                                             cuda_graphs_multi_token=multi_token),
+        speculative_config=SimpleNamespace(num_speculative_tokens=4) if speculating else None,
+        parallel_config=ONE_RANK,
+    )
+    assert GPUWorker(config=config, pm=None)._verification_query_len() == want
+
+
 def test_a_rank_beyond_the_visible_gpus_says_what_to_change(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     config = SimpleNamespace(backend="cuda", parallel_config=SimpleNamespace(

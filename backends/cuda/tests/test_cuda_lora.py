@@ -3,8 +3,8 @@
 - A Llama of modest real-ish width (hidden 1024, 16 heads, 4 KV heads, intermediate 2816,
   4 layers) in float32 with three random PEFT adapters: one mixed batch (three adapters and
   none, prompts of different lengths) gives each request the greedy tokens of transformers +
-  PEFT on the GPU, and logprobs within 1e-3; steps without adapters replay CUDA graphs, steps
-  with adapters run eagerly.
+  PEFT on the GPU, and logprobs within 1e-3; decode steps with and without adapters replay
+  CUDA graphs (those with adapters stage their rows into the LoRA graph inputs).
 - The kernels against the torch reference at Llama-3-8B shapes (bf16/fp16): in
   ``tests/kernels/test_triton_lora.py::test_llama8b_shapes`` (run with ``-m gpu``), repeated
   here on the engine's mapping of a mixed prefill/decode step.
@@ -61,14 +61,20 @@ def test_mixed_adapter_batch_matches_peft_on_cuda(models) -> None:
     llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
               num_gpu_blocks_override=512)
     try:
-        assert llm.llm_engine.engine_core.executor.worker.model_runner.lora_manager.batch \
-            .use_kernels
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        assert runner.lora_manager.batch.use_kernels
+        graphs, shapes = runner.graph_runner, []
+        original = graphs.run
+        graphs.run = lambda ids, pos, md: shapes.append(graphs.shape_for(md)) or original(
+            ids, pos, md)
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
                                 logprobs=0)
         outputs = llm.generate([p for _, p in cases], params, use_tqdm=False,
                                lora_request=[None if n is None else loras[n] for n, _ in cases])
         # A step of no adapter after LoRA steps (CUDA graphs) still gives the base model.
         base_again = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert sum(1 for shape in shapes if shape[2]) >= NUM_TOKENS - 2, shapes  # LoRA graphs
+        assert any(not shape[2] for shape in shapes)  # base_again's steps: graphs without
     finally:
         llm.llm_engine.shutdown()
 

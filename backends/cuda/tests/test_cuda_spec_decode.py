@@ -1,9 +1,9 @@
 """Speculative decoding (ngram) on an NVIDIA GPU (run through the device tool; skipped in CI).
 
 Greedy outputs with speculation equal those without, with drafts accepted, on the CUDA backend
-with CUDA graphs on: steps that verify drafts (several query tokens per sequence) run eagerly
-(``CudaGraphRunner.can_run`` takes pure decode steps only), steps without drafts replay graphs.
-The rejection sampler's output distribution on the device matches the target's.
+with CUDA graphs on and off: with them on, steps that verify drafts (up to 1 + K query tokens
+per sequence) replay graphs of their own shape, and so do steps without drafts. The rejection
+sampler's output distribution on the device matches the target's.
 """
 
 from __future__ import annotations
@@ -65,6 +65,22 @@ def test_greedy_equal_with_and_without_ngram(model_dir, enforce_eager: bool) -> 
     got = small.generate([{"prompt_token_ids": t} for t in PROMPTS], params[0], use_tqdm=False)
     want = plain.generate([{"prompt_token_ids": t} for t in PROMPTS], params[0], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_verification_steps_replay_cuda_graphs(model_dir) -> None:
+    spec = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,
+               max_num_seqs=8, speculative_config=NGRAM)
+    graphs = spec.llm_engine.engine_core.executor.worker.model_runner.graph_runner
+    assert graphs is not None and graphs.query_lens == [1, 5]
+    shapes = []
+    original = graphs.run
+    graphs.run = lambda ids, pos, md: shapes.append(graphs.shape_for(md)) or original(ids, pos,
+                                                                                     md)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    spec.generate([{"prompt_token_ids": t} for t in PROMPTS], params, use_tqdm=False)
+    verified = [shape for shape in shapes if shape[1] == 5]
+    assert len(verified) >= 5, shapes  # the repetitive prompts accept drafts at every step
+    assert spec.llm_engine.stats().spec_decode_num_accepted_tokens > 0
 
 
 def test_rejection_sampler_distribution_on_the_device() -> None:

@@ -46,6 +46,10 @@ class BackendCapabilities:
     # Whether decode steps can be captured as CUDA graphs (informational; --enforce-eager
     # turns them off).
     cuda_graphs: bool = False
+    # Whether steps in which each sequence adds a few tokens (speculative decoding's
+    # verification) can be captured too: the attention's multi-token path must read no
+    # host-side metadata and launch a grid fixed by the step's shape.
+    cuda_graphs_multi_token: bool = False
     # Whether the device runs work asynchronously to the host, so scheduling the next step
     # while the current one runs pays off: the default of --async-scheduling.
     async_scheduling: bool = False

@@ -20,6 +20,7 @@ _NONE_TEXT = {"head_dims": "any", "block_sizes": "any"}
 # Text-view labels (a field without one shows its name with spaces).
 _LABELS = {
     "cuda_graphs": "CUDA graphs",
+    "cuda_graphs_multi_token": "multi-token graphs",
     "async_scheduling": "async scheduling",
     "max_logprobs": "max top logprobs",
     "quantization_methods": "quantization",

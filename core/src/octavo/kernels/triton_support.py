@@ -26,8 +26,8 @@ TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 TRITON_DTYPES = ("bfloat16", "float16", "float32")
 #: What a GPU backend running these kernels through the core's GPU worker supports: the
 #: kernels' dtypes and head sizes, the quantization methods, the block sizes they are tested
-#: and tuned for, decode CUDA (or HIP) graphs unless --enforce-eager, async scheduling (the
-#: device runs apart from the host), an fp8 KV cache, sliding-window attention and logit
+#: and tuned for, CUDA (or HIP) graphs of decode and verification steps unless
+#: --enforce-eager, async scheduling (the device runs apart from the host), an fp8 KV cache, sliding-window attention and logit
 #: soft-capping. No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
 #: logprobs come from the core's sampler, so every count and prompt logprobs.
 TRITON_GPU_CAPABILITIES = BackendCapabilities(
@@ -35,6 +35,7 @@ TRITON_GPU_CAPABILITIES = BackendCapabilities(
     head_dims=TRITON_HEAD_DIMS,
     block_sizes=(8, 16, 32, 64),
     cuda_graphs=True,
+    cuda_graphs_multi_token=True,
     async_scheduling=True,
     # fp8 through the Triton w8a16 skinny kernel (<= 16 rows) and torch._scaled_mm (more),
     # dequantized where the GPU has no FP8 tensor cores; int4 AWQ/GPTQ through the Triton

@@ -23,7 +23,8 @@ the reference and the CPU path; on a GPU the Triton kernels of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -83,8 +84,8 @@ class LoRAMapping:
 class LoRABatch:
     """The step's ``LoRAMapping``, shared by every ``LoRALinear`` of a model.
 
-    ``mapping`` is ``None`` outside a step that has LoRA rows: the layers then add nothing
-    (which is also what a captured CUDA graph holds: LoRA steps run eagerly).
+    ``mapping`` is ``None`` outside a step that has LoRA rows: the layers then add nothing.
+    CUDA graphs of LoRA steps capture a ``LoRAGraphInputs`` mapping instead.
     """
 
     def __init__(self, use_kernels: bool) -> None:
@@ -96,6 +97,62 @@ class LoRABatch:
             from octavo.kernels.triton.lora import lora_shrink_expand
 
             self.kernel = lora_shrink_expand
+
+
+class LoRAGraphInputs:
+    """A ``LoRAMapping`` in persistent device buffers, for CUDA graphs of LoRA steps.
+
+    A graph captured under ``capturing(num_tokens)`` launches the kernels with a grid for
+    every slot (``max_loras`` groups) and ``num_tokens`` rows per group; before each replay
+    ``stage()`` copies the step's real mapping into the buffers, and the groups it does not
+    use are left empty (their programs exit at once), so the captured launches add exactly
+    what the step's mapping asks for. The host lists of the captured mapping describe the
+    capture only (graphs run the kernels, which read the device buffers).
+    """
+
+    def __init__(self, batch: LoRABatch, max_loras: int, max_tokens: int,
+                 device: torch.device) -> None:
+        if batch.kernel is None:
+            raise ValueError("LoRA graph inputs need the LoRA kernels (a GPU device)")
+        self.batch = batch
+        self.max_loras = max_loras
+        self.token_indices = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.group_slots = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self.group_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
+
+    @property
+    def step_has_lora(self) -> bool:
+        """Whether the step being run has rows with an adapter (``LoRABatch.mapping``)."""
+        return self.batch.mapping is not None
+
+    @contextmanager
+    def capturing(self, num_tokens: int) -> Iterator[None]:
+        """Make the layers launch the kernels on the buffers (every group empty) while a
+        graph of ``num_tokens`` rows is captured."""
+        self.group_starts.zero_()
+        self.batch.mapping = LoRAMapping(
+            token_indices=self.token_indices[:num_tokens],
+            group_slots=list(range(self.max_loras)),
+            group_slots_dev=self.group_slots,
+            group_starts=[0] * (self.max_loras + 1),
+            group_starts_dev=self.group_starts,
+            max_group_size=num_tokens,
+        )
+        try:
+            yield
+        finally:
+            self.batch.mapping = None
+
+    def stage(self) -> None:
+        """Copy the step's mapping into the buffers (before replaying a LoRA graph)."""
+        mapping = self.batch.mapping
+        assert mapping is not None, "stage() needs a step with LoRA rows"
+        rows, groups = mapping.token_indices.shape[0], len(mapping.group_slots)
+        assert groups <= self.max_loras and rows <= self.token_indices.shape[0]
+        self.token_indices[:rows].copy_(mapping.token_indices, non_blocking=True)
+        self.group_slots[:groups].copy_(mapping.group_slots_dev, non_blocking=True)
+        self.group_starts[: groups + 1].copy_(mapping.group_starts_dev, non_blocking=True)
+        self.group_starts[groups + 1 :].fill_(rows)
 
 
 def lora_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor,

@@ -4,7 +4,9 @@ Serves the CUDA and ROCm backends alike: ROCm builds of torch keep the CUDA name
 ``"cuda"``, ``torch.cuda.set_device``; ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``
 pick the physical GPUs), and ``torch.cuda.CUDAGraph`` records HIP graphs there. Decode steps
 are captured as graphs (``octavo.worker.cuda_graph``) when the backend declares
-``BackendCapabilities.cuda_graphs`` and ``enforce_eager`` is off.
+``BackendCapabilities.cuda_graphs`` and ``enforce_eager`` is off; with speculative decoding,
+steps that verify drafts too when it declares ``cuda_graphs_multi_token``; with LoRA, steps
+with adapters have graphs of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 
 import torch
 
+from octavo.lora.layers import LoRAGraphInputs
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.worker import Worker
 
@@ -41,7 +44,8 @@ class GPUWorker(Worker):
         )
 
     def make_graph_runner(self) -> GraphRunner | None:
-        """Decode CUDA (or HIP) graphs, captured now, unless turned off."""
+        """CUDA (or HIP) graphs of decode steps (and verification steps when speculating),
+        captured now, unless turned off."""
         if self.ranks.pp_size > 1:
             logger.info("pipeline parallelism: decode steps run eagerly (no graph capture)")
             return None
@@ -52,20 +56,43 @@ class GPUWorker(Worker):
         if self.config.model_config.enforce_eager:
             logger.info("enforce_eager: CUDA graphs are off")
             return None
-        from octavo.worker.cuda_graph import DecodeGraphRunner
+        from octavo.worker.cuda_graph import CudaGraphRunner
 
         assert self.model_runner is not None, "load_model() must run first"
         runner = self.model_runner
-        graphs = DecodeGraphRunner(
+        query_len = self._verification_query_len()
+        graphs = CudaGraphRunner(
             model=runner.model,
             kv_caches=runner.kv_caches,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             max_model_len=self.config.model_config.max_model_len,
             block_size=self.config.cache_config.block_size,
             device=self.device,
+            max_query_len=query_len,
+            lora=self._lora_graph_inputs(query_len),
         )
         graphs.capture()
         return graphs
+
+    def _verification_query_len(self) -> int:
+        """Tokens per sequence of a step that verifies drafts, when such steps are captured
+        (1: decode steps only)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 1
+        if not self.config.backend_capabilities.cuda_graphs_multi_token:
+            logger.info("backend %s: steps that verify drafts run eagerly (no multi-token "
+                        "graph capture declared)", self.config.backend)
+            return 1
+        return 1 + spec.num_speculative_tokens
+
+    def _lora_graph_inputs(self, query_len: int) -> LoRAGraphInputs | None:
+        """The buffers LoRA steps' graphs read their adapter rows from (None: no LoRA)."""
+        manager = self.model_runner.lora_manager if self.model_runner is not None else None
+        if manager is None or manager.batch.kernel is None:
+            return None
+        max_tokens = self.config.scheduler_config.max_num_seqs * query_len
+        return LoRAGraphInputs(manager.batch, manager.config.max_loras, max_tokens, self.device)
 
 
 def _one_cpu_thread_for_torch() -> None:

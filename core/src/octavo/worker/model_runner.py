@@ -296,15 +296,15 @@ class ModelRunner:
             return PendingStepOutput.ready(ModelRunnerOutput())
         inputs = self._prepare_inputs(scheduler_output)
         lora_step = self._prepare_lora(scheduler_output, inputs.req_ids)
-        if (not lora_step and self.graph_runner is not None
-                and self.graph_runner.can_run(inputs.metadata)):
-            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
-        else:  # (the captured graphs hold no LoRA: steps with adapters run eagerly)
-            try:
+        try:
+            if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
+                hidden = self.graph_runner.run(inputs.input_ids, inputs.positions,
+                                               inputs.metadata)
+            else:
                 hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
-            finally:
-                if lora_step:
-                    self.lora_manager.finish_step()
+        finally:
+            if lora_step:
+                self.lora_manager.finish_step()
         step: StepOutput
         if hidden is None:  # a pipeline stage before the last: nothing sampled here
             step = PendingStepOutput.ready(ModelRunnerOutput(
