@@ -307,14 +307,17 @@ class EngineCore:
         (the constrained rows of the step launched with ``sampling_deferred``), the grammars
         advance and those rows' masks are filled on the grammar thread while the caller goes
         on: the outputs go out and the next step is scheduled, and the sampling is launched
-        (``_launch_deferred_sampling``) just before the next step."""
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        (``_launch_deferred_sampling``) just before the next step. That grammar work starts
+        from the runner's tokens, before the scheduler records them: it is on the critical
+        path of the next sampling, the recording is not."""
         manager = self.structured_outputs
-        constrained = [output for output in outputs if manager.is_constrained(output.request_id)]
-        sampled = {output.request_id: output.new_token_ids for output in constrained}
         if deferred_rows is not None:
-            self._grammar_step = manager.accept_and_bitmask_async(sampled, deferred_rows)
-        elif constrained:
+            self._grammar_step = manager.accept_and_bitmask_async(
+                self._constrained_tokens(runner_output), deferred_rows)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        constrained = [output for output in outputs if manager.is_constrained(output.request_id)]
+        if deferred_rows is None and constrained:
+            sampled = {output.request_id: output.new_token_ids for output in constrained}
             refused = manager.accept_step(sampled)
             for output in constrained:
                 if output.request_id in refused and output.finish_reason is None:
@@ -324,6 +327,21 @@ class EngineCore:
             if output.finish_reason is not None:
                 manager.remove(output.request_id)
         return outputs
+
+    def _constrained_tokens(self, runner_output) -> dict[str, list[int]]:
+        """The tokens a step sampled for constrained requests, as ``update_from_output`` will
+        record them: it drops only those of requests finished meanwhile (a request speculates
+        only without a grammar, so each row is its one sampled token)."""
+        manager = self.structured_outputs
+        requests = self.scheduler.requests
+        sampled: dict[str, list[int]] = {}
+        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            if not token_ids or not manager.is_constrained(req_id):
+                continue
+            request = requests.get(req_id)
+            if request is not None and not request.status.is_finished:
+                sampled[req_id] = list(token_ids)
+        return sampled
 
     def _end_refused(self, refused: dict[str, str]) -> list[EngineCoreOutput]:
         """End the requests whose sampled token the grammar thread found refused (those
