@@ -56,6 +56,15 @@ def test_rank_padding_and_single_slot():
     _check([1, 1, 1], [1, 2, 1], k=16, n=10, rank=6, num_slots=2, dtype=torch.float32)
 
 
+def test_inputs_split_over_programs():
+    # K over SHRINK_K_CHUNK: three programs per row block add their partial sums, the last
+    # one over a partial chunk.
+    from octavo.kernels.triton.lora import SHRINK_K_CHUNK
+
+    k = 2 * SHRINK_K_CHUNK + 76
+    _check([0, 1, -1, 0], [5, 3, 2, 1], k=k, n=24, rank=8, num_slots=2, dtype=torch.float32)
+
+
 def test_nothing_mapped():
     assert LoRAMapping.from_requests([-1, -1], [3, 1], torch.device(DEVICE)) is None
 

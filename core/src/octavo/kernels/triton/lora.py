@@ -4,8 +4,11 @@ Two kernels over the step's rows grouped by slot (``octavo.lora.layers.LoRAMappi
 token indices sorted by slot, each group one slot):
 
 - shrink: ``h[i] = x[token_indices[i]] @ A[slot]^T`` for every grouped row ``i``, float32,
-  ``[num_lora_tokens, R]``; grid ``[num_groups, cdiv(max_group_size, BLOCK_M)]``, each program
-  ``BLOCK_M`` rows of one group, the whole (padded) rank, looping over the inputs.
+  ``[num_lora_tokens, R]``; grid ``[num_groups, cdiv(max_group_size, BLOCK_M), split_k]``,
+  each program ``BLOCK_M`` rows of one group, the whole (padded) rank, looping over one
+  ``SHRINK_K_CHUNK`` of the inputs and adding its partial sums atomically (without the split
+  a few row blocks looped over all of K: 16 busy programs for a 256-row step of 4 adapters
+  on a 132-SM GPU).
 - expand: ``y[token_indices[i]] += h[i] @ B[slot]^T``; grid ``[num_groups,
   cdiv(max_group_size, BLOCK_M), cdiv(N, BLOCK_N)]``. Every row is in one group, so each
   output element is written by one program (no atomics).
@@ -23,17 +26,22 @@ import triton.language as tl
 
 from octavo.kernels.triton.cache_write import dot_fp32, upcast_dot
 
+# Inputs per shrink program (a multiple of every block_k used): K = 4096 splits in 8.
+SHRINK_K_CHUNK = 512
+
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, h_ptr, token_ptr, slot_ptr, start_ptr,
-    K, R,
+    K, R, k_chunk,
     stride_xm, stride_as, stride_ar, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     group = tl.program_id(0)
     block = tl.program_id(1)
+    k_start = tl.program_id(2) * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
     start = tl.load(start_ptr + group)
     end = tl.load(start_ptr + group + 1)
     first = start + block * BLOCK_M
@@ -46,16 +54,20 @@ def _lora_shrink_kernel(
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
+        k_mask = ks < k_end
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [M, K]
         a = tl.load(a_ptr + slot * stride_as + ranks[None, :] * stride_ar + ks[:, None],
                     mask=rank_mask[None, :] & k_mask[:, None], other=0.0)  # [K, R]
         acc += dot_fp32(x, a, UPCAST, PRECISION)
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + ranks[None, :], acc,
-             mask=row_mask[:, None] & rank_mask[None, :])
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + ranks[None, :]
+    h_mask = row_mask[:, None] & rank_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(h_ptrs, acc, mask=h_mask)
+    else:
+        tl.atomic_add(h_ptrs, acc, mask=h_mask)
 
 
 @triton.jit
@@ -121,13 +133,15 @@ def lora_shrink_expand(
     block_r = max(16, triton.next_power_of_2(R))
     precision = "ieee"  # (fp32 exactly; 16-bit operands ignore it)
     upcast = upcast_dot(x.dtype)
-    shrunk = torch.empty(num_lora_tokens, R, dtype=torch.float32, device=x.device)
+    split_k = triton.cdiv(K, SHRINK_K_CHUNK)
+    make = torch.empty if split_k == 1 else torch.zeros
+    shrunk = make(num_lora_tokens, R, dtype=torch.float32, device=x.device)
     blocks_m = triton.cdiv(max_group_size, block_m)
-    _lora_shrink_kernel[(num_groups, blocks_m)](
+    _lora_shrink_kernel[(num_groups, blocks_m, split_k)](
         x, lora_a, shrunk, token_indices, group_slots, group_starts,
-        K, R,
+        K, R, SHRINK_K_CHUNK,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), shrunk.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
         UPCAST=upcast, PRECISION=precision,
     )
     _lora_expand_kernel[(num_groups, blocks_m, triton.cdiv(N, block_n))](
