@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from octavo.kernels.fp8 import _MIN_SCALE, quantize_fp8_per_token
 from octavo.kernels.triton.fp8_quant import quantize_fp8_per_token as triton_per_token
+
 from tests.kernels.conftest import DEVICE
 
 
