@@ -2,8 +2,8 @@
 
 Runs the workload of ``octavo bench throughput`` (random token-id prompts, lengths uniform in
 the given ranges, workload seed 0, greedy, ``ignore_eos``) through ``LLM.generate`` once for
-wall time, then again under ``torch.profiler`` and prints the self CPU time per op (whole run)
-and how the steps split into prefill-only, decode-only and mixed steps.
+wall time, then again under ``torch.profiler`` and prints the self CPU time per op (whole run),
+and per op and input shape. The first line also gives the minor page faults of the timed run.
 
     python benchmarks/cpu/profile_throughput.py [--num-prompts 64] [--no-torch-profiler]
 """
@@ -11,6 +11,7 @@ and how the steps split into prefill-only, decode-only and mixed steps.
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 
@@ -45,9 +46,12 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     elapsed = timed()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     print(f"wall: {elapsed:.1f} s, {workload.num_output_tokens / elapsed:.1f} output tok/s, "
-          f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens")
+          f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens, "
+          f"{faults} minor page faults")
     if args.no_torch_profiler:
         return
     from torch.profiler import ProfilerActivity, profile
