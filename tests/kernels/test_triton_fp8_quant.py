@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from octavo.kernels.fp8 import _MIN_SCALE, quantize_fp8_per_token
+from octavo.kernels.fp8 import _MIN_SCALE, INV_FP8_MAX, quantize_fp8_per_token
 from octavo.kernels.triton.fp8_quant import quantize_fp8_per_token as triton_per_token
 
 from tests.kernels.conftest import DEVICE
@@ -23,7 +23,7 @@ def _rows(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 def _check(x: torch.Tensor) -> None:
     want_q, want_scale = quantize_fp8_per_token(x)
-    got_q, got_scale = triton_per_token(x, _MIN_SCALE)
+    got_q, got_scale = triton_per_token(x, INV_FP8_MAX, _MIN_SCALE)
     assert got_scale.shape == want_scale.shape and got_q.dtype == torch.float8_e4m3fn
     assert torch.equal(got_scale, want_scale)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
@@ -38,7 +38,7 @@ def test_bytes_and_scales_equal_the_torch_ops(dtype, m, k):
 def test_a_strided_view_and_no_rows():
     x = _rows(4, 96, torch.bfloat16)
     _check(x[:, :64])  # rows 96 apart
-    q, scale = triton_per_token(x[:0], _MIN_SCALE)
+    q, scale = triton_per_token(x[:0], INV_FP8_MAX, _MIN_SCALE)
     assert q.shape == (0, 96) and scale.shape == (0, 1)
 
 

@@ -35,6 +35,8 @@ from octavo.kernels.triton_support import optional_triton_kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# 1 / 448 as a float32 (what a float32 product with it uses on every device).
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
 # Smallest scale: keeps an all-zero row from dividing by zero.
 _MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
@@ -57,8 +59,13 @@ def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic activation quantization: ``[M, K]`` -> (e4m3 ``[M, K]``, float32 ``[M, 1]``)."""
-    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    """Dynamic activation quantization: ``[M, K]`` -> (e4m3 ``[M, K]``, float32 ``[M, 1]``).
+
+    The scale is ``amax`` times the float32 ``1 / 448``: a product is rounded the same way on
+    every device (torch divides by a scalar as a multiplication by its reciprocal on CUDA but
+    not on the CPU), and the Triton kernel (``octavo.kernels.triton.fp8_quant``) matches it
+    bit for bit."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() * INV_FP8_MAX).clamp(min=_MIN_SCALE)
     return quantize_fp8(x, scale), scale
 
 
@@ -128,7 +135,7 @@ def fp8_linear(
         if input_scale is None:
             quant = optional_triton_kernels("fp8_quant")
             if quant is not None:  # one kernel instead of ~11 passes of torch ops
-                x_fp8, x_scale = quant.quantize_fp8_per_token(x, _MIN_SCALE)
+                x_fp8, x_scale = quant.quantize_fp8_per_token(x, INV_FP8_MAX, _MIN_SCALE)
             else:
                 x_fp8, x_scale = quantize_fp8_per_token(x)
         else:
