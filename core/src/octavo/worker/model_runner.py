@@ -41,10 +41,12 @@ from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import GrammarRows, SamplingMetadata, SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput, mask_by_bitmask
 from octavo.sampling_params import SamplingParams
+from octavo.spec_decode.proposals import params_may_speculate
 from octavo.spec_decode.rejection_sampler import rejection_sample, target_distribution
 from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
+from octavo.worker.draft_model import DraftModelProposer, DraftRequest
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
 from octavo.worker.pipeline import StageIO
@@ -159,6 +161,9 @@ class ModelRunner:
         self.graph_runner: GraphRunner | None = None
         # The adapters' device slots (--enable-lora), set by load_model.
         self.lora_manager: LoRAManager | None = None
+        # Speculative decoding with a draft model (set by load_model): it runs over every
+        # step's tokens and proposes after each step (octavo.worker.draft_model).
+        self.drafter: DraftModelProposer | None = None
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -169,6 +174,13 @@ class ModelRunner:
             self.lora_manager = LoRAManager(self.model, self.config.lora_config,
                                             self.model_config.hf_config, self.model_config.dtype,
                                             self.device)
+        spec = self.config.speculative_config
+        if spec is not None and spec.uses_draft_model:
+            assert self.parallel.ranks.world_size == 1, "draft_model runs on one device"
+            self.drafter = DraftModelProposer(
+                spec.draft_model_config, self.attn_backend, self.device, self.pm,
+                self.config.backend, spec.num_speculative_tokens, self.block_size)
+            self.drafter.load_model()
         if self.parallel.ranks.pp_size > 1:
             self.stage_io = StageIO(self.parallel, self.model_config.hf_config.hidden_size,
                                     self.model_config.dtype, self.device)
@@ -190,7 +202,9 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = self._kv_cache_layout()
         shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, num_kv_heads, head_dim)
         element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return int(np.prod(shape)) * element_size * num_layers
+        draft = 0 if self.drafter is None else self.drafter.kv_cache_bytes_per_block(
+            self.kv_cache_dtype)
+        return int(np.prod(shape)) * element_size * num_layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self._kv_cache_layout()
@@ -202,6 +216,8 @@ class ModelRunner:
         self.kv_caches = [
             torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, dtype)
         mover = self.pm.hook.octavo_kv_block_mover(
             backend=self.config.backend, attn_backend=self.attn_backend, device=self.device)
         self.kv_block_mover = mover or default_kv_block_mover(self.attn_backend, self.device)
@@ -209,7 +225,14 @@ class ModelRunner:
     def initialize_host_cache(self, num_blocks: int) -> None:
         """Allocate the host block pool of swapped-out requests (after the KV cache)."""
         assert self.kv_block_mover is not None, "initialize_kv_cache() must run first"
-        self.host_kv_caches = self.kv_block_mover.allocate_host_cache(self.kv_caches, num_blocks)
+        self.host_kv_caches = self.kv_block_mover.allocate_host_cache(self._all_kv_caches(),
+                                                                      num_blocks)
+
+    def _all_kv_caches(self) -> list[torch.Tensor]:
+        """Every KV layer over the blocks: the target's, then the draft model's."""
+        if self.drafter is None:
+            return self.kv_caches
+        return self.kv_caches + self.drafter.kv_caches
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
         """The step's block moves, before its forward: swap-outs, copies, swap-ins."""
@@ -219,9 +242,10 @@ class ModelRunner:
         assert mover is not None, "initialize_kv_cache() must run first"
         if so.blocks_to_swap_out or so.blocks_to_swap_in:
             assert self.host_kv_caches, "the scheduler swaps but no host cache was allocated"
-        mover.swap_out(self.kv_caches, self.host_kv_caches, so.blocks_to_swap_out)
-        mover.copy(self.kv_caches, so.blocks_to_copy)
-        mover.swap_in(self.host_kv_caches, self.kv_caches, so.blocks_to_swap_in)
+        caches = self._all_kv_caches()
+        mover.swap_out(caches, self.host_kv_caches, so.blocks_to_swap_out)
+        mover.copy(caches, so.blocks_to_copy)
+        mover.swap_in(self.host_kv_caches, caches, so.blocks_to_swap_in)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor | None:
@@ -269,6 +293,9 @@ class ModelRunner:
             if self.stage_io is None or self.stage_io.is_last:
                 rows = min(sched.max_num_seqs, num_tokens)
                 self.model.compute_logits(hidden[:rows])
+            if self.drafter is not None:
+                self.drafter.profile_run(input_ids, positions, metadata, num_blocks,
+                                         self.kv_cache_dtype)
         finally:
             self.kv_caches = saved
 
@@ -305,13 +332,15 @@ class ModelRunner:
         finally:
             if lora_step:
                 self.lora_manager.finish_step()
+        if self.drafter is not None:
+            self.drafter.forward_step(inputs.input_ids, inputs.positions, inputs.metadata)
         step: StepOutput
         if hidden is None:  # a pipeline stage before the last: nothing sampled here
             step = PendingStepOutput.ready(ModelRunnerOutput(
                 req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
         elif inputs.spec_drafts is not None:
             assert not scheduler_output.sampling_deferred, "speculation runs without async"
-            step = self._sample_speculative(hidden, inputs, scheduler_output.grammar_bitmask)
+            step = self._sample_speculative(hidden, inputs, scheduler_output)
         elif scheduler_output.sampling_deferred:
             step = DeferredStepOutput(self._last_step)
             self._deferred = (step, hidden, inputs)
@@ -431,7 +460,9 @@ class ModelRunner:
         pending_flat: list[int] = []
         pending_rows: list[int] = []
         spec_tokens = so.scheduled_spec_decode_tokens
-        spec_drafts: list[list[int]] | None = [] if spec_tokens else None
+        # With a draft model every step samples through the speculative path (it proposes).
+        spec_drafts: list[list[int]] | None = (
+            [] if spec_tokens or self.drafter is not None else None)
         bs = self.block_size
         for req_id in req_ids:
             state = self.requests[req_id]
@@ -616,7 +647,7 @@ class ModelRunner:
         return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, previous, sampled)
 
     def _sample_speculative(
-        self, hidden: torch.Tensor, inputs: _StepInputs, grammar_bitmask: GrammarBitmask | None
+        self, hidden: torch.Tensor, inputs: _StepInputs, so: SchedulerOutput
     ) -> PendingStepOutput:
         """Sample a step where some requests verify draft tokens (speculative decoding).
 
@@ -625,8 +656,11 @@ class ModelRunner:
         see them), and the rejection sampler (``octavo.spec_decode.rejection_sampler``) keeps
         the drafts the target agrees with plus one token of its own. Requests emit 1 .. k + 1
         tokens; logprobs come per emitted token. Runs one step at a time (no token in flight).
+        With a draft model, the draft then proposes the next step's drafts of each request
+        that may speculate (``ModelRunnerOutput.spec_token_ids``).
         """
         assert inputs.spec_drafts is not None
+        grammar_bitmask = so.grammar_bitmask
         output = ModelRunnerOutput(
             req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]
         )
@@ -652,6 +686,9 @@ class ModelRunner:
         decided = rejection_sample(argmax, probs, greedy, draft_ids, [len(d) for d in drafts],
                                    seeded_rows=metadata.seeded_rows)
         device_tensors = [decided.token_ids, decided.num_emitted]
+        if self.drafter is not None and states:
+            output.spec_token_ids = self._propose_with_draft(
+                states, inputs, decided.token_ids, decided.num_emitted, so)
         if metadata.max_num_logprobs is not None:
             num_top = min(metadata.max_num_logprobs, metadata.vocab_size)
             lp = compute_logprobs(logits, decided.row_token_ids, num_top)
@@ -685,6 +722,45 @@ class ModelRunner:
             return output
 
         return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, None, None)
+
+    def _propose_with_draft(self, states: list[CachedRequestState], inputs: _StepInputs,
+                            token_ids: torch.Tensor, num_emitted: torch.Tensor,
+                            so: SchedulerOutput) -> dict[str, list[int]]:
+        """The draft model's proposals after this step for each sampling request that may
+        speculate (waits for the step's emitted tokens: speculation runs one step at a time).
+        Forks of this step are left out (their write position may still be in a block shared
+        with their parent): they propose from their next step on."""
+        assert self.drafter is not None
+        emitted_host = torch.stack([num_emitted, token_ids.gather(
+            1, (num_emitted - 1).unsqueeze(1)).squeeze(1)]).tolist()
+        forks = {fork.req_id for fork in so.forked_reqs}
+        max_len = self.model_config.max_model_len
+        requests: list[DraftRequest] = []
+        ids: list[str] = []
+        for state, n_before, n, last in zip(states, inputs.num_tokens_before_sample,
+                                            emitted_host[0], emitted_host[1]):
+            if (state.req_id in forks or state.tokens_from_scheduler
+                    or not params_may_speculate(state.sampling_params)):
+                continue
+            length = n_before + n  # tokens once this step's are in; the last at length - 1
+            room = min(self.drafter.k, max_len - length)
+            if room <= 0:
+                continue
+            ids.append(state.req_id)
+            requests.append(DraftRequest(last_token_id=last, position=length - 1,
+                                         block_table_row=state.block_table_row,
+                                         block_ids=state.block_ids, max_tokens=room))
+        if not requests:
+            return {}
+
+        def build(slots: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                  rows: list[int]) -> AttentionMetadata:
+            width = max(-(-n // self.block_size) for n in seq_lens)
+            return self._build_metadata(slots, query_start_loc, seq_lens,
+                                        self.block_table.gather(rows, width))
+
+        proposals = self.drafter.propose(requests, build)
+        return {req_id: p for req_id, p in zip(ids, proposals) if p}
 
     def _sampling_rows(
         self,
