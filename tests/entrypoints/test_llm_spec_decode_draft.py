@@ -1,0 +1,207 @@
+"""Speculative decoding with a draft model (``"method": "draft_model"``) through ``octavo.LLM``:
+greedy outputs (and logprobs) equal those without speculation in every engine situation that
+touches the draft's tokens and KV (continuous batching with prefills in the same step, prefix
+caching, preemption by recompute and by swap, stops and max_tokens inside an accepted run,
+n > 1); the target as its own draft accepts every draft; a prefix-cache hit proposes exactly
+what a run without the cache proposes (the draft's KV of cached blocks is valid); bad
+configurations are refused with one clear line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from octavo.engine.arg_utils import EngineArgs
+from octavo.sampling_params import SamplingParams
+
+from tests.helpers.engine import assert_no_leaks, greedy, make_llm, random_prompts, token_ids
+from tests.helpers.tiny import make_tiny_model
+
+K = 3
+NUM_TOKENS = 40
+PROMPTS = ([[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23, 24] * 3, [100, 101, 102]]
+           + random_prompts(5, 4, 30, seed=7))
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_llama: Path) -> Path:
+    return tiny_llama
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> Path:
+    """A smaller model of another architecture with the target's vocabulary (one layer,
+    hidden 32): its proposals are sometimes right, sometimes wrong."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft"), "qwen2", hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, seed=3)
+
+
+def spec(model: Path, k: int = K) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def plain(folder: Path):
+    return make_llm(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(plain) -> list[list[int]]:
+    return token_ids(plain.generate(PROMPTS, greedy(NUM_TOKENS), use_tqdm=False))
+
+
+def run(llm, prompts=PROMPTS, params=None) -> list[list[int]]:
+    ids = token_ids(llm.generate(prompts, params or greedy(NUM_TOKENS), use_tqdm=False))
+    assert_no_leaks(llm)
+    return ids
+
+
+def record_proposals(llm) -> list[tuple[str, list[int]]]:
+    """(request id, proposals) of every step's runner output, in order."""
+    core = llm.llm_engine.engine_core
+    update = core.scheduler.update_from_output
+    seen: list[tuple[str, list[int]]] = []
+
+    def recording_update(scheduler_output, runner_output):
+        for req_id in runner_output.req_ids:
+            if req_id in runner_output.spec_token_ids:
+                seen.append((req_id, list(runner_output.spec_token_ids[req_id])))
+        return update(scheduler_output, runner_output)
+
+    core.scheduler.update_from_output = recording_update
+    return seen
+
+
+def test_target_as_its_own_draft_accepts_every_draft(folder: Path, reference) -> None:
+    llm = make_llm(folder, speculative_config=spec(folder))
+    assert run(llm) == reference
+    stats = llm.llm_engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    # The same weights propose the target's own argmax: every draft is accepted.
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert len(per_pos) == K and per_pos[0] == stats.spec_decode_num_drafts
+    # K + 1 tokens per verify step: the prompts' 40 tokens took about 40 / (K + 1) steps each.
+    assert stats.spec_decode_num_drafts <= len(PROMPTS) * math.ceil(NUM_TOKENS / (K + 1))
+
+
+def test_smaller_draft_greedy_equal_in_a_mixed_batch(folder: Path, draft: Path,
+                                                      reference) -> None:
+    """A small token budget: prompt chunks share steps with requests verifying drafts."""
+    llm = make_llm(folder, speculative_config=spec(draft), max_num_batched_tokens=12,
+                   max_num_seqs=4)
+    core = llm.llm_engine.engine_core
+    schedule = core.scheduler.schedule
+    mixed_steps = []
+
+    def recording_schedule():
+        out = schedule()
+        drafts = out.scheduled_spec_decode_tokens
+        if drafts and any(r not in drafts and n > 1 for r, n in out.num_scheduled_tokens.items()):
+            mixed_steps.append(out)
+        return out
+
+    core.scheduler.schedule = recording_schedule
+    assert run(llm) == reference
+    assert mixed_steps, "no step mixed a prefill with draft verification"
+    stats = llm.llm_engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_prefix_cache_hits_propose_what_a_cold_run_proposes(folder: Path, draft: Path,
+                                                            reference) -> None:
+    """The draft's KV of blocks found in the prefix cache was written by the draft when those
+    blocks were computed: proposals after a hit equal those of a run without the cache."""
+    cold = make_llm(folder, speculative_config=spec(draft), enable_prefix_caching=False)
+    cold_seen = record_proposals(cold)
+    assert run(cold) == reference
+    warm = make_llm(folder, speculative_config=spec(draft), enable_prefix_caching=True)
+    assert run(warm) == reference  # fills the cache
+    hits_before = warm.llm_engine.stats().prefix_cache_hits
+    warm_seen = record_proposals(warm)
+    assert run(warm) == reference  # every prompt's full blocks are hits
+    assert warm.llm_engine.stats().prefix_cache_hits > hits_before
+
+    def by_request(seen):
+        order: dict[str, list[list[int]]] = {}
+        for req_id, proposals in seen:
+            order.setdefault(req_id, []).append(proposals)
+        return sorted(order.values())
+
+    assert cold_seen and by_request(warm_seen) == by_request(cold_seen)
+    # Outputs as prompts: blocks written while drafts were verified are hit too.
+    continued = [p + r[:24] for p, r in zip(PROMPTS, reference)]
+    expected = run(make_llm(folder), continued, greedy(8))
+    assert run(warm, continued, greedy(8)) == expected
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(folder: Path, draft: Path, reference, mode: str) -> None:
+    llm = make_llm(folder, speculative_config=spec(draft), num_gpu_blocks_override=16,
+                   preemption_mode=mode, swap_space=0.01)
+    assert run(llm) == reference
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_max_tokens_and_stop_tokens_cut_inside_a_step(folder: Path, plain,
+                                                      reference) -> None:
+    """With the target as draft every step emits K + 1 tokens: a max_tokens or a stop token
+    falls inside a step's tokens."""
+    llm = make_llm(folder, speculative_config=spec(folder))
+    for max_tokens in (1, 2, 3, 5, 6):
+        assert run(llm, params=greedy(max_tokens)) == [r[:max_tokens] for r in reference]
+    cut = 0
+    for prompt, ref in zip(PROMPTS, reference):
+        stop = ref[5]  # a step emits tokens 1..4, 5..8: the sixth is inside one
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, stop_token_ids=[stop])
+        want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert list(got.token_ids) == list(want.token_ids)
+        assert (got.finish_reason, got.stop_reason) == (want.finish_reason, want.stop_reason)
+        cut += got.stop_reason == stop
+    assert cut > 0
+    assert_no_leaks(llm)
+
+
+def test_n_greater_than_one_logprobs_and_sampling(folder: Path, draft: Path, plain) -> None:
+    llm = make_llm(folder, speculative_config=spec(draft))
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=30)
+    got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    want = plain.generate(PROMPTS[:3], params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert [list(o.token_ids) for o in a.outputs] == [list(o.token_ids) for o in b.outputs]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    got = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    want = plain.generate(PROMPTS[:4], params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for pos_a, pos_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token, lp in pos_a.items():
+                assert math.isclose(lp.logprob, pos_b[token].logprob, abs_tol=1e-4)
+    # Sampled requests verify draft-model drafts too (the rejection sampler with q one-hot).
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, sampled, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outputs)
+    assert_no_leaks(llm)
+    assert llm.llm_engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_bad_draft_configs_are_refused(folder: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not a local model folder"):
+        EngineArgs(model=str(folder), speculative_config=spec(tmp_path / "missing"),
+                   dtype="float32").create_engine_config()
+    other = make_tiny_model(tmp_path / "other-vocab", "llama", vocab_size=500)
+    with pytest.raises(ValueError, match=r"vocabulary \(500 tokens\) differs from the target's"):
+        EngineArgs(model=str(folder), speculative_config=spec(other),
+                   dtype="float32").create_engine_config()
+    short = make_tiny_model(tmp_path / "short", "llama", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="draft model is too short"):
+        EngineArgs(model=str(folder), speculative_config=spec(short),
+                   dtype="float32").create_engine_config()
+    with pytest.raises(ValueError, match="does not run with tensor parallelism"):
+        EngineArgs(model=str(folder), speculative_config=spec(folder), dtype="float32",
+                   tensor_parallel_size=2).create_engine_config()
