@@ -74,17 +74,24 @@ def record_proposals(llm) -> list[tuple[str, list[int]]]:
     return seen
 
 
-def test_target_as_its_own_draft_accepts_every_draft(folder: Path, reference) -> None:
-    llm = make_llm(folder, speculative_config=spec(folder))
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 12])
+def test_target_as_its_own_draft_accepts_every_draft(folder: Path, reference,
+                                                     max_num_batched_tokens) -> None:
+    """The same weights propose the target's own argmax: every draft is accepted, also when
+    prompts arrive in chunks (12 tokens a step: steps of chunks that do not sample write the
+    draft's KV too, or its first proposals would read garbage)."""
+    extra = {} if max_num_batched_tokens is None else {
+        "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": 4}
+    llm = make_llm(folder, speculative_config=spec(folder), **extra)
     assert run(llm) == reference
     stats = llm.llm_engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0
-    # The same weights propose the target's own argmax: every draft is accepted.
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     per_pos = stats.spec_decode_num_accepted_tokens_per_pos
     assert len(per_pos) == K and per_pos[0] == stats.spec_decode_num_drafts
-    # K + 1 tokens per verify step: the prompts' 40 tokens took about 40 / (K + 1) steps each.
-    assert stats.spec_decode_num_drafts <= len(PROMPTS) * math.ceil(NUM_TOKENS / (K + 1))
+    if max_num_batched_tokens is None:
+        # K + 1 tokens per verify step: 40 tokens took about 40 / (K + 1) steps each.
+        assert stats.spec_decode_num_drafts <= len(PROMPTS) * math.ceil(NUM_TOKENS / (K + 1))
 
 
 def test_smaller_draft_greedy_equal_in_a_mixed_batch(folder: Path, draft: Path,
@@ -108,16 +115,28 @@ def test_smaller_draft_greedy_equal_in_a_mixed_batch(folder: Path, draft: Path,
     assert mixed_steps, "no step mixed a prefill with draft verification"
     stats = llm.llm_engine.stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    # Prompt logprobs of chunks that do not sample (steps of prompt chunks only).
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1)
+    got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    want = make_llm(folder).generate(PROMPTS[:3], params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            for token, lp in x.items():
+                assert math.isclose(lp.logprob, y[token].logprob, abs_tol=1e-4)
 
 
 def test_prefix_cache_hits_propose_what_a_cold_run_proposes(folder: Path, draft: Path,
                                                             reference) -> None:
     """The draft's KV of blocks found in the prefix cache was written by the draft when those
     blocks were computed: proposals after a hit equal those of a run without the cache."""
-    cold = make_llm(folder, speculative_config=spec(draft), enable_prefix_caching=False)
+    cold = make_llm(folder, speculative_config=spec(draft), enable_prefix_caching=False,
+                    max_num_batched_tokens=16)
     cold_seen = record_proposals(cold)
     assert run(cold) == reference
-    warm = make_llm(folder, speculative_config=spec(draft), enable_prefix_caching=True)
+    warm = make_llm(folder, speculative_config=spec(draft), enable_prefix_caching=True,
+                    max_num_batched_tokens=16)
     assert run(warm) == reference  # fills the cache
     hits_before = warm.llm_engine.stats().prefix_cache_hits
     warm_seen = record_proposals(warm)

@@ -3,19 +3,22 @@ the target.
 
 KV layout: the draft's KV cache is a second set of layers over the *same* paged blocks as the
 target's (same block ids, block tables and slot mapping), so prefix caching, preemption,
-swapping and block freeing need no second allocator. Two rules keep every draft KV slot valid
-wherever it is read:
+swapping and block freeing need no second allocator. After each step (once the rejection
+sampler has decided) the runner hands ``propose`` one flat batch (``DraftBatch``) holding, per
+scheduled request, the step's tokens the target now keeps (prompt chunk, or the verified
+request's last token and its accepted drafts) and, for a request that proposes, the token the
+step emitted last (at position ``L - 1``). So:
 
-1. ``forward_step`` runs the draft over exactly the tokens the target's forward ran over in
-   the step (prompt chunks, decode tokens, the tokens being verified): any slot whose target
-   KV is valid holds draft KV of the same tokens, including blocks found by prefix caching.
-   Slots of rejected drafts hold garbage for both models until the next step rewrites them
-   (attention reads only positions below a sequence's length).
-2. ``propose`` then feeds each proposing request's newest token (the one the step emitted
-   last, at position ``L - 1``) and its own argmax K - 1 times: one-token steps writing
-   positions ``L - 1 .. L + K - 2``. The scheduler reserves K lookahead slots past a step's
-   tokens (``SpeculativeConfig.num_lookahead_slots``) so these writes land in the request's
-   own blocks; a request with fewer slots gets fewer proposals.
+- every slot whose target KV is valid holds draft KV of the same token, including blocks later
+  found by prefix caching (prompt chunks are written as the target writes them);
+- slots of rejected drafts hold garbage for both models until a later step rewrites them
+  (attention reads only positions below a sequence's length).
+
+The draft's logits at each proposing request's last token give its first proposal; K - 1
+one-token steps (batched over the proposing requests) give the rest, writing positions
+``L .. L + K - 2``. The scheduler reserves K lookahead slots past a step's tokens
+(``SpeculativeConfig.num_lookahead_slots``) so these writes land in the request's own blocks;
+a request with fewer slots gets fewer proposals.
 
 Proposals are greedy (argmax of the draft's logits), so the rejection sampler's ``q`` is
 one-hot; sampled target rows still keep the target's distribution exactly.
@@ -43,14 +46,26 @@ logger = logging.getLogger(__name__)
 class DraftRequest:
     """One request the draft proposes for after a step."""
 
-    # Its newest token (emitted by this step) and that token's position (L - 1).
-    last_token_id: int
+    # Flat index of its newest token (emitted by this step) in the DraftBatch, and that
+    # token's position (L - 1).
+    flat_index: int
     position: int
     # Its row in the runner's BlockTable and its block ids (the same, as a list).
     block_table_row: int
     block_ids: list[int]
     # Most draft tokens wanted (K, or fewer near max_model_len).
     max_tokens: int
+
+
+@dataclass(slots=True)
+class DraftBatch:
+    """The draft's first forward after a step: the tokens to write (see the module doc)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64, on the device
+    positions: torch.Tensor  # [num_tokens] int64, on the device
+    metadata: AttentionMetadata
+    # The requests that propose (their newest token is in the batch).
+    requests: list[DraftRequest]
 
 
 # (slot mapping, query_start_loc, seq_lens, block table rows) -> metadata, as the runner builds it.
@@ -102,50 +117,52 @@ class DraftModelProposer:
         self.kv_caches = [torch.empty(shape, dtype=dtype, device=self.device)
                           for _ in range(num_layers)]
 
-    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     metadata: AttentionMetadata) -> None:
-        """Write the draft KV of the step's tokens (the target's flat batch, unchanged)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        """Run the draft over a flat batch, writing its KV; returns the hidden states."""
         assert self.model is not None
-        self.model(input_ids, positions, self.kv_caches, metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
-    def propose(self, requests: list[DraftRequest],
-                build_metadata: MetadataBuilder) -> list[list[int]]:
-        """Greedy proposals, up to ``max_tokens`` each, for ``requests`` (one-token draft steps,
-        all requests batched; a request drops out of the batch once it has its proposals or
-        its slots run out). Returns one list per request."""
+    def propose(self, batch: DraftBatch, build_metadata: MetadataBuilder) -> list[list[int]]:
+        """Write the batch's draft KV and return greedy proposals, up to ``max_tokens`` each,
+        for ``batch.requests`` (one list per request; [] where its slots run out). The first
+        proposal comes from the batch's forward, the others from one-token steps batched over
+        the requests still proposing."""
         assert self.model is not None
+        hidden = self.forward(batch.input_ids, batch.positions, batch.metadata)
+        requests = batch.requests
+        proposals: list[list[int]] = [[] for _ in requests]
+        if not requests:
+            return proposals
         bs = self.block_size
-        # Draft steps per request: each writes one slot (positions position .. position+m-1).
+        # Tokens per request: the first from the batch, then one per one-token step, which
+        # writes position ``position + j`` (j >= 1) into the request's own blocks.
         steps = [max(0, min(r.max_tokens, len(r.block_ids) * bs - r.position))
                  for r in requests]
-        proposals: list[list[int]] = [[] for _ in requests]
         active = [i for i, m in enumerate(steps) if m > 0]
         if not active:
             return proposals
-        tokens = torch.tensor([requests[i].last_token_id for i in active], dtype=torch.long,
-                              device=self.device)
-        outputs: list[tuple[list[int], torch.Tensor]] = []  # (request indices, tokens) per step
-        for j in range(max(steps)):
-            positions = [requests[i].position + j for i in active]
-            rows = [requests[i].block_table_row for i in active]
-            slots = [requests[i].block_ids[p // bs] * bs + p % bs
-                     for i, p in zip(active, positions)]
-            position_tensor = torch.tensor(positions + slots, dtype=torch.long)
-            position_tensor = position_tensor.to(self.device, non_blocking=True)
-            metadata = build_metadata(position_tensor[len(positions):],
-                                      list(range(len(active) + 1)),
-                                      [p + 1 for p in positions], rows)
-            hidden = self.model(tokens, position_tensor[: len(positions)], self.kv_caches,
-                                metadata)
-            argmax = self.model.compute_logits(hidden).argmax(dim=-1)
-            outputs.append((list(active), argmax))
-            keep = [n for n, i in enumerate(active) if steps[i] > j + 1]
+        index = torch.tensor([requests[i].flat_index for i in active], dtype=torch.long)
+        tokens = self.model.compute_logits(hidden[index.to(self.device)]).argmax(dim=-1)
+        outputs: list[tuple[list[int], torch.Tensor]] = [(list(active), tokens)]
+        for j in range(1, max(steps)):
+            keep = [n for n, i in enumerate(active) if steps[i] > j]
             if not keep:
                 break
             if len(keep) < len(active):
-                argmax = argmax[torch.tensor(keep, dtype=torch.long, device=self.device)]
+                tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
                 active = [active[n] for n in keep]
-            tokens = argmax
+            positions = [requests[i].position + j for i in active]
+            slots = [requests[i].block_ids[p // bs] * bs + p % bs
+                     for i, p in zip(active, positions)]
+            flat = torch.tensor(positions + slots, dtype=torch.long).to(self.device,
+                                                                      non_blocking=True)
+            metadata = build_metadata(flat[len(positions):], list(range(len(active) + 1)),
+                                      [p + 1 for p in positions],
+                                      [requests[i].block_table_row for i in active])
+            hidden = self.model(tokens, flat[: len(positions)], self.kv_caches, metadata)
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            outputs.append((list(active), tokens))
         host = torch.cat([t for _, t in outputs]).tolist()  # one device-to-host copy
         offset = 0
         for indices, step_tokens in outputs:
@@ -161,6 +178,6 @@ class DraftModelProposer:
         saved = self.kv_caches
         self.initialize_kv_cache(num_blocks, dtype)
         try:
-            self.forward_step(input_ids, positions, metadata)
+            self.forward(input_ids, positions, metadata)
         finally:
             self.kv_caches = saved

@@ -46,7 +46,7 @@ from octavo.spec_decode.rejection_sampler import rejection_sample, target_distri
 from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
-from octavo.worker.draft_model import DraftModelProposer, DraftRequest
+from octavo.worker.draft_model import DraftBatch, DraftModelProposer, DraftRequest
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
 from octavo.worker.pipeline import StageIO
@@ -332,8 +332,6 @@ class ModelRunner:
         finally:
             if lora_step:
                 self.lora_manager.finish_step()
-        if self.drafter is not None:
-            self.drafter.forward_step(inputs.input_ids, inputs.positions, inputs.metadata)
         step: StepOutput
         if hidden is None:  # a pipeline stage before the last: nothing sampled here
             step = PendingStepOutput.ready(ModelRunnerOutput(
@@ -666,6 +664,11 @@ class ModelRunner:
         )
         step_rows = [i for i, does_sample in enumerate(inputs.samples) if does_sample]
         states = [self.requests[inputs.req_ids[i]] for i in step_rows]
+        if not states and not inputs.prompt_logprob_positions:
+            # Prompt chunks only (with a draft model): the draft's KV of them, no sampling.
+            if self.drafter is not None:
+                self._propose_with_draft(inputs, so, {})
+            return PendingStepOutput.ready(output)
         drafts = inputs.spec_drafts
         rows: list[SamplingRow] = []
         draft_of_row: list[int] = []
@@ -686,9 +689,11 @@ class ModelRunner:
         decided = rejection_sample(argmax, probs, greedy, draft_ids, [len(d) for d in drafts],
                                    seeded_rows=metadata.seeded_rows)
         device_tensors = [decided.token_ids, decided.num_emitted]
-        if self.drafter is not None and states:
-            output.spec_token_ids = self._propose_with_draft(
-                states, inputs, decided.token_ids, decided.num_emitted, so)
+        if self.drafter is not None:
+            token_ids, num_emitted = decided.token_ids.tolist(), decided.num_emitted.tolist()
+            emitted = {state.req_id: ids[:n]
+                       for state, ids, n in zip(states, token_ids, num_emitted)}
+            output.spec_token_ids = self._propose_with_draft(inputs, so, emitted)
         if metadata.max_num_logprobs is not None:
             num_top = min(metadata.max_num_logprobs, metadata.vocab_size)
             lp = compute_logprobs(logits, decided.row_token_ids, num_top)
@@ -723,44 +728,70 @@ class ModelRunner:
 
         return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, None, None)
 
-    def _propose_with_draft(self, states: list[CachedRequestState], inputs: _StepInputs,
-                            token_ids: torch.Tensor, num_emitted: torch.Tensor,
-                            so: SchedulerOutput) -> dict[str, list[int]]:
-        """The draft model's proposals after this step for each sampling request that may
-        speculate (waits for the step's emitted tokens: speculation runs one step at a time).
-        Forks of this step are left out (their write position may still be in a block shared
-        with their parent): they propose from their next step on."""
-        assert self.drafter is not None
-        emitted_host = torch.stack([num_emitted, token_ids.gather(
-            1, (num_emitted - 1).unsqueeze(1)).squeeze(1)]).tolist()
-        forks = {fork.req_id for fork in so.forked_reqs}
-        max_len = self.model_config.max_model_len
-        requests: list[DraftRequest] = []
-        ids: list[str] = []
-        for state, n_before, n, last in zip(states, inputs.num_tokens_before_sample,
-                                            emitted_host[0], emitted_host[1]):
-            if (state.req_id in forks or state.tokens_from_scheduler
-                    or not params_may_speculate(state.sampling_params)):
-                continue
-            length = n_before + n  # tokens once this step's are in; the last at length - 1
-            room = min(self.drafter.k, max_len - length)
-            if room <= 0:
-                continue
-            ids.append(state.req_id)
-            requests.append(DraftRequest(last_token_id=last, position=length - 1,
-                                         block_table_row=state.block_table_row,
-                                         block_ids=state.block_ids, max_tokens=room))
-        if not requests:
-            return {}
+    def _propose_with_draft(self, inputs: _StepInputs, so: SchedulerOutput,
+                            emitted: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Write the draft model's KV of the step's kept tokens and return its proposals for
+        the next step (see ``octavo.worker.draft_model``). ``emitted``: the tokens each
+        sampling request emitted this step (accepted drafts, then its newest token).
 
-        def build(slots: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+        Proposing: the step's sampling requests that may speculate and have room before
+        max_model_len, not forks of this step (they have no tokens in the step's batch).
+        """
+        assert self.drafter is not None
+        bs = self.block_size
+        max_len = self.model_config.max_model_len
+        metadata = inputs.metadata
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        requests: list[DraftRequest] = []
+        proposing: list[str] = []
+        for i, end in enumerate(metadata.seq_lens_cpu):  # forks come after: not in the batch
+            req_id = inputs.req_ids[i]
+            state = self.requests[req_id]
+            start = end - (metadata.query_start_loc_cpu[i + 1] - metadata.query_start_loc_cpu[i])
+            drafts = so.scheduled_spec_decode_tokens.get(req_id, ())
+            tokens = state.token_ids[start : end - len(drafts)]
+            out = emitted.get(req_id)
+            if out:
+                tokens = tokens + out[:-1]  # the accepted drafts
+                newest = start + len(tokens)  # the newest token's position (L - 1)
+                room = min(self.drafter.k, max_len - newest - 1)
+                if (room > 0 and newest < len(state.block_ids) * bs
+                        and not state.tokens_from_scheduler
+                        and params_may_speculate(state.sampling_params)):
+                    tokens = tokens + out[-1:]
+                    proposing.append(req_id)
+                    requests.append(DraftRequest(
+                        flat_index=len(ids) + len(tokens) - 1, position=newest,
+                        block_table_row=state.block_table_row, block_ids=state.block_ids,
+                        max_tokens=room))
+            block_ids = state.block_ids
+            ids += tokens
+            positions.extend(range(start, start + len(tokens)))
+            slots.extend(block_ids[q // bs] * bs + q % bs
+                         for q in range(start, start + len(tokens)))
+            query_start_loc.append(len(ids))
+            seq_lens.append(start + len(tokens))
+            rows.append(state.block_table_row)
+
+        def build(slot_mapping: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                   rows: list[int]) -> AttentionMetadata:
-            width = max(-(-n // self.block_size) for n in seq_lens)
-            return self._build_metadata(slots, query_start_loc, seq_lens,
+            width = max(-(-n // bs) for n in seq_lens)
+            return self._build_metadata(slot_mapping, query_start_loc, seq_lens,
                                         self.block_table.gather(rows, width))
 
-        proposals = self.drafter.propose(requests, build)
-        return {req_id: p for req_id, p in zip(ids, proposals) if p}
+        num = len(ids)
+        flat = host_to_device(torch.tensor(ids + positions + slots, dtype=torch.long),
+                              self.device)
+        batch = DraftBatch(input_ids=flat[:num], positions=flat[num : 2 * num],
+                           metadata=build(flat[2 * num :], query_start_loc, seq_lens, rows),
+                           requests=requests)
+        proposals = self.drafter.propose(batch, build)
+        return {req_id: p for req_id, p in zip(proposing, proposals) if p}
 
     def _sampling_rows(
         self,
