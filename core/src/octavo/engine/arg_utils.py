@@ -166,7 +166,8 @@ class EngineArgs:
     speculative_config: str | dict[str, Any] | None = _option(
         None, "speculative decoding as JSON in vLLM's shape, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-        "(method ngram: prompt lookup; steps with drafts run without async scheduling)",
+        "(method ngram: prompt lookup; method draft_model with \"model\": a small model of the "
+        "same vocabulary; steps with drafts run without async scheduling)",
         metavar="JSON")
 
     enable_lora: bool = _option(
