@@ -224,3 +224,33 @@ def test_bad_draft_configs_are_refused(folder: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not run with tensor parallelism"):
         EngineArgs(model=str(folder), speculative_config=spec(folder), dtype="float32",
                    tensor_parallel_size=2).create_engine_config()
+
+
+class _RecordingGraphRunner:
+    """Stands in for the draft's CUDA graphs on the CPU: takes steps of at most K + 2 tokens a
+    sequence (the shapes GPUWorker captures for the draft), runs them eagerly, counts them."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.query_lens: list[int] = []
+
+    def can_run(self, metadata) -> bool:
+        return metadata.max_query_len <= K + 2
+
+    def run(self, input_ids, positions, metadata):
+        self.query_lens.append(metadata.max_query_len)
+        return self.drafter.model(input_ids, positions, self.drafter.kv_caches, metadata)
+
+
+def test_draft_steps_replay_graphs_where_the_worker_captured_them(folder: Path, draft: Path,
+                                                                 reference) -> None:
+    """The draft's one-token steps and its first forward after a verifying step go through
+    the draft's graph runner when it has one (GPUWorker captures one; checked here with an
+    eager stand-in), prompt chunks past its shapes run eagerly; outputs are unchanged."""
+    llm = make_llm(folder, speculative_config=spec(draft))
+    drafter = llm.llm_engine.engine_core.executor.worker.model_runner.drafter
+    drafter.graph_runner = _RecordingGraphRunner(drafter)
+    assert run(llm) == reference
+    lens = drafter.graph_runner.query_lens
+    assert 1 in lens and any(1 < n <= K + 2 for n in lens)
+    assert llm.llm_engine.stats().spec_decode_num_accepted_tokens > 0

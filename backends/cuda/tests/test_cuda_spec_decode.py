@@ -3,9 +3,9 @@ skipped in CI).
 
 Greedy outputs with speculation equal those without, with drafts accepted, on the CUDA backend
 with CUDA graphs on and off: with them on, steps that verify drafts (up to 1 + K query tokens
-per sequence) replay graphs of their own shape, and so do steps without drafts; the draft
-model's own steps run eagerly. The rejection sampler's output distribution on the device
-matches the target's.
+per sequence) replay graphs of their own shape, and so do steps without drafts and the draft
+model's own steps (its graphs are captured beside the target's). The rejection sampler's
+output distribution on the device matches the target's.
 """
 
 from __future__ import annotations

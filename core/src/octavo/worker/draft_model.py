@@ -38,6 +38,7 @@ from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import ModelConfig
 from octavo.model_executor.layers.attention import Attention
 from octavo.model_executor.model_loader import load_model
+from octavo.worker.graph_runner import GraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # Replays the draft's captured steps where it can (set by the worker once the KV cache
+        # exists, as the target's; None: every draft step runs eagerly).
+        self.graph_runner: GraphRunner | None = None
 
     def load_model(self) -> None:
         """Load the draft through the same loader as the target (any supported architecture,
@@ -119,8 +123,11 @@ class DraftModelProposer:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor:
-        """Run the draft over a flat batch, writing its KV; returns the hidden states."""
+        """Run the draft over a flat batch, writing its KV; returns the hidden states (read
+        them before the next call: a replayed graph's output buffer is reused)."""
         assert self.model is not None
+        if self.graph_runner is not None and self.graph_runner.can_run(metadata):
+            return self.graph_runner.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
     def propose(self, batch: DraftBatch, build_metadata: MetadataBuilder) -> list[list[int]]:
@@ -160,7 +167,7 @@ class DraftModelProposer:
             metadata = build_metadata(flat[len(positions):], list(range(len(active) + 1)),
                                       [p + 1 for p in positions],
                                       [requests[i].block_table_row for i in active])
-            hidden = self.model(tokens, flat[: len(positions)], self.kv_caches, metadata)
+            hidden = self.forward(tokens, flat[: len(positions)], metadata)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             outputs.append((list(active), tokens))
         host = torch.cat([t for _, t in outputs]).tolist()  # one device-to-host copy
@@ -175,9 +182,10 @@ class DraftModelProposer:
                     metadata: AttentionMetadata, num_blocks: int, dtype: torch.dtype) -> None:
         """The largest step through the draft on a temporary cache of ``num_blocks`` blocks
         (the memory profile counts the draft's activations with the target's)."""
+        assert self.model is not None
         saved = self.kv_caches
         self.initialize_kv_cache(num_blocks, dtype)
         try:
-            self.forward(input_ids, positions, metadata)
+            self.model(input_ids, positions, self.kv_caches, metadata)
         finally:
             self.kv_caches = saved
