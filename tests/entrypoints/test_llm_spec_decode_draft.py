@@ -221,9 +221,9 @@ def test_bad_draft_configs_are_refused(folder: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="draft model is too short"):
         EngineArgs(model=str(folder), speculative_config=spec(short),
                    dtype="float32").create_engine_config()
-    with pytest.raises(ValueError, match="does not run with tensor parallelism"):
-        EngineArgs(model=str(folder), speculative_config=spec(folder), dtype="float32",
-                   tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
+        EngineArgs(model=str(folder), dtype="float32", speculative_config={
+            **spec(folder), "draft_tensor_parallel_size": 2}).create_engine_config()
 
 
 class _RecordingGraphRunner:

@@ -394,7 +394,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     # draft_model: the draft model's local folder (same tokenizer and vocabulary).
     model: str | None = None
-    # draft_model: the draft's tensor-parallel size; only 1 (with a target on one device).
+    # draft_model: the draft's tensor-parallel size; only 1 (the draft runs whole, replicated
+    # on every rank of a tensor-parallel target).
     draft_tensor_parallel_size: int | None = None
     # draft_model: the draft's resolved ModelConfig (set by EngineArgs.create_engine_config,
     # which reads its config.json and checks it against the target's).
@@ -420,7 +421,7 @@ class SpeculativeConfig:
             tp = self.draft_tensor_parallel_size
             if tp is not None and tp != 1:
                 raise ValueError("speculative_config: draft_tensor_parallel_size must be 1 (the "
-                                 f"draft runs whole on one device), got {tp!r}")
+                                 f"draft runs whole on each device), got {tp!r}")
             return
         if self.model is not None or self.draft_tensor_parallel_size is not None:
             raise ValueError("speculative_config: \"model\" and \"draft_tensor_parallel_size\" "

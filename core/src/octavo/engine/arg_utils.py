@@ -262,15 +262,12 @@ class EngineArgs:
     def _draft_model_config(self, speculative: SpeculativeConfig,
                             config: EngineConfig) -> ModelConfig:
         """The draft model's ``ModelConfig`` (``"method": "draft_model"``): a local folder whose
-        vocabulary is the target's, run in the target's dtype, context length and load format.
-        ``ValueError`` names what is wrong."""
+        vocabulary is the target's, run in the target's dtype, context length and load format
+        (whole on every tensor-parallel rank). ``ValueError`` names what is wrong."""
         import dataclasses
         from pathlib import Path
 
         target = config.model_config
-        if config.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: draft_model does not run with tensor "
-                             "parallelism yet; use --tensor-parallel-size 1 or method 'ngram'")
         folder = Path(speculative.model).expanduser()
         if not (folder / "config.json").is_file():
             raise ValueError(f"speculative_config: draft model {speculative.model!r} is not a "

@@ -176,7 +176,8 @@ class ModelRunner:
                                             self.device)
         spec = self.config.speculative_config
         if spec is not None and spec.uses_draft_model:
-            assert self.parallel.ranks.world_size == 1, "draft_model runs on one device"
+            # Whole on every rank (replicated, not split): each rank proposes the same drafts
+            # from the same tokens, as each runs the same rejection sampler.
             self.drafter = DraftModelProposer(
                 spec.draft_model_config, self.attn_backend, self.device, self.pm,
                 self.config.backend, spec.num_speculative_tokens, self.block_size)
