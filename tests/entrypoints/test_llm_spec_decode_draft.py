@@ -254,3 +254,61 @@ def test_draft_steps_replay_graphs_where_the_worker_captured_them(folder: Path, 
     lens = drafter.graph_runner.query_lens
     assert 1 in lens and any(1 < n <= K + 2 for n in lens)
     assert llm.llm_engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_sampled_drafts_carry_their_distribution(folder: Path, draft: Path) -> None:
+    """A sampled request's drafts are drawn from the draft's softmax at its temperature, and
+    that distribution is the rejection sampler's q: with the target as its own draft q equals
+    the target's p (up to float rounding between batch shapes), so nearly every draft is
+    accepted (a one-hot q would accept draft d with probability p(d) only: about sum p^2)."""
+    params = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    llm = make_llm(folder, speculative_config=spec(folder))
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outputs)
+    assert_no_leaks(llm)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    assert set(runner._draft_probs) <= set(runner.requests)  # dropped with their requests
+    stats = llm.llm_engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 50
+    assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens
+    # A smaller draft: sampled, mixed with greedy requests in the same steps.
+    llm = make_llm(folder, speculative_config=spec(draft))
+    mixed = [params if i % 2 else greedy(30) for i in range(len(PROMPTS))]
+    outputs = llm.generate(PROMPTS, mixed, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outputs)
+    assert_no_leaks(llm)
+    assert llm.llm_engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_sampled_tokens_keep_the_target_distribution(folder: Path, draft: Path) -> None:
+    """The second token of a sampled request comes from a verifying step (the first from the
+    prompt's step, which proposes; max_tokens 3 leaves room for one draft, accepted or
+    resampled): over many requests its frequencies match the target's
+    marginal ``sum_t1 p(t1) p(t2 | t1)``, computed with transformers on the same weights
+    (Pearson's chi-square; cells expecting under 5 draws pooled)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.spec_decode.test_rejection_sampler import _chi_square_p_value
+
+    prompt, temperature, trials = [5, 6, 7, 8, 9], 0.7, 3000
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        vocab = first.shape[0]
+        both = torch.tensor([prompt + [t] for t in range(vocab)])
+        second = torch.softmax(model(both).logits[:, -1] / temperature, -1)  # [t1, t2]
+    marginal = first @ second
+    llm = make_llm(folder, speculative_config=spec(draft, k=2), enable_prefix_caching=False)
+    params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([prompt] * trials, params, use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    # Both rules at work: accepted drafts and resampled rejections.
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert stats.spec_decode_num_drafts == trials
+    counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[1] for o in outputs]),
+                            minlength=vocab)
+    big = marginal * trials >= 5
+    pooled_counts = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    pooled_probs = torch.cat([marginal[big], marginal[~big].sum().reshape(1)])
+    assert _chi_square_p_value(pooled_counts, pooled_probs) > 1e-3

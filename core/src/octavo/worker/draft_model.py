@@ -20,8 +20,10 @@ one-token steps (batched over the proposing requests) give the rest, writing pos
 (``SpeculativeConfig.num_lookahead_slots``) so these writes land in the request's own blocks;
 a request with fewer slots gets fewer proposals.
 
-Proposals are greedy (argmax of the draft's logits), so the rejection sampler's ``q`` is
-one-hot; sampled target rows still keep the target's distribution exactly.
+Proposals of greedy requests are the draft's argmax (``q`` one-hot). A sampled request's
+proposals are drawn from ``q = softmax(draft logits / its temperature)``, and those rows of
+``q`` go with them to the rejection sampler (accept with ``min(1, p/q)``, resample from
+``max(0, p - q)``), which keeps every emitted token distributed exactly as the target's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import ModelConfig
 from octavo.model_executor.layers.attention import Attention
 from octavo.model_executor.model_loader import load_model
+from octavo.sample.sampler import exponential_race
 from octavo.worker.graph_runner import GraphRunner
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,9 @@ class DraftRequest:
     block_ids: list[int]
     # Most draft tokens wanted (K, or fewer near max_model_len).
     max_tokens: int
+    # The request's temperature: its drafts are drawn from the draft's softmax at it (0.0:
+    # greedy, the draft's argmax).
+    temperature: float = 0.0
 
 
 @dataclass(slots=True)
@@ -74,7 +80,7 @@ MetadataBuilder = Callable[[torch.Tensor, list[int], list[int], list[int]], Atte
 
 
 class DraftModelProposer:
-    """The draft model, its KV cache layers, and greedy proposals (see the module doc)."""
+    """The draft model, its KV cache layers, and its proposals (see the module doc)."""
 
     def __init__(self, model_config: ModelConfig, attn_backend: AttentionBackend,
                  device: torch.device, pm: pluggy.PluginManager, backend: str,
@@ -130,17 +136,20 @@ class DraftModelProposer:
             return self.graph_runner.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
-    def propose(self, batch: DraftBatch, build_metadata: MetadataBuilder) -> list[list[int]]:
-        """Write the batch's draft KV and return greedy proposals, up to ``max_tokens`` each,
-        for ``batch.requests`` (one list per request; [] where its slots run out). The first
-        proposal comes from the batch's forward, the others from one-token steps batched over
-        the requests still proposing."""
+    def propose(self, batch: DraftBatch, build_metadata: MetadataBuilder
+                ) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
+        """Write the batch's draft KV and return proposals, up to ``max_tokens`` each, for
+        ``batch.requests`` (one list per request; [] where its slots run out), and for each
+        sampled request (by index) the distributions its proposals were drawn from
+        (``[num proposals, vocab]`` float32 on the device). The first proposal comes from the
+        batch's forward, the others from one-token steps batched over the requests still
+        proposing."""
         assert self.model is not None
         hidden = self.forward(batch.input_ids, batch.positions, batch.metadata)
         requests = batch.requests
         proposals: list[list[int]] = [[] for _ in requests]
         if not requests:
-            return proposals
+            return proposals, {}
         bs = self.block_size
         # Tokens per request: the first from the batch, then one per one-token step, which
         # writes position ``position + j`` (j >= 1) into the request's own blocks.
@@ -148,10 +157,14 @@ class DraftModelProposer:
                  for r in requests]
         active = [i for i, m in enumerate(steps) if m > 0]
         if not active:
-            return proposals
+            return proposals, {}
+        sampled = any(requests[i].temperature > 0 for i in active)
         index = torch.tensor([requests[i].flat_index for i in active], dtype=torch.long)
-        tokens = self.model.compute_logits(hidden[index.to(self.device)]).argmax(dim=-1)
+        tokens, probs = self._choose(
+            self.model.compute_logits(hidden[index.to(self.device)]),
+            [requests[i].temperature for i in active] if sampled else None)
         outputs: list[tuple[list[int], torch.Tensor]] = [(list(active), tokens)]
+        dists: list[tuple[list[int], torch.Tensor | None]] = [(list(active), probs)]
         for j in range(1, max(steps)):
             keep = [n for n, i in enumerate(active) if steps[i] > j]
             if not keep:
@@ -168,15 +181,40 @@ class DraftModelProposer:
                                       [p + 1 for p in positions],
                                       [requests[i].block_table_row for i in active])
             hidden = self.forward(tokens, flat[: len(positions)], metadata)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            tokens, probs = self._choose(
+                self.model.compute_logits(hidden),
+                [requests[i].temperature for i in active] if sampled else None)
             outputs.append((list(active), tokens))
+            dists.append((list(active), probs))
         host = torch.cat([t for _, t in outputs]).tolist()  # one device-to-host copy
         offset = 0
         for indices, step_tokens in outputs:
             for n, i in enumerate(indices):
                 proposals[i].append(host[offset + n])
             offset += step_tokens.shape[0]
-        return proposals
+        q_rows: dict[int, list[torch.Tensor]] = {}
+        for indices, probs in dists:
+            if probs is None:
+                continue
+            for n, i in enumerate(indices):
+                if requests[i].temperature > 0:
+                    q_rows.setdefault(i, []).append(probs[n])
+        return proposals, {i: torch.stack(rows) for i, rows in q_rows.items()}
+
+    def _choose(self, logits: torch.Tensor, temperatures: list[float] | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's proposal: the argmax, or for a row with a temperature > 0 a draw from
+        ``softmax(logits / temperature)``; returns the tokens and (None when every row is
+        greedy) those distributions, float32."""
+        argmax = logits.argmax(dim=-1)
+        if temperatures is None:
+            return argmax, None
+        temps = torch.tensor(temperatures, dtype=torch.float32).to(self.device,
+                                                                   non_blocking=True)
+        is_sampled = temps > 0
+        probs = torch.softmax(logits.float() / torch.where(is_sampled, temps, 1.0).unsqueeze(1),
+                              dim=-1)
+        return torch.where(is_sampled, exponential_race(probs, []), argmax), probs
 
     def profile_run(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     metadata: AttentionMetadata, num_blocks: int, dtype: torch.dtype) -> None:

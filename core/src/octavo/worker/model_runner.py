@@ -164,6 +164,9 @@ class ModelRunner:
         # Speculative decoding with a draft model (set by load_model): it runs over every
         # step's tokens and proposes after each step (octavo.worker.draft_model).
         self.drafter: DraftModelProposer | None = None
+        # Per request with sampled drafts: the draft distributions its pending drafts were
+        # drawn from ([k, vocab]), the rejection sampler's q when they are verified.
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -432,6 +435,7 @@ class ModelRunner:
         return self.lora_manager.active
 
     def _forget(self, req_id: str) -> None:
+        self._draft_probs.pop(req_id, None)
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.block_table.free_row(state.block_table_row)
@@ -687,8 +691,11 @@ class ModelRunner:
             self.sampler.logits_processors)
         argmax, probs, greedy = target_distribution(self.sampler, logits, metadata)
         draft_ids = host_to_device(torch.tensor(draft_of_row, dtype=torch.long), self.device)
+        draft_probs = None
+        if probs is not None and self._draft_probs:
+            draft_probs = self._sampled_draft_probs(states, drafts, draft_ids, probs)
         decided = rejection_sample(argmax, probs, greedy, draft_ids, [len(d) for d in drafts],
-                                   seeded_rows=metadata.seeded_rows)
+                                   draft_probs=draft_probs, seeded_rows=metadata.seeded_rows)
         device_tensors = [decided.token_ids, decided.num_emitted]
         if self.drafter is not None:
             token_ids, num_emitted = decided.token_ids.tolist(), decided.num_emitted.tolist()
@@ -729,6 +736,28 @@ class ModelRunner:
 
         return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, None, None)
 
+    def _sampled_draft_probs(self, states: list[CachedRequestState], drafts: list[list[int]],
+                             draft_ids: torch.Tensor, probs: torch.Tensor
+                             ) -> torch.Tensor | None:
+        """The rejection sampler's ``q`` for a step whose drafts include sampled ones: the
+        stored draft distributions on those requests' draft rows, one-hot rows for the other
+        drafts (None when no verified draft was sampled)."""
+        parts: list[tuple[int, torch.Tensor]] = []
+        first_row = 0
+        for state, draft in zip(states, drafts):
+            q = self._draft_probs.get(state.req_id)
+            if draft and q is not None and q.shape[0] >= len(draft):
+                parts.append((first_row, q[: len(draft)]))
+            first_row += len(draft) + 1
+        if not parts:
+            return None
+        has_draft = (draft_ids >= 0).to(probs.dtype).unsqueeze(1)
+        draft_probs = torch.zeros_like(probs).scatter_(1, draft_ids.clamp(min=0).unsqueeze(1),
+                                                       has_draft)
+        for first, q in parts:
+            draft_probs[first : first + q.shape[0]] = q
+        return draft_probs
+
     def _propose_with_draft(self, inputs: _StepInputs, so: SchedulerOutput,
                             emitted: dict[str, list[int]]) -> dict[str, list[int]]:
         """Write the draft model's KV of the step's kept tokens and return its proposals for
@@ -766,10 +795,12 @@ class ModelRunner:
                         and params_may_speculate(state.sampling_params)):
                     tokens = tokens + out[-1:]
                     proposing.append(req_id)
+                    params = state.sampling_params
                     requests.append(DraftRequest(
                         flat_index=len(ids) + len(tokens) - 1, position=newest,
                         block_table_row=state.block_table_row, block_ids=state.block_ids,
-                        max_tokens=room))
+                        max_tokens=room,
+                        temperature=0.0 if params.greedy else float(params.temperature)))
             block_ids = state.block_ids
             ids += tokens
             positions.extend(range(start, start + len(tokens)))
@@ -791,7 +822,11 @@ class ModelRunner:
         batch = DraftBatch(input_ids=flat[:num], positions=flat[num : 2 * num],
                            metadata=build(flat[2 * num :], query_start_loc, seq_lens, rows),
                            requests=requests)
-        proposals = self.drafter.propose(batch, build)
+        proposals, draft_probs = self.drafter.propose(batch, build)
+        for req_id in proposing:
+            self._draft_probs.pop(req_id, None)
+        for i, q in draft_probs.items():
+            self._draft_probs[proposing[i]] = q
         return {req_id: p for req_id, p in zip(proposing, proposals) if p}
 
     def _sampling_rows(
