@@ -128,6 +128,14 @@ def test_greedy_equal_with_and_without_draft_model(model_dir, draft_dir,
     stats = self_draft.llm_engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    # Sampled drafts carry the draft's q: with the target as draft, q ~ p, nearly all accepted.
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    outputs = self_draft.generate(prompts, sampled, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
+    after = self_draft.llm_engine.stats()
+    drafted = after.spec_decode_num_draft_tokens - stats.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - stats.spec_decode_num_accepted_tokens
+    assert drafted > 0 and accepted >= 0.9 * drafted
     del self_draft
     # A smaller draft, prefix caching on, a small token budget (prefills beside verification).
     small = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,
