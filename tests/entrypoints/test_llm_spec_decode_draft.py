@@ -221,6 +221,12 @@ def test_bad_draft_configs_are_refused(folder: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="draft model is too short"):
         EngineArgs(model=str(folder), speculative_config=spec(short),
                    dtype="float32").create_engine_config()
+    windowed = make_tiny_model(tmp_path / "swa", "mistral-swa")
+    with pytest.raises(ValueError, match="draft model attends further back"):
+        EngineArgs(model=str(windowed), speculative_config=spec(folder),
+                   dtype="float32").create_engine_config()
+    EngineArgs(model=str(windowed), speculative_config=spec(windowed),
+               dtype="float32").create_engine_config()  # the same window: accepted
     with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
         EngineArgs(model=str(folder), dtype="float32", speculative_config={
             **spec(folder), "draft_tensor_parallel_size": 2}).create_engine_config()
@@ -312,3 +318,17 @@ def test_sampled_tokens_keep_the_target_distribution(folder: Path, draft: Path) 
     pooled_counts = torch.cat([counts[big], counts[~big].sum().reshape(1)])
     pooled_probs = torch.cat([marginal[big], marginal[~big].sum().reshape(1)])
     assert _chi_square_p_value(pooled_counts, pooled_probs) > 1e-3
+
+
+def test_sliding_window_target_with_a_windowed_draft(tiny_model_factory) -> None:
+    """A target whose KV blocks are freed outside its window, drafted by a model with the same
+    window (itself): the draft never reads a freed block, so every draft is accepted, and the
+    outputs are the target's."""
+    windowed = tiny_model_factory("mistral-swa")
+    want = run(make_llm(windowed))
+    llm = make_llm(windowed, speculative_config=spec(windowed))
+    assert run(llm) == want
+    stats = llm.llm_engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.num_window_freed_blocks > 0

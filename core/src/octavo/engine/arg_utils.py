@@ -286,9 +286,19 @@ class EngineArgs:
             raise ValueError(f"speculative_config: the draft model is too short for "
                              f"max_model_len {target.max_model_len} ({error}); lower "
                              "--max-model-len") from None
-        return dataclasses.replace(target, model=str(folder), gguf_file=None, model_dir=folder,
-                                   hf_config=hf_config, quantization=None, tokenizer=None,
-                                   sampling_defaults={}, reasoning_parser=None)
+        draft = dataclasses.replace(target, model=str(folder), gguf_file=None, model_dir=folder,
+                                    hf_config=hf_config, quantization=None, tokenizer=None,
+                                    sampling_defaults={}, reasoning_parser=None)
+        # The draft's KV lives in the target's blocks: blocks freed outside the target's
+        # sliding window must be outside the draft's too.
+        window = config.cache_config.sliding_window
+        draft_window = _kv_window(draft)
+        if window is not None and (draft_window is None or draft_window > window):
+            raise ValueError(f"speculative_config: the target frees KV blocks outside its "
+                             f"{window}-token sliding window, but the draft model attends "
+                             f"further back; use a draft whose every layer has a window of at "
+                             f"most {window} tokens")
+        return draft
 
     def _resolve_quantization(self, pm: Any, backend: Any, hf_config: Any,
                               gguf_file: Any) -> str | None:
