@@ -1,8 +1,15 @@
-"""ngram speculative decoding speed-up at batch 1 on a repetitive prompt (any backend).
+"""Speculative decoding speed-up at batch 1 on a repetitive prompt (any backend): ngram, or a
+draft model with ``--draft-model``.
 
     python benchmarks/gpu/bench_spec_decode.py --model /tmp/llama3-8b-config --load-format dummy \
         --device cuda --num-speculative-tokens 4
+    python benchmarks/gpu/bench_spec_decode.py --model /tmp/llama3-8b-config --load-format dummy \
+        --device cuda --num-speculative-tokens 4 --draft-model /tmp/llama3.2-1b-config
     python benchmarks/gpu/bench_spec_decode.py --device cpu   # the default model (SmolLM2 GGUF)
+
+With ``--draft-model`` the draft loads with the target's ``--load-format`` (dummy: random
+weights too, so acceptance is near zero and the run measures the draft's cost; a draft that is
+the target itself accepts every draft and measures the machinery at full acceptance).
 
 The prompt is a block of random token ids repeated (``--block-len`` x ``--repeats``), or with
 ``--text`` a text prompt asking to repeat a passage (for a real model). The same greedy request
@@ -41,6 +48,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=2048)
+    parser.add_argument("--draft-model", default=None,
+                        help="folder of a draft model (method draft_model) instead of ngram")
     args = parser.parse_args()
 
     from octavo import LLM, SamplingParams
@@ -53,10 +62,15 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max}
+    method = "ngram"
+    if args.draft_model is not None:
+        method = "draft_model"
+        spec = {"method": method, "model": args.draft_model,
+                "num_speculative_tokens": args.num_speculative_tokens}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     results = {}
     outputs = {}
-    for name, extra in (("baseline", {}), ("ngram", {"speculative_config": spec})):
+    for name, extra in (("baseline", {}), (method, {"speculative_config": spec})):
         llm = LLM(**engine_kwargs, **extra)
         vocab = llm.llm_engine.config.model_config.vocab_size
         if args.text:
@@ -98,13 +112,14 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the second engine sizes nothing from free memory, but
             # the first one's weights must be gone before the second loads its own
-    same = outputs["baseline"] == outputs["ngram"]
+    same = outputs["baseline"] == outputs[method]
     first_difference = next((i for i, (a, b) in enumerate(zip(outputs["baseline"],
-                                                              outputs["ngram"])) if a != b), None)
-    speedup = results["baseline"]["seconds"] / results["ngram"]["seconds"]
+                                                              outputs[method])) if a != b), None)
+    speedup = results["baseline"]["seconds"] / results[method]["seconds"]
     print(f"outputs identical: {same} (first difference at {first_difference}); speed-up {speedup:.2f}x at draft acceptance rate "
-          f"{results['ngram'].get('draft_acceptance_rate', 0):.1%}")
-    print(json.dumps({"bench": "spec_decode_ngram", "model": args.model, "device": args.device,
+          f"{results[method].get('draft_acceptance_rate', 0):.1%}")
+    print(json.dumps({"bench": f"spec_decode_{method}", "model": args.model,
+                      "draft_model": args.draft_model, "device": args.device,
                       "k": args.num_speculative_tokens, "output_len": args.output_len,
                       "identical": same, "first_difference": first_difference, "speedup": round(speedup, 3), **{
                           f"{k}_{m}": v for k, r in results.items() for m, v in r.items()}}))

@@ -54,6 +54,15 @@ SHAPES["llama3-8b"] = dict(
     tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=500000.0,
     rms_norm_eps=1e-5,
 )
+# Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 KV heads of 64, intermediate 8192, the
+# Llama-3 vocabulary (128256), tied embeddings; 1.2B parameters (the draft of llama3-8b in
+# speculative decoding; context kept at 8192 like llama3-8b's, no long-context rope scaling).
+SHAPES["llama3.2-1b"] = dict(
+    arch="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+    tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
 CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3_moe": "Qwen3MoeConfig", "llama": "LlamaConfig"}
 # quantization_config of --quant-config (what GPTQ / AutoAWQ write for 4-bit, group 128): with
 # --config-only and --load-format dummy the random weights are made packed int4.

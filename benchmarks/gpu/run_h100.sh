@@ -7,7 +7,7 @@
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [bench-serve]
-#                                    [spec-tests] [bench-spec]
+#                                    [spec-tests] [bench-spec] [bench-spec-draft]
 #                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
@@ -23,6 +23,8 @@ JSON_MODEL=/tmp/qwen2.5-0.5b-smollm2-vocab
 # on the GPU); the GPTQ one's config asks for 4-bit group-128 weights.
 L8B=/tmp/llama3-8b-config
 L8B_GPTQ=/tmp/llama3-8b-gptq-config
+# Llama-3.2-1B shape (Llama-3's vocabulary), config + tokenizer only: the draft of bench-spec-draft.
+L1B=/tmp/llama3.2-1b-config
 # Waits until the server started in the background as $1 (its pid) answers /health on port $2.
 wait_health() {
   python3 - "$1" "$2" <<'PY' || return 1
@@ -350,6 +352,23 @@ PY
         --num-speculative-tokens 4 --output-len 256 \
         2>"$OUT/bench-spec-q05.err" | tee "$OUT/bench-spec-q05.log"
       tail -3 "$OUT/bench-spec-l8b.err" "$OUT/bench-spec-q05.err"
+      ;;
+    bench-spec-draft)
+      # draft_model speculation at batch 1, greedy, 256 output tokens, K = 4: Llama-3-8B shape
+      # target with a Llama-3.2-1B shape draft (both dummy bf16 weights: acceptance near zero,
+      # so this measures what the draft costs), then the target as its own draft (every draft
+      # accepted: the machinery at full acceptance).
+      make_l8b
+      [ -d $L1B ] || python3 benchmarks/gpu/make_random_model.py --shape llama3.2-1b \
+        --config-only --out $L1B || exit 1
+      python3 benchmarks/gpu/bench_spec_decode.py --model $L8B --load-format dummy \
+        --dtype bfloat16 --device cuda --num-speculative-tokens 4 --output-len 256 \
+        --draft-model $L1B 2>"$OUT/bench-spec-draft-1b.err" | tee "$OUT/bench-spec-draft-1b.log"
+      python3 benchmarks/gpu/bench_spec_decode.py --model $L8B --load-format dummy \
+        --dtype bfloat16 --device cuda --num-speculative-tokens 4 --output-len 256 \
+        --num-gpu-blocks-override 1024 --draft-model $L8B \
+        2>"$OUT/bench-spec-draft-self.err" | tee "$OUT/bench-spec-draft-self.log"
+      tail -3 "$OUT/bench-spec-draft-1b.err" "$OUT/bench-spec-draft-self.err"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

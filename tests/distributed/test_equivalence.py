@@ -170,3 +170,21 @@ def test_tensor_parallel_with_speculative_decoding(model_folder):
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_tensor_parallel_with_a_draft_model(model_folder, tmp_path):
+    """A draft model (replicated whole on both ranks, its KV in the same blocks) under the
+    same stress: the one-device tokens and logprobs; the target as its own draft accepts
+    every draft."""
+    folder = model_folder("llama")
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
+    llm = make_llm(folder, device="cpu", tensor_parallel_size=2, speculative_config=spec,
+                   **STRESS)
+    try:
+        assert_same(run(llm), reference(folder))
+        stats = llm.llm_engine.stats()
+        assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()

@@ -23,8 +23,12 @@ def test_defaults_follow_vllm() -> None:
 
 @pytest.mark.parametrize("value, message", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported yet"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/x"},
-     "method 'draft_model' is not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     "method 'draft_model' needs \"model\""),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/x",
+      "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size must be 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/x"},
+     "for method 'draft_model' only"),
     ({"method": "magic", "num_speculative_tokens": 2}, "unknown method 'magic'"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),

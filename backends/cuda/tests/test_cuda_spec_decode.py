@@ -1,9 +1,11 @@
-"""Speculative decoding (ngram) on an NVIDIA GPU (run through the device tool; skipped in CI).
+"""Speculative decoding (ngram, draft_model) on an NVIDIA GPU (run through the device tool;
+skipped in CI).
 
 Greedy outputs with speculation equal those without, with drafts accepted, on the CUDA backend
 with CUDA graphs on and off: with them on, steps that verify drafts (up to 1 + K query tokens
-per sequence) replay graphs of their own shape, and so do steps without drafts. The rejection
-sampler's output distribution on the device matches the target's.
+per sequence) replay graphs of their own shape, and so do steps without drafts and the draft
+model's own steps (its graphs are captured beside the target's). The rejection sampler's
+output distribution on the device matches the target's.
 """
 
 from __future__ import annotations
@@ -98,3 +100,52 @@ def test_rejection_sampler_distribution_on_the_device() -> None:
                            [1] * trials, draft_probs=draft_probs)
     counts = torch.bincount(out.token_ids[:, 0], minlength=5).cpu()
     assert _chi_square_p_value(counts, p.cpu()) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A smaller draft of the same vocabulary (another architecture, one layer, head_dim 64)."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft"), "qwen2", hidden_size=128,
+                           intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, seed=3)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_greedy_equal_with_and_without_draft_model(model_dir, draft_dir,
+                                                   enforce_eager: bool) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": t} for t in PROMPTS]
+    plain = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,
+                enforce_eager=enforce_eager)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    # The target as its own draft: every draft accepted.
+    self_draft = LLM(str(model_dir), device="cuda", dtype="float32",
+                     num_gpu_blocks_override=512, enforce_eager=enforce_eager,
+                     speculative_config={"method": "draft_model", "model": str(model_dir),
+                                         "num_speculative_tokens": 3})
+    got = self_draft.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    stats = self_draft.llm_engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    # Sampled drafts carry the draft's q: with the target as draft, q ~ p, nearly all accepted.
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    outputs = self_draft.generate(prompts, sampled, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
+    after = self_draft.llm_engine.stats()
+    drafted = after.spec_decode_num_draft_tokens - stats.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - stats.spec_decode_num_accepted_tokens
+    assert drafted > 0 and accepted >= 0.9 * drafted
+    del self_draft
+    # A smaller draft, prefix caching on, a small token budget (prefills beside verification).
+    small = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,
+                enforce_eager=enforce_eager, enable_prefix_caching=True,
+                max_num_batched_tokens=16, max_num_seqs=3,
+                speculative_config={"method": "draft_model", "model": str(draft_dir),
+                                    "num_speculative_tokens": 3})
+    for _ in range(2):  # the second run hits the prefix cache
+        got = small.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+    stats = small.llm_engine.stats()
+    assert stats.prefix_cache_hits > 0
+    assert stats.spec_decode_num_draft_tokens > 0

@@ -368,12 +368,12 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 # Proposal methods of --speculative-config (vLLM's names); only these run today.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Methods vLLM has that Octavo does not run yet (named in the error).
-_SPECULATIVE_METHODS_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")
+_SPECULATIVE_METHODS_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator")
 # The keys --speculative-config accepts.
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
-                     "prompt_lookup_max", "model")
+                     "prompt_lookup_max", "model", "draft_tensor_parallel_size")
 
 
 @dataclass(slots=True)
@@ -383,7 +383,8 @@ class SpeculativeConfig:
     all of them keeps the longest prefix the target's own sampling agrees with (see
     ``octavo.spec_decode``)."""
 
-    # How drafts are proposed: "ngram" (prompt lookup in the request's own tokens).
+    # How drafts are proposed: "ngram" (prompt lookup in the request's own tokens) or
+    # "draft_model" (a small model of the same vocabulary, run by the workers).
     method: str
     # Most draft tokens proposed per request and step (K).
     num_speculative_tokens: int
@@ -391,8 +392,14 @@ class SpeculativeConfig:
     # defaults: 5 and 5 when neither is given, else the one given for both).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    # draft_model: the draft model's folder (not run yet: see SPECULATIVE_METHODS).
+    # draft_model: the draft model's local folder (same tokenizer and vocabulary).
     model: str | None = None
+    # draft_model: the draft's tensor-parallel size; only 1 (the draft runs whole, replicated
+    # on every rank of a tensor-parallel target).
+    draft_tensor_parallel_size: int | None = None
+    # draft_model: the draft's resolved ModelConfig (set by EngineArgs.create_engine_config,
+    # which reads its config.json and checks it against the target's).
+    draft_model_config: Any = None
 
     def __post_init__(self) -> None:
         if self.method in _SPECULATIVE_METHODS_NOT_YET:
@@ -407,6 +414,18 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be a positive "
                              f"integer, got {k!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config: method 'draft_model' needs \"model\": the "
+                                 "local folder of a small model with the target's vocabulary")
+            tp = self.draft_tensor_parallel_size
+            if tp is not None and tp != 1:
+                raise ValueError("speculative_config: draft_tensor_parallel_size must be 1 (the "
+                                 f"draft runs whole on each device), got {tp!r}")
+            return
+        if self.model is not None or self.draft_tensor_parallel_size is not None:
+            raise ValueError("speculative_config: \"model\" and \"draft_tensor_parallel_size\" "
+                             "are for method 'draft_model' only")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -424,6 +443,16 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "
                 f"exceed prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a request needs past the tokens a step verifies: the draft model writes
+        its KV for up to K proposal positions beyond them (0 for ngram)."""
+        return self.num_speculative_tokens if self.uses_draft_model else 0
 
     @classmethod
     def from_user(cls, value: Any) -> SpeculativeConfig | None:

@@ -166,7 +166,8 @@ class EngineArgs:
     speculative_config: str | dict[str, Any] | None = _option(
         None, "speculative decoding as JSON in vLLM's shape, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-        "(method ngram: prompt lookup; steps with drafts run without async scheduling)",
+        "(method ngram: prompt lookup; method draft_model with \"model\": a small model of the "
+        "same vocabulary; steps with drafts run without async scheduling)",
         metavar="JSON")
 
     enable_lora: bool = _option(
@@ -245,6 +246,8 @@ class EngineArgs:
             speculative_config=speculative,
             lora_config=LoRAConfig(**self._options_of(LoRAConfig)) if self.enable_lora else None,
         )
+        if speculative is not None and speculative.uses_draft_model:
+            speculative.draft_model_config = self._draft_model_config(speculative, config)
         if speculative is not None and config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with pipeline parallelism yet; "
                              "drop --speculative-config or use --pipeline-parallel-size 1")
@@ -255,6 +258,47 @@ class EngineArgs:
         check_config(backend, config, others=list_backends(pm))
         check_parallel_config(config, backend.device_type)
         return config
+
+    def _draft_model_config(self, speculative: SpeculativeConfig,
+                            config: EngineConfig) -> ModelConfig:
+        """The draft model's ``ModelConfig`` (``"method": "draft_model"``): a local folder whose
+        vocabulary is the target's, run in the target's dtype, context length and load format
+        (whole on every tensor-parallel rank). ``ValueError`` names what is wrong."""
+        import dataclasses
+        from pathlib import Path
+
+        target = config.model_config
+        folder = Path(speculative.model).expanduser()
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"speculative_config: draft model {speculative.model!r} is not a "
+                             "local model folder with a config.json; give the folder of a "
+                             "small model with the target's tokenizer")
+        hf_config = load_hf_config(folder, None, self.trust_remote_code)
+        draft_vocab = getattr(hf_config, "vocab_size", None)
+        target_vocab = getattr(target.hf_config, "vocab_size", None)
+        if draft_vocab != target_vocab:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({draft_vocab} "
+                             f"tokens) differs from the target's ({target_vocab}); use a draft "
+                             "with the target's tokenizer")
+        try:
+            derive_max_model_len(hf_config, target.max_model_len)
+        except ValueError as error:
+            raise ValueError(f"speculative_config: the draft model is too short for "
+                             f"max_model_len {target.max_model_len} ({error}); lower "
+                             "--max-model-len") from None
+        draft = dataclasses.replace(target, model=str(folder), gguf_file=None, model_dir=folder,
+                                    hf_config=hf_config, quantization=None, tokenizer=None,
+                                    sampling_defaults={}, reasoning_parser=None)
+        # The draft's KV lives in the target's blocks: blocks freed outside the target's
+        # sliding window must be outside the draft's too.
+        window = config.cache_config.sliding_window
+        draft_window = _kv_window(draft)
+        if window is not None and (draft_window is None or draft_window > window):
+            raise ValueError(f"speculative_config: the target frees KV blocks outside its "
+                             f"{window}-token sliding window, but the draft model attends "
+                             f"further back; use a draft whose every layer has a window of at "
+                             f"most {window} tokens")
+        return draft
 
     def _resolve_quantization(self, pm: Any, backend: Any, hf_config: Any,
                               gguf_file: Any) -> str | None:

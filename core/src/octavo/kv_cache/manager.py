@@ -136,8 +136,11 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Reserve slots for ``num_new_tokens`` tokens after the request's computed ones.
+        """Reserve slots for ``num_new_tokens`` tokens after the request's computed ones, and
+        ``num_lookahead_tokens`` more past them (speculative decoding's draft model writes its
+        KV there; they hold no known token, so they are never indexed).
 
         ``new_computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``) being
         adopted now. Returns the ids of newly added blocks (hits included), or ``None`` when
@@ -150,12 +153,13 @@ class KVCacheManager:
             self._free_outside_window(request.request_id, num_outside)
         shared_index = self._shared_write_target(request)
         if (shared_index is None and not new_computed_blocks
-                and self._fits_without_change(request, num_new_tokens)):
+                and self._fits_without_change(request, num_new_tokens, num_lookahead_tokens)):
             return []  # the common decode step: room in the last block, no block becomes full
         new_computed_blocks = new_computed_blocks or []
         blocks = self._req_blocks.setdefault(request.request_id, [])
         total_tokens = num_computed + num_new_tokens
-        num_required = self.blocks_needed(total_tokens) - len(blocks) - len(new_computed_blocks)
+        num_required = (self.blocks_needed(total_tokens + num_lookahead_tokens) - len(blocks)
+                        - len(new_computed_blocks))
         # Hits wholly before the window are not taken: placeholders stand in for them.
         num_skipped_hits = min(len(new_computed_blocks), max(0, num_outside - len(blocks)))
         taken_hits = new_computed_blocks[num_skipped_hits:]
@@ -252,12 +256,14 @@ class KVCacheManager:
             self._num_freed[child.request_id] = num_freed
         self._num_indexed[child.request_id] = self._num_indexed.get(parent.request_id, 0)
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks ``allocate_slots(request, num_new_tokens)`` would take from the pool now
-        (a request that holds blocks; no prefix hits): new ones plus a copy-on-write, less the
-        blocks it first gives back as outside the sliding window (0 at least)."""
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
+                               num_lookahead_tokens: int = 0) -> int:
+        """Blocks ``allocate_slots(request, num_new_tokens, ...num_lookahead_tokens)`` would
+        take from the pool now (a request that holds blocks; no prefix hits): new ones plus a
+        copy-on-write, less the blocks it first gives back as outside the sliding window (0 at
+        least)."""
         blocks = self._req_blocks.get(request.request_id, [])
-        total = request.num_computed_tokens + num_new_tokens
+        total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_copies = 0 if self._shared_write_target(request) is None else 1
         num_new = max(self.blocks_needed(total) - len(blocks), 0) + num_copies
         end = min(self._blocks_before_window(request.num_computed_tokens), len(blocks))
@@ -326,14 +332,16 @@ class KVCacheManager:
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self._req_host_blocks
 
-    def _fits_without_change(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether the request's blocks already hold ``num_new_tokens`` more tokens and no
-        block is left to index (so there is nothing to allocate or to index)."""
+    def _fits_without_change(self, request: Request, num_new_tokens: int,
+                             num_lookahead_tokens: int = 0) -> bool:
+        """Whether the request's blocks already hold ``num_new_tokens`` (and the lookahead)
+        more tokens and no block is left to index (so there is nothing to allocate or to
+        index)."""
         blocks = self._req_blocks.get(request.request_id)
         if not blocks:
             return False
         total_tokens = request.num_computed_tokens + num_new_tokens
-        if total_tokens > len(blocks) * self.block_size:
+        if total_tokens + num_lookahead_tokens > len(blocks) * self.block_size:
             return False
         num_full = min(total_tokens // self.block_size, len(request.block_hashes))
         return num_full <= self._num_indexed.get(request.request_id, 0)

@@ -21,3 +21,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Prompt logprobs of the positions computed this step, per request id that asked.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding with a draft model: the draft tokens proposed after this step, per
+    # request id that got any (the next step verifies them; vLLM's spec_token_ids).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

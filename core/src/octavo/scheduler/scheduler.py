@@ -51,8 +51,7 @@ from octavo.sampling_params import BeamSearchParams
 from octavo.scheduler.beam_search import BeamSearchGroup
 from octavo.scheduler.preemption import swap_threshold_tokens
 from octavo.scheduler.request_queue import FCFSQueue, PriorityQueue, RequestQueue
-from octavo.scheduler.spec_decode import SpecDecodeStats, may_speculate
-from octavo.spec_decode.ngram_proposer import NgramProposer
+from octavo.scheduler.spec_decode import Proposer, SpecDecodeStats, make_proposer, may_speculate
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +74,16 @@ class Scheduler:
         # Most different LoRA adapters running at once (the workers' slots; None: no LoRA).
         self.max_loras = max_loras
         # Speculative decoding: proposes drafts when a request's step is recorded (None: off).
-        self.proposer: NgramProposer | None = None
+        self.proposer: Proposer | None = None
         self.spec_stats = SpecDecodeStats()
+        # KV slots reserved past a sampling step's tokens (the draft model writes its KV of
+        # the next step's drafts there; 0 for ngram).
+        self.num_lookahead_slots = 0
         if speculative_config is not None:
             assert not scheduler_config.async_scheduling and pipeline_parallel_size == 1, (
                 "speculative decoding runs one step at a time (EngineArgs turns async off)")
-            self.proposer = NgramProposer(speculative_config.prompt_lookup_min,
-                                          speculative_config.prompt_lookup_max,
-                                          speculative_config.num_speculative_tokens)
+            self.proposer = make_proposer(speculative_config)
+            self.num_lookahead_slots = speculative_config.num_lookahead_slots
         # Pipeline parallelism: up to one step per stage in flight, each of other requests (a
         # request's next step needs its last token, which only the last stage sees), and the
         # workers get the tokens from here (CachedRequestData.new_token_ids).
@@ -318,13 +319,23 @@ class Scheduler:
     def _blocks_to_allocate(self, requests: list[Request], num_new: list[int]) -> int:
         """Blocks the pool must give these running requests (at most: copies-on-write of one
         block shared by several of them are counted for each)."""
-        return sum(self.kv_cache_manager.num_blocks_to_allocate(r, n)
+        return sum(self.kv_cache_manager.num_blocks_to_allocate(r, n, self._lookahead(r, n))
                    for r, n in zip(requests, num_new))
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """KV slots reserved past a step of ``num_new`` tokens: the draft model writes its KV
+        of the next drafts there (speculative decoding with a draft model; never past
+        max_model_len)."""
+        if not self.num_lookahead_slots:
+            return 0
+        end = request.num_computed_tokens + num_new
+        return max(0, min(self.num_lookahead_slots, self.max_model_len - end))
 
     def _schedule_running_request(self, request: Request, num_new: int, out: SchedulerOutput,
                                   forked: list[Request], drafts: list[int] | None = None) -> None:
         manager = self.kv_cache_manager
-        new_block_ids = manager.allocate_slots(request, num_new)
+        new_block_ids = manager.allocate_slots(
+            request, num_new, num_lookahead_tokens=self._lookahead(request, num_new))
         assert new_block_ids is not None, f"{request.request_id}: blocks were counted as free"
         if request.new_to_workers:  # a forked beam the workers have not seen
             request.new_to_workers = False
@@ -463,7 +474,12 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            new_block_ids = manager.allocate_slots(request, num_new, hit_blocks, num_hit_tokens)
+            lookahead = 0
+            if self.num_lookahead_slots:
+                end = num_hit_tokens + num_new
+                lookahead = max(0, min(self.num_lookahead_slots, self.max_model_len - end))
+            new_block_ids = manager.allocate_slots(request, num_new, hit_blocks, num_hit_tokens,
+                                                   lookahead)
             if new_block_ids is None:
                 break
             self.waiting.pop()
@@ -733,8 +749,7 @@ class Scheduler:
             if not sampled and prompt_logprobs is None:
                 continue
             if not finished and self.proposer is not None and sampled and may_speculate(request):
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids,
-                                                               key=request.request_id)
+                request.spec_token_ids = self.proposer.propose(request, runner_output)
             new_logprobs = runner_output.logprobs.get(req_id)
             if new_logprobs is not None and num_emitted < len(sampled):
                 new_logprobs = new_logprobs.head(num_emitted)  # a stop cut the accepted drafts

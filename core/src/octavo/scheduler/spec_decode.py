@@ -4,21 +4,66 @@ behind the ``spec_decode_*`` metrics (see ``octavo.spec_decode`` for the whole f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from octavo.messages import Request
+from octavo.config import SpeculativeConfig
+from octavo.messages import ModelRunnerOutput, Request
+from octavo.spec_decode.ngram_proposer import NgramProposer
+from octavo.spec_decode.proposals import params_may_speculate
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether drafts are proposed for ``request``.
-
-    Not for beams (the scheduler chooses their tokens), constrained requests (a grammar mask
-    per draft position is not built), seeded requests (their tokens must depend only on seed
-    and position, and the accept/reject draws would change them) and requests with logits
-    processors (which may keep state per sampled token). Those decode one token per step.
+    """Whether drafts are proposed for ``request``: not for beams (the scheduler chooses their
+    tokens), nor for what ``params_may_speculate`` rules out (constrained, seeded and
+    logits-processor requests). Those decode one token per step.
     """
-    params = request.sampling_params
-    return (request.beam_group is None and params.structured_outputs is None
-            and params.seed is None and not params.logits_processors)
+    return request.beam_group is None and params_may_speculate(request.sampling_params)
+
+
+class Proposer(Protocol):
+    """Where a request's drafts come from, asked by the scheduler once a step's tokens of the
+    request are recorded."""
+
+    def propose(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
+        """Draft tokens to follow ``request.all_token_ids`` ([]: none)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone: drop what was kept for it."""
+        ...
+
+
+class NgramSchedulerProposer:
+    """``"method": "ngram"``: prompt lookup, computed here in the scheduler."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                   config.num_speculative_tokens)
+
+    def propose(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
+        return self.ngram.propose(request.all_token_ids, key=request.request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.ngram.forget(request_id)
+
+
+class RunnerProposals:
+    """``"method": "draft_model"``: the workers' draft model proposed after the step (it runs
+    beside the target; ``ModelRunnerOutput.spec_token_ids``); this only hands them over."""
+
+    def propose(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
+        return list(runner_output.spec_token_ids.get(request.request_id, ()))
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The scheduler's proposer for ``config.method``."""
+    if config.uses_draft_model:
+        return RunnerProposals()
+    return NgramSchedulerProposer(config)
 
 
 @dataclass(slots=True)

@@ -72,6 +72,21 @@ class GPUWorker(Worker):
             lora=self._lora_graph_inputs(query_len),
         )
         graphs.capture()
+        drafter = runner.drafter
+        if drafter is not None:
+            # The draft model's steps: one-token proposal steps, and (with multi-token graphs)
+            # its first forward after a verifying step (the verified token, up to K accepted
+            # drafts and the newest token: K + 2 tokens a sequence).
+            drafter.graph_runner = CudaGraphRunner(
+                model=drafter.model,
+                kv_caches=drafter.kv_caches,
+                max_num_seqs=self.config.scheduler_config.max_num_seqs,
+                max_model_len=self.config.model_config.max_model_len,
+                block_size=self.config.cache_config.block_size,
+                device=self.device,
+                max_query_len=1 if query_len == 1 else query_len + 1,
+            )
+            drafter.graph_runner.capture()
         return graphs
 
     def _verification_query_len(self) -> int:

@@ -41,10 +41,12 @@ from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import GrammarRows, SamplingMetadata, SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput, mask_by_bitmask
 from octavo.sampling_params import SamplingParams
+from octavo.spec_decode.proposals import params_may_speculate
 from octavo.spec_decode.rejection_sampler import rejection_sample, target_distribution
 from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
+from octavo.worker.draft_model import DraftBatch, DraftModelProposer, DraftRequest
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
 from octavo.worker.pipeline import StageIO
@@ -159,6 +161,12 @@ class ModelRunner:
         self.graph_runner: GraphRunner | None = None
         # The adapters' device slots (--enable-lora), set by load_model.
         self.lora_manager: LoRAManager | None = None
+        # Speculative decoding with a draft model (set by load_model): it runs over every
+        # step's tokens and proposes after each step (octavo.worker.draft_model).
+        self.drafter: DraftModelProposer | None = None
+        # Per request with sampled drafts: the draft distributions its pending drafts were
+        # drawn from ([k, vocab]), the rejection sampler's q when they are verified.
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -169,6 +177,14 @@ class ModelRunner:
             self.lora_manager = LoRAManager(self.model, self.config.lora_config,
                                             self.model_config.hf_config, self.model_config.dtype,
                                             self.device)
+        spec = self.config.speculative_config
+        if spec is not None and spec.uses_draft_model:
+            # Whole on every rank (replicated, not split): each rank proposes the same drafts
+            # from the same tokens, as each runs the same rejection sampler.
+            self.drafter = DraftModelProposer(
+                spec.draft_model_config, self.attn_backend, self.device, self.pm,
+                self.config.backend, spec.num_speculative_tokens, self.block_size)
+            self.drafter.load_model()
         if self.parallel.ranks.pp_size > 1:
             self.stage_io = StageIO(self.parallel, self.model_config.hf_config.hidden_size,
                                     self.model_config.dtype, self.device)
@@ -190,7 +206,9 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = self._kv_cache_layout()
         shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, num_kv_heads, head_dim)
         element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return int(np.prod(shape)) * element_size * num_layers
+        draft = 0 if self.drafter is None else self.drafter.kv_cache_bytes_per_block(
+            self.kv_cache_dtype)
+        return int(np.prod(shape)) * element_size * num_layers + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self._kv_cache_layout()
@@ -202,6 +220,8 @@ class ModelRunner:
         self.kv_caches = [
             torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, dtype)
         mover = self.pm.hook.octavo_kv_block_mover(
             backend=self.config.backend, attn_backend=self.attn_backend, device=self.device)
         self.kv_block_mover = mover or default_kv_block_mover(self.attn_backend, self.device)
@@ -209,7 +229,14 @@ class ModelRunner:
     def initialize_host_cache(self, num_blocks: int) -> None:
         """Allocate the host block pool of swapped-out requests (after the KV cache)."""
         assert self.kv_block_mover is not None, "initialize_kv_cache() must run first"
-        self.host_kv_caches = self.kv_block_mover.allocate_host_cache(self.kv_caches, num_blocks)
+        self.host_kv_caches = self.kv_block_mover.allocate_host_cache(self._all_kv_caches(),
+                                                                      num_blocks)
+
+    def _all_kv_caches(self) -> list[torch.Tensor]:
+        """Every KV layer over the blocks: the target's, then the draft model's."""
+        if self.drafter is None:
+            return self.kv_caches
+        return self.kv_caches + self.drafter.kv_caches
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
         """The step's block moves, before its forward: swap-outs, copies, swap-ins."""
@@ -219,9 +246,10 @@ class ModelRunner:
         assert mover is not None, "initialize_kv_cache() must run first"
         if so.blocks_to_swap_out or so.blocks_to_swap_in:
             assert self.host_kv_caches, "the scheduler swaps but no host cache was allocated"
-        mover.swap_out(self.kv_caches, self.host_kv_caches, so.blocks_to_swap_out)
-        mover.copy(self.kv_caches, so.blocks_to_copy)
-        mover.swap_in(self.host_kv_caches, self.kv_caches, so.blocks_to_swap_in)
+        caches = self._all_kv_caches()
+        mover.swap_out(caches, self.host_kv_caches, so.blocks_to_swap_out)
+        mover.copy(caches, so.blocks_to_copy)
+        mover.swap_in(self.host_kv_caches, caches, so.blocks_to_swap_in)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor | None:
@@ -269,6 +297,9 @@ class ModelRunner:
             if self.stage_io is None or self.stage_io.is_last:
                 rows = min(sched.max_num_seqs, num_tokens)
                 self.model.compute_logits(hidden[:rows])
+            if self.drafter is not None:
+                self.drafter.profile_run(input_ids, positions, metadata, num_blocks,
+                                         self.kv_cache_dtype)
         finally:
             self.kv_caches = saved
 
@@ -311,7 +342,7 @@ class ModelRunner:
                 req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
         elif inputs.spec_drafts is not None:
             assert not scheduler_output.sampling_deferred, "speculation runs without async"
-            step = self._sample_speculative(hidden, inputs, scheduler_output.grammar_bitmask)
+            step = self._sample_speculative(hidden, inputs, scheduler_output)
         elif scheduler_output.sampling_deferred:
             step = DeferredStepOutput(self._last_step)
             self._deferred = (step, hidden, inputs)
@@ -404,6 +435,7 @@ class ModelRunner:
         return self.lora_manager.active
 
     def _forget(self, req_id: str) -> None:
+        self._draft_probs.pop(req_id, None)
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.block_table.free_row(state.block_table_row)
@@ -431,7 +463,9 @@ class ModelRunner:
         pending_flat: list[int] = []
         pending_rows: list[int] = []
         spec_tokens = so.scheduled_spec_decode_tokens
-        spec_drafts: list[list[int]] | None = [] if spec_tokens else None
+        # With a draft model every step samples through the speculative path (it proposes).
+        spec_drafts: list[list[int]] | None = (
+            [] if spec_tokens or self.drafter is not None else None)
         bs = self.block_size
         for req_id in req_ids:
             state = self.requests[req_id]
@@ -616,7 +650,7 @@ class ModelRunner:
         return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, previous, sampled)
 
     def _sample_speculative(
-        self, hidden: torch.Tensor, inputs: _StepInputs, grammar_bitmask: GrammarBitmask | None
+        self, hidden: torch.Tensor, inputs: _StepInputs, so: SchedulerOutput
     ) -> PendingStepOutput:
         """Sample a step where some requests verify draft tokens (speculative decoding).
 
@@ -625,13 +659,21 @@ class ModelRunner:
         see them), and the rejection sampler (``octavo.spec_decode.rejection_sampler``) keeps
         the drafts the target agrees with plus one token of its own. Requests emit 1 .. k + 1
         tokens; logprobs come per emitted token. Runs one step at a time (no token in flight).
+        With a draft model, the draft then proposes the next step's drafts of each request
+        that may speculate (``ModelRunnerOutput.spec_token_ids``).
         """
         assert inputs.spec_drafts is not None
+        grammar_bitmask = so.grammar_bitmask
         output = ModelRunnerOutput(
             req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]
         )
         step_rows = [i for i, does_sample in enumerate(inputs.samples) if does_sample]
         states = [self.requests[inputs.req_ids[i]] for i in step_rows]
+        if not states and not inputs.prompt_logprob_positions:
+            # Prompt chunks only (with a draft model): the draft's KV of them, no sampling.
+            if self.drafter is not None:
+                self._propose_with_draft(inputs, so, {})
+            return PendingStepOutput.ready(output)
         drafts = inputs.spec_drafts
         rows: list[SamplingRow] = []
         draft_of_row: list[int] = []
@@ -649,9 +691,17 @@ class ModelRunner:
             self.sampler.logits_processors)
         argmax, probs, greedy = target_distribution(self.sampler, logits, metadata)
         draft_ids = host_to_device(torch.tensor(draft_of_row, dtype=torch.long), self.device)
+        draft_probs = None
+        if probs is not None and self._draft_probs:
+            draft_probs = self._sampled_draft_probs(states, drafts, draft_ids, probs)
         decided = rejection_sample(argmax, probs, greedy, draft_ids, [len(d) for d in drafts],
-                                   seeded_rows=metadata.seeded_rows)
+                                   draft_probs=draft_probs, seeded_rows=metadata.seeded_rows)
         device_tensors = [decided.token_ids, decided.num_emitted]
+        if self.drafter is not None:
+            token_ids, num_emitted = decided.token_ids.tolist(), decided.num_emitted.tolist()
+            emitted = {state.req_id: ids[:n]
+                       for state, ids, n in zip(states, token_ids, num_emitted)}
+            output.spec_token_ids = self._propose_with_draft(inputs, so, emitted)
         if metadata.max_num_logprobs is not None:
             num_top = min(metadata.max_num_logprobs, metadata.vocab_size)
             lp = compute_logprobs(logits, decided.row_token_ids, num_top)
@@ -685,6 +735,99 @@ class ModelRunner:
             return output
 
         return PendingStepOutput(DeviceToHostCopy(device_tensors), finalize, None, None)
+
+    def _sampled_draft_probs(self, states: list[CachedRequestState], drafts: list[list[int]],
+                             draft_ids: torch.Tensor, probs: torch.Tensor
+                             ) -> torch.Tensor | None:
+        """The rejection sampler's ``q`` for a step whose drafts include sampled ones: the
+        stored draft distributions on those requests' draft rows, one-hot rows for the other
+        drafts (None when no verified draft was sampled)."""
+        parts: list[tuple[int, torch.Tensor]] = []
+        first_row = 0
+        for state, draft in zip(states, drafts):
+            q = self._draft_probs.get(state.req_id)
+            if draft and q is not None and q.shape[0] >= len(draft):
+                parts.append((first_row, q[: len(draft)]))
+            first_row += len(draft) + 1
+        if not parts:
+            return None
+        has_draft = (draft_ids >= 0).to(probs.dtype).unsqueeze(1)
+        draft_probs = torch.zeros_like(probs).scatter_(1, draft_ids.clamp(min=0).unsqueeze(1),
+                                                       has_draft)
+        for first, q in parts:
+            draft_probs[first : first + q.shape[0]] = q
+        return draft_probs
+
+    def _propose_with_draft(self, inputs: _StepInputs, so: SchedulerOutput,
+                            emitted: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Write the draft model's KV of the step's kept tokens and return its proposals for
+        the next step (see ``octavo.worker.draft_model``). ``emitted``: the tokens each
+        sampling request emitted this step (accepted drafts, then its newest token).
+
+        Proposing: the step's sampling requests that may speculate and have room before
+        max_model_len, not forks of this step (they have no tokens in the step's batch).
+        """
+        assert self.drafter is not None
+        bs = self.block_size
+        max_len = self.model_config.max_model_len
+        metadata = inputs.metadata
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        requests: list[DraftRequest] = []
+        proposing: list[str] = []
+        for i, end in enumerate(metadata.seq_lens_cpu):  # forks come after: not in the batch
+            req_id = inputs.req_ids[i]
+            state = self.requests[req_id]
+            start = end - (metadata.query_start_loc_cpu[i + 1] - metadata.query_start_loc_cpu[i])
+            drafts = so.scheduled_spec_decode_tokens.get(req_id, ())
+            tokens = state.token_ids[start : end - len(drafts)]
+            out = emitted.get(req_id)
+            if out:
+                tokens = tokens + out[:-1]  # the accepted drafts
+                newest = start + len(tokens)  # the newest token's position (L - 1)
+                room = min(self.drafter.k, max_len - newest - 1)
+                if (room > 0 and newest < len(state.block_ids) * bs
+                        and not state.tokens_from_scheduler
+                        and params_may_speculate(state.sampling_params)):
+                    tokens = tokens + out[-1:]
+                    proposing.append(req_id)
+                    params = state.sampling_params
+                    requests.append(DraftRequest(
+                        flat_index=len(ids) + len(tokens) - 1, position=newest,
+                        block_table_row=state.block_table_row, block_ids=state.block_ids,
+                        max_tokens=room,
+                        temperature=0.0 if params.greedy else float(params.temperature)))
+            block_ids = state.block_ids
+            ids += tokens
+            positions.extend(range(start, start + len(tokens)))
+            slots.extend(block_ids[q // bs] * bs + q % bs
+                         for q in range(start, start + len(tokens)))
+            query_start_loc.append(len(ids))
+            seq_lens.append(start + len(tokens))
+            rows.append(state.block_table_row)
+
+        def build(slot_mapping: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                  rows: list[int]) -> AttentionMetadata:
+            width = max(-(-n // bs) for n in seq_lens)
+            return self._build_metadata(slot_mapping, query_start_loc, seq_lens,
+                                        self.block_table.gather(rows, width))
+
+        num = len(ids)
+        flat = host_to_device(torch.tensor(ids + positions + slots, dtype=torch.long),
+                              self.device)
+        batch = DraftBatch(input_ids=flat[:num], positions=flat[num : 2 * num],
+                           metadata=build(flat[2 * num :], query_start_loc, seq_lens, rows),
+                           requests=requests)
+        proposals, draft_probs = self.drafter.propose(batch, build)
+        for req_id in proposing:
+            self._draft_probs.pop(req_id, None)
+        for i, q in draft_probs.items():
+            self._draft_probs[proposing[i]] = q
+        return {req_id: p for req_id, p in zip(proposing, proposals) if p}
 
     def _sampling_rows(
         self,

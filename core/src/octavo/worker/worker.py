@@ -132,6 +132,10 @@ class Worker:
         # replaced its kernels, so the implementation actually chosen is checked too.
         check_head_dim(config.backend, config.model_config.head_dim,
                        attn_backend.supported_head_dims(), kernel=attn_backend.name)
+        spec = config.speculative_config
+        if spec is not None and spec.uses_draft_model:  # the draft runs on the same kernels
+            check_head_dim(config.backend, spec.draft_model_config.head_dim,
+                           attn_backend.supported_head_dims(), kernel=attn_backend.name)
         torch.manual_seed(config.model_config.seed)  # every rank draws the same samples
         self.model_runner = ModelRunner(config, self.device, attn_backend, self.pm, self.parallel)
         self.model_runner.load_model()
