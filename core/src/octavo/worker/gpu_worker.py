@@ -11,6 +11,7 @@ with adapters have graphs of their own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -61,31 +62,24 @@ class GPUWorker(Worker):
         assert self.model_runner is not None, "load_model() must run first"
         runner = self.model_runner
         query_len = self._verification_query_len()
-        graphs = CudaGraphRunner(
-            model=runner.model,
-            kv_caches=runner.kv_caches,
+        shape_limits = functools.partial(
+            CudaGraphRunner,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             max_model_len=self.config.model_config.max_model_len,
             block_size=self.config.cache_config.block_size,
             device=self.device,
-            max_query_len=query_len,
-            lora=self._lora_graph_inputs(query_len),
         )
+        graphs = shape_limits(runner.model, runner.kv_caches, max_query_len=query_len,
+                              lora=self._lora_graph_inputs(query_len))
         graphs.capture()
         drafter = runner.drafter
         if drafter is not None:
             # The draft model's steps: one-token proposal steps, and (with multi-token graphs)
             # its first forward after a verifying step (the verified token, up to K accepted
             # drafts and the newest token: K + 2 tokens a sequence).
-            drafter.graph_runner = CudaGraphRunner(
-                model=drafter.model,
-                kv_caches=drafter.kv_caches,
-                max_num_seqs=self.config.scheduler_config.max_num_seqs,
-                max_model_len=self.config.model_config.max_model_len,
-                block_size=self.config.cache_config.block_size,
-                device=self.device,
-                max_query_len=1 if query_len == 1 else query_len + 1,
-            )
+            drafter.graph_runner = shape_limits(
+                drafter.model, drafter.kv_caches,
+                max_query_len=1 if query_len == 1 else query_len + 1)
             drafter.graph_runner.capture()
         return graphs
 
