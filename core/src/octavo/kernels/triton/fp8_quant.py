@@ -4,11 +4,13 @@
 ``scale = max(amax(|x_row|) * float32(1 / 448), MIN_SCALE)`` and ``q = e4m3(x / scale)``
 saturated, the values of ``octavo.kernels.fp8.quantize_fp8_per_token`` bit for bit: the
 division is correctly rounded (``div_rn``, as torch's tensor division) and the rounding to
-e4m3 is ``round_to_e4m3``'s exact arithmetic. The torch ops it replaces take about eleven passes over the activations
-(abs, amax, upcast, divide, clamp, cast, each writing its result); one program per row here
-reads the row twice (the second time mostly from L2) and writes one byte per element, which
-matters for the ``torch._scaled_mm`` path's large-M steps (a prefill chunk of thousands of
-tokens at every linear layer).
+e4m3 is ``round_to_e4m3``'s exact arithmetic.
+
+The torch ops it replaces take about eleven passes over the activations (abs, amax, upcast,
+divide, clamp, cast, each writing its result); one program per row here reads the row twice
+(the second time mostly from L2) and writes one byte per element, which matters for the
+``torch._scaled_mm`` path's large-M steps (a prefill chunk of thousands of tokens at every
+linear layer).
 """
 
 from __future__ import annotations
