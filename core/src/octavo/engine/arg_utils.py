@@ -248,6 +248,10 @@ class EngineArgs:
         )
         if speculative is not None and speculative.uses_draft_model:
             speculative.draft_model_config = self._draft_model_config(speculative, config)
+        if speculative is not None and speculative.uses_eagle:
+            from octavo.model_executor.loader.eagle_loader import check_eagle_folder
+
+            check_eagle_folder(speculative.draft_model_config, config.model_config)
         if speculative is not None and config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with pipeline parallelism yet; "
                              "drop --speculative-config or use --pipeline-parallel-size 1")

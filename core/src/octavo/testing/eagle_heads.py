@@ -67,3 +67,43 @@ def make_tiny_eagle_head(folder: Path, target_folder: Path, seed: int = 0,
     target_config = AutoConfig.from_pretrained(target_folder)
     return write_eagle_head(folder, target_config, eagle_head_tensors(
         target_config, seed, with_embedding, with_fc_bias, dtype))
+
+
+def make_attention_free_target(folder: Path, seed: int = 0) -> Path:
+    """A tiny one-layer Llama whose attention output projection is zero: each position's
+    logits depend on its own token only (greedy decoding still runs through every engine
+    path). ``make_exact_eagle_head`` builds a head that is exactly right for it."""
+    from safetensors.torch import load_file
+
+    from octavo.testing.tiny_models import make_tiny_model
+
+    make_tiny_model(folder, "llama", seed=seed, num_hidden_layers=1)
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.0.self_attn.o_proj.weight"].zero_()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return Path(folder)
+
+
+def make_exact_eagle_head(folder: Path, target_folder: Path) -> Path:
+    """An EAGLE-1 head whose proposals equal the greedy tokens of the attention-free target in
+    ``target_folder`` (``make_attention_free_target``): ``fc = [I | 0]`` passes the token's
+    embedding through, its attention output is zero as the target's, and its MLP and
+    post-attention norm are the target's, so its output is the target's last hidden state
+    before the final RMSNorm, which scales each row by a positive number and so keeps the
+    argmax of the (shared) LM head when the norm's weights are all equal."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_folder)
+    target = load_file(str(Path(target_folder) / "model.safetensors"))
+    norm = target["model.norm.weight"]
+    assert torch.all(norm == norm[0]) and norm[0] > 0, "the target's final norm must be uniform"
+    assert not target["model.layers.0.self_attn.o_proj.weight"].any(), (
+        "the target must be attention-free (make_attention_free_target)")
+    hidden = config.hidden_size
+    tensors = {name.removeprefix("model."): tensor for name, tensor in target.items()
+               if name.startswith("model.layers.0.") and "input_layernorm" not in name}
+    tensors["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)],
+                                     dim=1).to(target["model.norm.weight"].dtype)
+    return write_eagle_head(folder, config, tensors)

@@ -73,7 +73,7 @@ class GPUWorker(Worker):
                               lora=self._lora_graph_inputs(query_len))
         graphs.capture()
         drafter = runner.drafter
-        if drafter is not None:
+        if drafter is not None and drafter.supports_graphs:  # an EAGLE head runs eagerly
             # The draft model's steps: one-token proposal steps, and (with multi-token graphs)
             # its first forward after a verifying step (the verified token, up to K accepted
             # drafts and the newest token: K + 2 tokens a sequence).

@@ -21,6 +21,10 @@ from octavo.model_executor.models.llama_eagle import (
 
 logger = logging.getLogger(__name__)
 
+# Targets an EAGLE-1 head runs with: the Llama decoder body (octavo.model_executor.models.llama)
+# whose hidden states, embedding and LM head the head shares.
+EAGLE_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
 
 def _shapes(folder: Any) -> dict[str, tuple[int, ...]]:
     """Every tensor's name (without a leading ``model.``) and shape, reading no data."""
@@ -55,6 +59,20 @@ def check_eagle_head(head_config: Any, target_config: Any,
     if layers != 1:
         raise ValueError(f"speculative_config: the EAGLE head at {where} declares {layers} "
                          "decoder layers; an EAGLE-1 head has one (num_hidden_layers: 1)")
+
+
+def check_eagle_folder(head_config: ModelConfig, target_config: ModelConfig) -> None:
+    """At start-up, before any worker: the head's folder holds an EAGLE-1 head that fits the
+    target (``check_eagle_head``), for a target whose architecture shares its embedding and
+    LM head the Llama way. ``ValueError`` (one line) otherwise."""
+    architectures = list(getattr(target_config.hf_config, "architectures", None) or [])
+    if not any(a in EAGLE_TARGET_ARCHITECTURES for a in architectures):
+        raise ValueError(f"speculative_config: method 'eagle' runs with Llama-architecture "
+                         f"targets ({', '.join(EAGLE_TARGET_ARCHITECTURES)}), not "
+                         f"{architectures}; use method 'draft_model' or 'ngram'")
+    if head_config.load_format != "dummy":
+        check_eagle_head(head_config.hf_config, target_config.hf_config,
+                         _shapes(head_config.model_dir), str(head_config.model_dir))
 
 
 def load_eagle_head(head_config: ModelConfig, target: torch.nn.Module,
