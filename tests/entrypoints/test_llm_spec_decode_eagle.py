@@ -152,3 +152,67 @@ def test_bad_heads_are_refused(folder: Path, head: Path, tmp_path: Path) -> None
     with pytest.raises(ValueError, match="is not a local model folder"):
         EngineArgs(model=str(folder), speculative_config=spec(tmp_path / "missing"),
                    dtype="float32").create_engine_config()
+
+
+def test_head_reads_the_targets_hidden_state_of_each_position(folder: Path, head: Path,
+                                                              reference) -> None:
+    """Every row the head gets after a step (chunked prompt, verified tokens, accepted
+    drafts) is token t + 1 with the target's hidden state at t, checked against the target
+    run once over the whole finished sequence."""
+    import torch
+    from octavo.attention.base import AttentionMetadata
+    from octavo.attention.reference import ReferenceAttentionBackend
+    from octavo.model_executor.models import builtin_registry
+    from safetensors.torch import load_file
+
+    llm = make_llm(folder, speculative_config=spec(head), max_num_batched_tokens=12)
+    drafter = llm.llm_engine.engine_core.executor.worker.model_runner.drafter
+    seen: list[tuple[list[int], list[int], torch.Tensor]] = []
+    first_forward = drafter.first_forward
+
+    def recording(batch):
+        seen.append((batch.positions.tolist(), batch.input_ids.tolist(),
+                     batch.target_hidden.clone()))
+        return first_forward(batch)
+
+    drafter.first_forward = recording
+    prompt = PROMPTS[0]
+    out = run(llm, [prompt])[0]
+    assert out == reference[0]
+    sequence = prompt + out
+
+    config = AutoConfig.from_pretrained(folder)
+    target = builtin_registry().resolve(config.architectures)(config, ReferenceAttentionBackend())
+    target.load_weights(load_file(str(folder / "model.safetensors")).items())
+    attn = target.model.layers["0"].self_attn
+    n = len(sequence)
+    caches = [torch.zeros(2, n // 4 + 1, 4, attn.num_kv_heads, attn.head_dim)
+              for _ in target.model.layers]
+    metadata = AttentionMetadata.from_lists(list(range(n)), [0, n], [n],
+                                            [list(range(n // 4 + 1))])
+    with torch.inference_mode():
+        expected = target.eval()(torch.tensor(sequence), torch.arange(n), caches, metadata)
+    covered: set[int] = set()
+    for positions, ids, hidden in seen:
+        assert ids == [sequence[p + 1] for p in positions]
+        torch.testing.assert_close(hidden, expected[positions], atol=1e-4, rtol=1e-4)
+        covered.update(positions)
+    # Every position the target computed got the head's KV (the last token is never computed).
+    assert covered == set(range(n - 1))
+
+
+def test_sampled_requests_and_n(exact: tuple[Path, Path]) -> None:
+    """Sampled requests verify the head's sampled drafts (its q goes to the rejection
+    sampler); n > 1 greedy completions equal those without speculation."""
+    target, head = exact
+    llm = make_llm(target, speculative_config=spec(head))
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, sampled, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outputs)
+    assert llm.llm_engine.stats().spec_decode_num_accepted_tokens > 0
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=20)
+    got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    want = make_llm(target).generate(PROMPTS[:3], params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert [list(o.token_ids) for o in a.outputs] == [list(o.token_ids) for o in b.outputs]
+    assert_no_leaks(llm)

@@ -69,7 +69,7 @@ def make_tiny_eagle_head(folder: Path, target_folder: Path, seed: int = 0,
         target_config, seed, with_embedding, with_fc_bias, dtype))
 
 
-def make_attention_free_target(folder: Path, seed: int = 0) -> Path:
+def make_attention_free_target(folder: Path, seed: int = 0, **overrides) -> Path:
     """A tiny one-layer Llama whose attention output projection is zero: each position's
     logits depend on its own token only (greedy decoding still runs through every engine
     path). ``make_exact_eagle_head`` builds a head that is exactly right for it."""
@@ -77,7 +77,7 @@ def make_attention_free_target(folder: Path, seed: int = 0) -> Path:
 
     from octavo.testing.tiny_models import make_tiny_model
 
-    make_tiny_model(folder, "llama", seed=seed, num_hidden_layers=1)
+    make_tiny_model(folder, "llama", seed=seed, num_hidden_layers=1, **overrides)
     path = Path(folder) / "model.safetensors"
     tensors = load_file(str(path))
     tensors["model.layers.0.self_attn.o_proj.weight"].zero_()
