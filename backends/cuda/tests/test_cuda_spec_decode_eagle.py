@@ -31,7 +31,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23, 24] * 3, [100, 101,
            [40, 41] * 9, list(range(50, 90))]
 # head_dim 64: one the Triton kernels take.
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-             "num_key_value_heads": 2}
+         "num_key_value_heads": 2}
 
 
 def _generate(llm: LLM, params: SamplingParams) -> list[list[int]]:

@@ -167,7 +167,8 @@ class EngineArgs:
         None, "speculative decoding as JSON in vLLM's shape, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
         "(method ngram: prompt lookup; method draft_model with \"model\": a small model of the "
-        "same vocabulary; steps with drafts run without async scheduling)",
+        "same vocabulary; method eagle with \"model\": an EAGLE-1 head for a Llama target; "
+        "steps with drafts run without async scheduling)",
         metavar="JSON")
 
     enable_lora: bool = _option(
