@@ -1,9 +1,10 @@
 """Speculative decoding with an EAGLE-1 head (``"method": "eagle"``) on an NVIDIA GPU (run
 through the device tool; skipped in CI).
 
-Greedy outputs equal those without speculation on the CUDA backend, with the target's CUDA
-graphs on and off (the head's steps run eagerly): with a random head, and with a head built to
-be exactly right for an attention-free target, where every draft is accepted.
+Greedy outputs equal those without speculation on the CUDA backend, with CUDA graphs on and
+off (on: the head's one-token steps and short first forwards replay graphs captured through
+``StaticHiddenHead``): with a random head, and with a head built to be exactly right for an
+attention-free target, where every draft is accepted.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def test_random_head_greedy_equal(tmp_path, enforce_eager: bool) -> None:
     want = _generate(LLM(str(target), **kwargs), params)
     spec = LLM(str(target), speculative_config={"method": "eagle", "model": str(head),
                                                 "num_speculative_tokens": 3}, **kwargs)
+    drafter = spec.llm_engine.engine_core.executor.worker.model_runner.drafter
+    assert (drafter.graph_runner is not None) == (not enforce_eager)
     assert _generate(spec, params) == want
     assert spec.llm_engine.stats().spec_decode_num_draft_tokens > 0
 

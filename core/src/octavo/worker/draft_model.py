@@ -139,9 +139,12 @@ class DraftModelProposer:
             return self.graph_runner.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
-    # Whether the worker may capture this proposer's steps in CUDA graphs (GraphRunner runs
-    # a model of (input_ids, positions, metadata) only).
-    supports_graphs = True
+    def graph_model(self, max_tokens: int) -> torch.nn.Module:
+        """The module the worker captures for this proposer's steps (called as
+        ``model(input_ids, positions, kv_caches, metadata)``, at most ``max_tokens`` tokens):
+        the draft model itself."""
+        assert self.model is not None
+        return self.model
 
     def first_forward(self, batch: DraftBatch) -> torch.Tensor:
         """The forward over a step's batch (``[num_tokens, hidden]``)."""
