@@ -2,16 +2,18 @@
 
 The head is one Llama decoder layer fed by a projection of two things per position t: the
 embedding of token ``t + 1`` and the target's hidden state at t (what the target's decoder
-returns, the input of its LM head)::
+returns, the input of its LM head, so after its final norm: what vLLM hands EAGLE-1 heads and
+what the EAGLE authors trained them on)::
 
     x_t = fc(concat(embed(token_{t+1}), target_hidden_t))      # [hidden]
     h_t = layer(x_t)   # attention over the head's own KV cache, then the MLP; residuals kept
     logits_t = lm_head(h_t)                                     # the target's LM head
 
 The row of position t (its rope position and the KV slot it writes) is t, as in vLLM: the
-head's KV lies in the same slots as the target's KV of the same positions. EAGLE-1's layer has no ``input_layernorm`` (the projection's output goes straight into
-attention; the post-attention norm is there), there is no final norm, and the head's next
-draft steps feed ``h_t`` back as the "target hidden" of the following position.
+head's KV lies in the same slots as the target's KV of the same positions. EAGLE-1's layer has
+no ``input_layernorm`` (the projection's output goes straight into attention; the
+post-attention norm is there), there is no final norm, and the head's next draft steps feed
+``h_t`` back as the "target hidden" of the following position.
 
 Checkpoint layout (as the EAGLE authors publish it, e.g. ``EAGLE-LLaMA3-Instruct-8B``, as
 safetensors): ``config.json`` of a one-layer Llama; ``fc.weight`` ``[hidden, 2 * hidden]``
