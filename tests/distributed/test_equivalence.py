@@ -188,3 +188,22 @@ def test_tensor_parallel_with_a_draft_model(model_folder, tmp_path):
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_tensor_parallel_with_an_eagle_head(model_folder, tmp_path):
+    """An EAGLE-1 head (replicated on both ranks; the target's embedding and LM head it
+    shares are split over them) under the same stress: the one-device tokens."""
+    from octavo.testing.eagle_heads import make_tiny_eagle_head
+
+    folder = model_folder("llama")
+    head = make_tiny_eagle_head(tmp_path / "head", folder, seed=4)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    llm = make_llm(folder, device="cpu", tensor_parallel_size=2, speculative_config=spec,
+                   **STRESS)
+    try:
+        assert_same(run(llm), reference(folder))
+        stats = llm.llm_engine.stats()
+        assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()

@@ -167,7 +167,8 @@ class EngineArgs:
         None, "speculative decoding as JSON in vLLM's shape, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
         "(method ngram: prompt lookup; method draft_model with \"model\": a small model of the "
-        "same vocabulary; steps with drafts run without async scheduling)",
+        "same vocabulary; method eagle with \"model\": an EAGLE-1 head for a Llama target; "
+        "steps with drafts run without async scheduling)",
         metavar="JSON")
 
     enable_lora: bool = _option(
@@ -248,6 +249,10 @@ class EngineArgs:
         )
         if speculative is not None and speculative.uses_draft_model:
             speculative.draft_model_config = self._draft_model_config(speculative, config)
+        if speculative is not None and speculative.uses_eagle:
+            from octavo.model_executor.loader.eagle_loader import check_eagle_folder
+
+            check_eagle_folder(speculative.draft_model_config, config.model_config)
         if speculative is not None and config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with pipeline parallelism yet; "
                              "drop --speculative-config or use --pipeline-parallel-size 1")

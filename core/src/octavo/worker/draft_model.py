@@ -73,6 +73,9 @@ class DraftBatch:
     metadata: AttentionMetadata
     # The requests that propose (their newest token is in the batch).
     requests: list[DraftRequest]
+    # EAGLE only: the target's hidden state of each row's position, [num_tokens, hidden]
+    # (None for a draft model, which reads only tokens).
+    target_hidden: torch.Tensor | None = None
 
 
 # (slot mapping, query_start_loc, seq_lens, block table rows) -> metadata, as the runner builds it.
@@ -136,6 +139,23 @@ class DraftModelProposer:
             return self.graph_runner.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
+    def graph_model(self, max_tokens: int) -> torch.nn.Module:
+        """The module the worker captures for this proposer's steps (called as
+        ``model(input_ids, positions, kv_caches, metadata)``, at most ``max_tokens`` tokens):
+        the draft model itself."""
+        assert self.model is not None
+        return self.model
+
+    def first_forward(self, batch: DraftBatch) -> torch.Tensor:
+        """The forward over a step's batch (``[num_tokens, hidden]``)."""
+        return self.forward(batch.input_ids, batch.positions, batch.metadata)
+
+    def step_forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                     metadata: AttentionMetadata, previous: torch.Tensor) -> torch.Tensor:
+        """One one-token proposal step over the requests still proposing (``previous``: the
+        hidden states that gave ``tokens``, unused by a draft model)."""
+        return self.forward(tokens, positions, metadata)
+
     def propose(self, batch: DraftBatch, build_metadata: MetadataBuilder
                 ) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
         """Write the batch's draft KV and return proposals, up to ``max_tokens`` each, for
@@ -145,7 +165,7 @@ class DraftModelProposer:
         batch's forward, the others from one-token steps batched over the requests still
         proposing."""
         assert self.model is not None
-        hidden = self.forward(batch.input_ids, batch.positions, batch.metadata)
+        hidden = self.first_forward(batch)
         requests = batch.requests
         proposals: list[list[int]] = [[] for _ in requests]
         if not requests:
@@ -160,8 +180,9 @@ class DraftModelProposer:
             return proposals, {}
         sampled = any(requests[i].temperature > 0 for i in active)
         index = torch.tensor([requests[i].flat_index for i in active], dtype=torch.long)
+        last = hidden[index.to(self.device)]  # [len(active), hidden] (a copy)
         tokens, probs = self._choose(
-            self.model.compute_logits(hidden[index.to(self.device)]),
+            self.model.compute_logits(last),
             [requests[i].temperature for i in active] if sampled else None)
         outputs: list[tuple[list[int], torch.Tensor]] = [(list(active), tokens)]
         dists: list[tuple[list[int], torch.Tensor | None]] = [(list(active), probs)]
@@ -170,7 +191,8 @@ class DraftModelProposer:
             if not keep:
                 break
             if len(keep) < len(active):
-                tokens = tokens[torch.tensor(keep, dtype=torch.long, device=self.device)]
+                kept = torch.tensor(keep, dtype=torch.long, device=self.device)
+                tokens, last = tokens[kept], last[kept]
                 active = [active[n] for n in keep]
             positions = [requests[i].position + j for i in active]
             slots = [requests[i].block_ids[p // bs] * bs + p % bs
@@ -180,9 +202,9 @@ class DraftModelProposer:
             metadata = build_metadata(flat[len(positions):], list(range(len(active) + 1)),
                                       [p + 1 for p in positions],
                                       [requests[i].block_table_row for i in active])
-            hidden = self.forward(tokens, flat[: len(positions)], metadata)
+            last = self.step_forward(tokens, flat[: len(positions)], metadata, last)
             tokens, probs = self._choose(
-                self.model.compute_logits(hidden),
+                self.model.compute_logits(last),
                 [requests[i].temperature for i in active] if sampled else None)
             outputs.append((list(active), tokens))
             dists.append((list(active), probs))

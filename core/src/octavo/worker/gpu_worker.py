@@ -57,7 +57,7 @@ class GPUWorker(Worker):
         if self.config.model_config.enforce_eager:
             logger.info("enforce_eager: CUDA graphs are off")
             return None
-        from octavo.worker.cuda_graph import CudaGraphRunner
+        from octavo.worker.cuda_graph import CudaGraphRunner, capture_sizes
 
         assert self.model_runner is not None, "load_model() must run first"
         runner = self.model_runner
@@ -74,12 +74,15 @@ class GPUWorker(Worker):
         graphs.capture()
         drafter = runner.drafter
         if drafter is not None:
-            # The draft model's steps: one-token proposal steps, and (with multi-token graphs)
-            # its first forward after a verifying step (the verified token, up to K accepted
-            # drafts and the newest token: K + 2 tokens a sequence).
+            # The draft model's (or EAGLE head's) steps: one-token proposal steps, and (with
+            # multi-token graphs) its first forward after a verifying step (the verified token,
+            # up to K accepted drafts and the newest token: K + 2 tokens a sequence).
+            draft_query_len = 1 if query_len == 1 else query_len + 1
+            max_tokens = capture_sizes(self.config.scheduler_config.max_num_seqs)[-1] * (
+                draft_query_len)
             drafter.graph_runner = shape_limits(
-                drafter.model, drafter.kv_caches,
-                max_query_len=1 if query_len == 1 else query_len + 1)
+                drafter.graph_model(max_tokens), drafter.kv_caches,
+                max_query_len=draft_query_len)
             drafter.graph_runner.capture()
         return graphs
 

@@ -47,6 +47,7 @@ from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
 from octavo.worker.draft_model import DraftBatch, DraftModelProposer, DraftRequest
+from octavo.worker.eagle import EagleProposer
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
 from octavo.worker.pipeline import StageIO
@@ -181,9 +182,10 @@ class ModelRunner:
         if spec is not None and spec.uses_draft_model:
             # Whole on every rank (replicated, not split): each rank proposes the same drafts
             # from the same tokens, as each runs the same rejection sampler.
-            self.drafter = DraftModelProposer(
-                spec.draft_model_config, self.attn_backend, self.device, self.pm,
-                self.config.backend, spec.num_speculative_tokens, self.block_size)
+            args = (spec.draft_model_config, self.attn_backend, self.device, self.pm,
+                    self.config.backend, spec.num_speculative_tokens, self.block_size)
+            self.drafter = (EagleProposer(*args, target=self.model) if spec.uses_eagle
+                            else DraftModelProposer(*args))
             self.drafter.load_model()
         if self.parallel.ranks.pp_size > 1:
             self.stage_io = StageIO(self.parallel, self.model_config.hf_config.hidden_size,
@@ -672,7 +674,7 @@ class ModelRunner:
         if not states and not inputs.prompt_logprob_positions:
             # Prompt chunks only (with a draft model): the draft's KV of them, no sampling.
             if self.drafter is not None:
-                self._propose_with_draft(inputs, so, {})
+                self._propose_with_draft(inputs, so, {}, hidden)
             return PendingStepOutput.ready(output)
         drafts = inputs.spec_drafts
         rows: list[SamplingRow] = []
@@ -701,7 +703,7 @@ class ModelRunner:
             token_ids, num_emitted = decided.token_ids.tolist(), decided.num_emitted.tolist()
             emitted = {state.req_id: ids[:n]
                        for state, ids, n in zip(states, token_ids, num_emitted)}
-            output.spec_token_ids = self._propose_with_draft(inputs, so, emitted)
+            output.spec_token_ids = self._propose_with_draft(inputs, so, emitted, hidden)
         if metadata.max_num_logprobs is not None:
             num_top = min(metadata.max_num_logprobs, metadata.vocab_size)
             lp = compute_logprobs(logits, decided.row_token_ids, num_top)
@@ -759,21 +761,27 @@ class ModelRunner:
         return draft_probs
 
     def _propose_with_draft(self, inputs: _StepInputs, so: SchedulerOutput,
-                            emitted: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Write the draft model's KV of the step's kept tokens and return its proposals for
-        the next step (see ``octavo.worker.draft_model``). ``emitted``: the tokens each
-        sampling request emitted this step (accepted drafts, then its newest token).
+                            emitted: dict[str, list[int]],
+                            hidden: torch.Tensor | None = None) -> dict[str, list[int]]:
+        """Write the draft model's (or EAGLE head's) KV of the step's kept tokens and return
+        its proposals for the next step (see ``octavo.worker.draft_model`` and
+        ``octavo.worker.eagle``). ``emitted``: the tokens each sampling request emitted this
+        step (accepted drafts, then its newest token); ``hidden``: the target's hidden states
+        of the step (rows of the flat batch), which an EAGLE head reads.
 
         Proposing: the step's sampling requests that may speculate and have room before
         max_model_len, not forks of this step (they have no tokens in the step's batch).
         """
         assert self.drafter is not None
+        eagle = isinstance(self.drafter, EagleProposer)
+        assert hidden is not None or not eagle, "an EAGLE head needs the target's hidden states"
         bs = self.block_size
         max_len = self.model_config.max_model_len
         metadata = inputs.metadata
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        hidden_rows: list[int] = []  # EAGLE: the target's row of each position
         query_start_loc = [0]
         seq_lens: list[int] = []
         rows: list[int] = []
@@ -784,23 +792,34 @@ class ModelRunner:
             state = self.requests[req_id]
             start = end - (metadata.query_start_loc_cpu[i + 1] - metadata.query_start_loc_cpu[i])
             drafts = so.scheduled_spec_decode_tokens.get(req_id, ())
-            tokens = state.token_ids[start : end - len(drafts)]
             out = emitted.get(req_id)
-            if out:
-                tokens = tokens + out[:-1]  # the accepted drafts
-                newest = start + len(tokens)  # the newest token's position (L - 1)
-                room = min(self.drafter.k, max_len - newest - 1)
-                if (room > 0 and newest < len(state.block_ids) * bs
-                        and not state.tokens_from_scheduler
-                        and params_may_speculate(state.sampling_params)):
-                    tokens = tokens + out[-1:]
-                    proposing.append(req_id)
-                    params = state.sampling_params
-                    requests.append(DraftRequest(
-                        flat_index=len(ids) + len(tokens) - 1, position=newest,
-                        block_table_row=state.block_table_row, block_ids=state.block_ids,
-                        max_tokens=room,
-                        temperature=0.0 if params.greedy else float(params.temperature)))
+            # The positions the target computed this step and keeps: [start, kept_end); the
+            # request's tokens as now known (the newest at kept_end when it emitted).
+            kept_end = end - len(drafts) + (len(out) - 1 if out else 0)
+            known = state.token_ids[: end - len(drafts)] + out if out else state.token_ids
+            newest = kept_end  # the newest token's position (L - 1)
+            room = min(self.drafter.k, max_len - newest - 1)
+            propose = bool(out and room > 0 and newest < len(state.block_ids) * bs
+                           and not state.tokens_from_scheduler
+                           and params_may_speculate(state.sampling_params))
+            if eagle:  # row t: token t + 1 and the target's hidden state at t
+                row_end = min(kept_end, len(known) - 1)
+                propose = propose and row_end == kept_end
+                tokens = known[start + 1 : row_end + 1]
+                first_row = metadata.query_start_loc_cpu[i]
+                hidden_rows.extend(range(first_row, first_row + row_end - start))
+            else:  # row t: token t, up to the newest when proposing
+                tokens = known[start : kept_end + (1 if propose else 0)]
+            if not tokens:
+                continue
+            if propose:
+                proposing.append(req_id)
+                params = state.sampling_params
+                requests.append(DraftRequest(
+                    flat_index=len(ids) + len(tokens) - 1, position=start + len(tokens) - 1,
+                    block_table_row=state.block_table_row, block_ids=state.block_ids,
+                    max_tokens=room,
+                    temperature=0.0 if params.greedy else float(params.temperature)))
             block_ids = state.block_ids
             ids += tokens
             positions.extend(range(start, start + len(tokens)))
@@ -809,6 +828,8 @@ class ModelRunner:
             query_start_loc.append(len(ids))
             seq_lens.append(start + len(tokens))
             rows.append(state.block_table_row)
+        if not ids:
+            return {}
 
         def build(slot_mapping: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                   rows: list[int]) -> AttentionMetadata:
@@ -817,11 +838,13 @@ class ModelRunner:
                                         self.block_table.gather(rows, width))
 
         num = len(ids)
-        flat = host_to_device(torch.tensor(ids + positions + slots, dtype=torch.long),
-                              self.device)
+        flat = host_to_device(torch.tensor(ids + positions + slots + hidden_rows,
+                                           dtype=torch.long), self.device)
         batch = DraftBatch(input_ids=flat[:num], positions=flat[num : 2 * num],
-                           metadata=build(flat[2 * num :], query_start_loc, seq_lens, rows),
-                           requests=requests)
+                           metadata=build(flat[2 * num : 3 * num], query_start_loc, seq_lens,
+                                          rows),
+                           requests=requests,
+                           target_hidden=hidden[flat[3 * num :]] if eagle else None)
         proposals, draft_probs = self.drafter.propose(batch, build)
         for req_id in proposing:
             self._draft_probs.pop(req_id, None)
