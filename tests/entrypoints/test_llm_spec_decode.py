@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 from octavo.sampling_params import SamplingParams
 
-from tests.helpers.engine import assert_no_leaks, greedy, make_llm, random_prompts, token_ids
+from tests.helpers.engine import (
+    assert_no_leaks,
+    greedy,
+    make_llm,
+    random_prompts,
+    record_mixed_spec_steps,
+    token_ids,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
@@ -76,20 +83,7 @@ def test_mixed_batch_with_prefill_in_the_same_step(folder: Path, reference) -> N
     """A small token budget: prompt chunks share steps with requests verifying drafts, some
     requests cut short of their drafts by the budget."""
     llm = make_llm(folder, speculative_config=NGRAM, max_num_batched_tokens=12, max_num_seqs=4)
-    core = llm.llm_engine.engine_core
-    schedule = core.scheduler.schedule
-    mixed_steps = []
-
-    def recording_schedule():
-        out = schedule()
-        drafts = out.scheduled_spec_decode_tokens
-        prefill = [r for r, n in out.num_scheduled_tokens.items()
-                   if r not in drafts and n > 1]
-        if drafts and prefill:
-            mixed_steps.append(out)
-        return out
-
-    core.scheduler.schedule = recording_schedule
+    mixed_steps = record_mixed_spec_steps(llm)
     assert run(llm) == reference
     assert mixed_steps, "no step mixed a prefill with draft verification"
     assert _accepted(llm) > 0

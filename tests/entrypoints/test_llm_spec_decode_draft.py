@@ -15,7 +15,14 @@ import pytest
 from octavo.engine.arg_utils import EngineArgs
 from octavo.sampling_params import SamplingParams
 
-from tests.helpers.engine import assert_no_leaks, greedy, make_llm, random_prompts, token_ids
+from tests.helpers.engine import (
+    assert_no_leaks,
+    greedy,
+    make_llm,
+    random_prompts,
+    record_mixed_spec_steps,
+    token_ids,
+)
 from tests.helpers.tiny import make_tiny_model
 
 K = 3
@@ -99,18 +106,7 @@ def test_smaller_draft_greedy_equal_in_a_mixed_batch(folder: Path, draft: Path,
     """A small token budget: prompt chunks share steps with requests verifying drafts."""
     llm = make_llm(folder, speculative_config=spec(draft), max_num_batched_tokens=12,
                    max_num_seqs=4)
-    core = llm.llm_engine.engine_core
-    schedule = core.scheduler.schedule
-    mixed_steps = []
-
-    def recording_schedule():
-        out = schedule()
-        drafts = out.scheduled_spec_decode_tokens
-        if drafts and any(r not in drafts and n > 1 for r, n in out.num_scheduled_tokens.items()):
-            mixed_steps.append(out)
-        return out
-
-    core.scheduler.schedule = recording_schedule
+    mixed_steps = record_mixed_spec_steps(llm)
     assert run(llm) == reference
     assert mixed_steps, "no step mixed a prefill with draft verification"
     stats = llm.llm_engine.stats()

@@ -20,7 +20,14 @@ from octavo.testing.eagle_heads import (
 )
 from transformers import AutoConfig
 
-from tests.helpers.engine import assert_no_leaks, greedy, make_llm, random_prompts, token_ids
+from tests.helpers.engine import (
+    assert_no_leaks,
+    greedy,
+    make_llm,
+    random_prompts,
+    record_mixed_spec_steps,
+    token_ids,
+)
 from tests.helpers.tiny import make_tiny_model
 
 K = 3
@@ -63,18 +70,7 @@ def test_random_head_greedy_equal_in_a_mixed_batch(folder: Path, head: Path,
                                                    reference) -> None:
     llm = make_llm(folder, speculative_config=spec(head), max_num_batched_tokens=12,
                    max_num_seqs=4)
-    core = llm.llm_engine.engine_core
-    schedule = core.scheduler.schedule
-    mixed_steps = []
-
-    def recording_schedule():
-        out = schedule()
-        drafts = out.scheduled_spec_decode_tokens
-        if drafts and any(r not in drafts and n > 1 for r, n in out.num_scheduled_tokens.items()):
-            mixed_steps.append(out)
-        return out
-
-    core.scheduler.schedule = recording_schedule
+    mixed_steps = record_mixed_spec_steps(llm)
     assert run(llm) == reference
     assert mixed_steps, "no step mixed a prefill with draft verification"
     assert llm.llm_engine.stats().spec_decode_num_draft_tokens > 0

@@ -34,3 +34,21 @@ def make_llm(model: str | Path, **kwargs: Any):
     if "kv_cache_memory_bytes" not in kwargs:
         kwargs.setdefault("num_gpu_blocks_override", DEFAULT_NUM_BLOCKS)
     return octavo.LLM(str(model), **kwargs)
+
+
+def record_mixed_spec_steps(llm) -> list:
+    """Wrap ``llm``'s scheduler so that every step mixing a prefill chunk (a request adding
+    several tokens without drafts) with draft verification is recorded; return that list."""
+    scheduler = llm.llm_engine.engine_core.scheduler
+    schedule = scheduler.schedule
+    mixed_steps: list = []
+
+    def recording_schedule():
+        out = schedule()
+        drafts = out.scheduled_spec_decode_tokens
+        if drafts and any(r not in drafts and n > 1 for r, n in out.num_scheduled_tokens.items()):
+            mixed_steps.append(out)
+        return out
+
+    scheduler.schedule = recording_schedule
+    return mixed_steps
