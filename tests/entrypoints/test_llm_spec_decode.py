@@ -15,18 +15,15 @@ from tests.helpers.engine import (
     assert_no_leaks,
     greedy,
     make_llm,
-    random_prompts,
     record_mixed_spec_steps,
+    spec_prompts,
     token_ids,
 )
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 NUM_TOKENS = 40
-# Repetitive prompts (proposals from the prompt) and random ones (tiny random models soon
-# repeat themselves: proposals from the output).
-PROMPTS = ([[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23, 24] * 3, [100, 101, 102]]
-           + random_prompts(5, 4, 30, seed=7))
+PROMPTS = spec_prompts()
 
 
 @pytest.fixture(scope="module")

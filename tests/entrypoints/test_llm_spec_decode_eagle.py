@@ -24,16 +24,15 @@ from tests.helpers.engine import (
     assert_no_leaks,
     greedy,
     make_llm,
-    random_prompts,
     record_mixed_spec_steps,
+    spec_prompts,
     token_ids,
 )
 from tests.helpers.tiny import make_tiny_model
 
 K = 3
 NUM_TOKENS = 32
-PROMPTS = ([[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23, 24] * 3, [100, 101, 102]]
-           + random_prompts(5, 4, 30, seed=7))
+PROMPTS = spec_prompts()
 
 
 @pytest.fixture(scope="module")

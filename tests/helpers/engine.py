@@ -52,3 +52,10 @@ def record_mixed_spec_steps(llm) -> list:
 
     scheduler.schedule = recording_schedule
     return mixed_steps
+
+
+def spec_prompts() -> list[list[int]]:
+    """Prompts for speculative-decoding tests: repetitive ones (ngram proposals from the
+    prompt) and random ones (tiny random models soon repeat themselves)."""
+    return ([[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23, 24] * 3, [100, 101, 102]]
+            + random_prompts(5, 4, 30, seed=7))
