@@ -33,6 +33,13 @@ def main() -> None:
     parser.add_argument("--structured", choices=["json"], default=None,
                         help="constrain every request to a JSON schema (round robin over "
                              "octavo.testing.json_schemas) and time the grammar phases too")
+    parser.add_argument("--load-format", default="auto",
+                        help="'dummy' for a config-only folder (random weights on the GPU)")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (as `octavo serve`)")
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="every request's output length (default: W1's 100-1024 draw)")
+    parser.add_argument("--row-limit", type=int, default=15,
+                        help="kernels listed in the profiler's table")
     args = parser.parse_args()
 
     from octavo import LLM, SamplingParams
@@ -42,11 +49,13 @@ def main() -> None:
     from octavo.testing.json_schemas import SCHEMA_CASES
 
     llm = LLM(args.model, dtype="bfloat16", max_num_seqs=256,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, load_format=args.load_format,
+              quantization=args.quantization)
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
     workload = make_workload(args.num_requests, (100, 1024), (100, 1024), vocab, 0)
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+        out_len = args.output_len or out_len
         # FINAL_ONLY, as LLM.generate (and so `octavo bench throughput`) asks for outputs.
         constraint = None
         if args.structured:
@@ -130,7 +139,9 @@ def main() -> None:
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events)
     running = engine.stats().num_running
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.row_limit))
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    print(f"GPU kernels per step: {kernels / args.steps:.1f}")
     if args.stacks:
         print(prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total",
                                                           row_limit=8, max_name_column_width=60))

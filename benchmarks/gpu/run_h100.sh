@@ -2,9 +2,10 @@
 # Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
-#                                    [latency] [latency-sync] [latency-mp] [profile] [profile-sync]
+#                                    [latency] [latency-sync] [latency-mp] [profile] [profile-b1]
+#                                    [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
-#                                    [quant-tests] [quant-kernels] [quant-kernels-sweep]
+#                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [bench-serve]
 #                                    [spec-tests] [bench-spec] [bench-spec-draft]
@@ -158,6 +159,19 @@ for stage in "${stages[@]}"; do
       python3 benchmarks/gpu/profile_steps.py --model $MODEL --num-requests 1 2>&1 \
         | tee "$OUT/profile-batch1.log" | tail -40
       ;;
+    profile-b1)
+      # Batch-1 decode kernels (which ones, how long, how many per step): 0.5B bf16, and the
+      # Llama-3-8B shape in bf16 and with fp8 weights (dummy weights).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      make_l8b
+      for spec in "$MODEL bf16 auto" "$L8B bf16 dummy" "$L8B fp8 dummy"; do
+        set -- $spec
+        quant=(); [ "$2" = fp8 ] && quant=(--quantization fp8)
+        python3 benchmarks/gpu/profile_steps.py --model "$1" --load-format "$3" "${quant[@]}" \
+          --num-requests 1 --output-len 300 --warmup-steps 40 --steps 40 --row-limit 30 2>&1 \
+          | tee "$OUT/profile-b1-$(basename "$1")-$2.log" | tail -48
+      done
+      ;;
     profile-sync)
       # As profile, one step at a time (no async scheduling).
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
@@ -225,6 +239,10 @@ for stage in "${stages[@]}"; do
       # The small-M kernels (fp8 w8a16, int4 GPTQ) alone at Llama-3-8B's layer shapes, M = 1,
       # 4, 16, against bf16, the large-M paths and the weight-read floors (~3 min).
       python3 benchmarks/gpu/bench_quant_gemv.py 2>&1 | tee "$OUT/quant-kernels.log" | tail -30
+      ;;
+    bf16-gemv)
+      # cuBLAS vs a Triton skinny kernel for bf16 weights at one row (0.5B and 8B shapes).
+      (cd benchmarks/gpu && python3 bench_bf16_gemv.py) 2>&1 | tee "$OUT/bf16-gemv.log" | tail -12
       ;;
     quant-kernels-sweep)
       # As quant-kernels at M = 1, plus a search over launch configs (to tune default_config

@@ -12,12 +12,16 @@ import pytest
 import torch
 from octavo.attention.reference import paged_attention_reference, write_kv_reference
 from octavo.kernels.triton import TritonLaunchConfig, decode_attention
+from octavo.kernels.triton.decode_attention import decode_partitions
 
 from tests.kernels.conftest import DTYPES, assert_close, make_paged_batch, on_device_of
 
 
-def run_and_compare(batch, dtype, **launch):
-    """Write the new K/V with the reference, run the kernel, compare the real rows."""
+def run_and_compare(batch, dtype, max_seq_len=None, **launch):
+    """Write the new K/V with the reference, run the kernel, compare the real rows.
+
+    ``max_seq_len``: the bound passed to the kernel (default: the batch's own longest
+    context; CUDA graphs pass ``max_model_len``)."""
     meta = batch.metadata
     write_kv_reference(batch.key, batch.value, batch.kv_cache, meta.slot_mapping)
     out = decode_attention(
@@ -26,7 +30,7 @@ def run_and_compare(batch, dtype, **launch):
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
-        meta.max_seq_len,
+        meta.max_seq_len if max_seq_len is None else max_seq_len,
         batch.scale,
         **launch,
     )
@@ -109,6 +113,38 @@ def test_decode_wide_batch_is_not_split(threshold, expect_split, monkeypatch):
     assert bool(launched) == expect_split
 
 
+def test_decode_partitions_rule():
+    # A wide batch is never split; a narrow one gets enough partitions for ~256 programs,
+    # no fewer than its length needs and no more than one per key block of max_seq_len.
+    assert decode_partitions(64, 8, 8192, 64, 512, 256) == 1
+    assert decode_partitions(1, 8, 8192, 64, 512, 256) == 32
+    assert decode_partitions(1, 8, 300, 64, 512, 256) == 5
+    assert decode_partitions(2, 2, 65536, 64, 512, 256) == 128  # by length
+    assert decode_partitions(1, 8, 8192, 64, 512, None) == 16  # by length only
+
+
+@pytest.mark.parametrize("seq_lens", [[300], [700, 30, 1, 97]])
+def test_decode_short_contexts_under_a_graph_bound_spread(seq_lens, monkeypatch):
+    """A captured graph passes max_model_len as the bound: a narrow batch of short contexts
+    is cut into many partitions, each sequence's span following its own length."""
+    module = importlib.import_module("octavo.kernels.triton.decode_attention")
+    grids = []
+    partition_kernel = module._decode_partition_kernel
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return partition_kernel[grid]
+
+    monkeypatch.setattr(module, "_decode_partition_kernel", RecordingKernel())
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2,
+                             head_dim=64, block_size=16)
+    run_and_compare(batch, torch.float32, max_seq_len=4096, block_n=16, partition_size=512,
+                    unsplit_min_programs=64)
+    partitions = grids[0][2]
+    assert partitions == decode_partitions(len(seq_lens), 2, 4096, 16, 512, 64) > 1
+
+
 def test_decode_skips_sequences_without_tokens():
     batch = make_paged_batch([1, 0, 1], [9, 12, 20], num_heads=4, num_kv_heads=2, head_dim=64,
                              block_size=8)
@@ -125,10 +161,11 @@ def test_decode_default_launch_config(head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph_bound", [False, True], ids=["eager", "graph-bound"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8), (16, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_full_shapes(head_dim, heads, dtype):
+def test_decode_full_shapes(head_dim, heads, dtype, graph_bound):
     num_heads, num_kv_heads = heads
     seq_lens = [1, 15, 16, 17, 511, 512, 513, 2000, 8191]
     batch = make_paged_batch(
@@ -141,6 +178,11 @@ def test_decode_full_shapes(head_dim, heads, dtype):
         dtype=dtype,
     )
     config = TritonLaunchConfig()
-    run_and_compare(batch, dtype, block_n=config.decode_block_n,
+    # graph-bound: as a captured graph launches it (max_model_len as the bound, the
+    # backend's unsplit_min_programs), so short contexts spread over many partitions.
+    run_and_compare(batch, dtype, max_seq_len=32768 if graph_bound else None,
+                    block_n=config.decode_block_n,
                     partition_size=config.decode_partition_size,
+                    unsplit_min_programs=config.decode_unsplit_min_programs if graph_bound
+                    else None,
                     num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)

@@ -59,12 +59,13 @@ def run_prefill(batch, window, cap, **launch):
     )
 
 
-def run_decode(batch, window, cap, **launch):
+def run_decode(batch, window, cap, max_seq_len=None, **launch):
     meta = batch.metadata
     write_kv_reference(batch.key, batch.value, batch.kv_cache, meta.slot_mapping)
     return decode_attention(
         batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        meta.max_seq_len, batch.scale, sliding_window=window, logits_soft_cap=cap, **launch,
+        meta.max_seq_len if max_seq_len is None else max_seq_len, batch.scale,
+        sliding_window=window, logits_soft_cap=cap, **launch,
     )
 
 
@@ -110,6 +111,22 @@ def test_decode_window_softcap(window, cap, partition_size):
     )
     poison_outside_window(batch, window)
     out = run_decode(batch, window, cap, block_n=16, partition_size=partition_size)
+    n = batch.num_real_tokens
+    assert_close(out[:n], expected_of(batch, window, cap)[:n], torch.float32)
+
+
+@pytest.mark.parametrize(("window", "cap"), OPTIONS, ids=OPTION_IDS)
+def test_decode_window_softcap_graph_bound(window, cap):
+    # A graph's bound (max_model_len) and a small batch: many partitions per sequence, spans
+    # from each sequence's own length, some spans wholly before the window.
+    seq_lens = [1, 3, 8, 25, 70, 41]
+    batch = make_paged_batch(
+        [1] * len(seq_lens), seq_lens, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
+        num_padding_tokens=2,
+    )
+    poison_outside_window(batch, window)
+    out = run_decode(batch, window, cap, max_seq_len=2048, block_n=16, partition_size=512,
+                     unsplit_min_programs=128)
     n = batch.num_real_tokens
     assert_close(out[:n], expected_of(batch, window, cap)[:n], torch.float32)
 

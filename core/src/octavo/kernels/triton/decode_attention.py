@@ -9,10 +9,20 @@ tokens instead:
    partition's keys with an online softmax, and stores the partition's running max ``m``, sum
    ``l`` and unnormalized output ``acc`` (float32, base-2 scores).
 2. ``_decode_reduce_kernel``, one program per (sequence, query head): rescales every
-   partition by ``exp2(m_p - max_p m_p)`` and returns ``sum acc_p / sum l_p``.
+   partition by ``exp2(m_p - max_p m_p)`` and returns ``sum acc_p / sum l_p`` (in one pass
+   with a running max).
 
-When the longest context fits in one partition, step 1 normalizes and writes the output
-itself and step 2 is skipped. So does a batch wide enough to fill the GPU on its own
+A launch has ``num_partitions`` partitions per sequence, fixed by the shapes (so it holds
+inside a captured graph); each sequence's context is cut into that many equal spans rounded
+up to ``block_n`` keys, computed in the kernels from its own length. So a short context under a
+graph captured for ``max_model_len`` still spreads over several programs instead of leaving
+one program per KV head to walk it key block by key block (latency-bound: at batch 1 that
+was 15 µs per layer for 300 keys on an H100). ``num_partitions`` is the larger of what keeps
+every span within ``partition_size`` keys and what brings a small batch to about
+``unsplit_min_programs`` programs (at most one partition per ``block_n`` keys).
+
+When that is one partition, step 1 normalizes and writes the output itself and step 2 is
+skipped. So does a batch wide enough to fill the GPU on its own
 (``num_seqs * num_kv_heads >= unsplit_min_programs``): splitting it would only add programs
 and the reduce pass, since the bytes of K/V read are the same either way. The token's own K/V
 must already be in the cache (``write_kv_cache``). With a sliding window ``W`` only positions
@@ -44,9 +54,14 @@ from octavo.kernels.triton.cache_write import (
 NEG_LARGE = tl.constexpr(-1.0e30)
 # Partitions combined per step of the reduce kernel's loop.
 _REDUCE_BLOCK = 32
-# PARTITION_SIZE of an unsplit launch: larger than any context, and one constant so every
-# unsplit launch shares one compiled kernel whatever max_seq_len is.
-_UNSPLIT_PARTITION_SIZE = 1 << 30
+
+
+@triton.jit
+def _partition_span(seq_len, num_partitions, BLOCK_N: tl.constexpr):
+    """Keys per partition of a ``seq_len``-key context cut into ``num_partitions`` spans: a
+    multiple of ``BLOCK_N`` (at least one), so spans start on key-block boundaries."""
+    span = tl.cdiv(tl.cdiv(seq_len, num_partitions), BLOCK_N) * BLOCK_N
+    return tl.maximum(span, BLOCK_N)
 
 
 @triton.jit
@@ -76,11 +91,11 @@ def _decode_partition_kernel(
     stride_part_seq,  # of part_max / part_sum; part_acc strides are these times head_dim
     stride_part_head,
     head_dim,
+    num_partitions,  # the grid's third dimension
     GROUP: tl.constexpr,  # query heads per KV head
     ROWS: tl.constexpr,  # power of two >= max(GROUP, 16)
     HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -95,10 +110,11 @@ def _decode_partition_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == token:  # no token this step
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start = partition * PARTITION_SIZE
-    if part_start >= seq_len:  # the reduce kernel only reads partitions < seq_len
+    span = _partition_span(seq_len, num_partitions, BLOCK_N)
+    part_start = partition * span
+    if part_start >= seq_len:  # the reduce kernel only reads partitions < cdiv(seq_len, span)
         return
-    part_end = tl.minimum(seq_len, part_start + PARTITION_SIZE)
+    part_end = tl.minimum(seq_len, part_start + span)
     kv_start = part_start
     if SLIDING:
         window_start = tl.maximum(seq_len - sliding_window, 0)
@@ -174,7 +190,8 @@ def _decode_reduce_kernel(
     stride_part_seq,
     stride_part_head,
     head_dim,
-    PARTITION_SIZE: tl.constexpr,
+    num_partitions,  # as the partition kernel's
+    BLOCK_N: tl.constexpr,  # as the partition kernel's
     BLOCK_P: tl.constexpr,  # partitions per loop step
     HEAD_DIM_PADDED: tl.constexpr,
     SLIDING: tl.constexpr,
@@ -185,40 +202,55 @@ def _decode_reduce_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == token:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.cdiv(seq_len, PARTITION_SIZE)  # partitions written: [first_part, num_parts)
+    span = _partition_span(seq_len, num_partitions, BLOCK_N)
+    num_parts = tl.cdiv(seq_len, span)  # partitions written: [first_part, num_parts)
     first_part = 0
     if SLIDING:
-        first_part = tl.maximum(seq_len - sliding_window, 0) // PARTITION_SIZE
+        first_part = tl.maximum(seq_len - sliding_window, 0) // span
     base = seq.to(tl.int64) * stride_part_seq + head * stride_part_head
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < head_dim
 
-    # Pass 1: the largest partition max.
-    max_vec = tl.full([BLOCK_P], NEG_LARGE, tl.float32)
-    for p0 in range(first_part, num_parts, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        m_p = tl.load(part_max_ptr + base + parts, mask=parts < num_parts, other=NEG_LARGE)
-        max_vec = tl.maximum(max_vec, m_p)
-    global_max = tl.max(max_vec, axis=0)
-
-    # Pass 2: rescale every partition to the global max and add up.
-    sum_vec = tl.zeros([BLOCK_P], tl.float32)
+    # One pass with a running max (as the online softmax): each step loads BLOCK_P
+    # partitions' max, sum and output together, so a context of up to BLOCK_P partitions
+    # costs one round of loads instead of a max pass and then a sum pass.
+    run_max = tl.full([1], NEG_LARGE, tl.float32)
+    run_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM_PADDED], tl.float32)
     for p0 in range(first_part, num_parts, BLOCK_P):
         parts = p0 + tl.arange(0, BLOCK_P)
         part_valid = parts < num_parts
         m_p = tl.load(part_max_ptr + base + parts, mask=part_valid, other=NEG_LARGE)
         l_p = tl.load(part_sum_ptr + base + parts, mask=part_valid, other=0.0)
-        weight = tl.where(part_valid, tl.exp2(m_p - global_max), 0.0)  # [BLOCK_P]
-        sum_vec += weight * l_p
         acc_offsets = (base + parts)[:, None] * head_dim + dims[None, :]
         acc_mask = part_valid[:, None] & dim_valid[None, :]
         acc_p = tl.load(part_acc_ptr + acc_offsets, mask=acc_mask, other=0.0)  # [BLOCK_P, D]
-        acc += tl.sum(acc_p * weight[:, None], axis=0)
+        new_max = tl.maximum(run_max, tl.max(m_p, axis=0))  # [1]
+        rescale = tl.exp2(run_max - new_max)  # [1]: 1 while the max holds
+        weight = tl.where(part_valid, tl.exp2(m_p - new_max), 0.0)  # [BLOCK_P]
+        run_sum = run_sum * rescale + tl.sum(weight * l_p, axis=0)
+        acc = acc * rescale + tl.sum(acc_p * weight[:, None], axis=0)
+        run_max = new_max
 
-    out = acc / tl.sum(sum_vec, axis=0) * v_scale  # [D] (v_scale 1: exact)
+    out = acc / tl.sum(run_sum, axis=0) * v_scale  # [D] (v_scale 1: exact)
     o_offsets = token.to(tl.int64) * stride_o_token + head * stride_o_head + dims
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+def decode_partitions(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
+                      partition_size: int, unsplit_min_programs: int | None) -> int:
+    """Partitions per sequence of a decode launch (see the module docstring): 1 for a batch of
+    at least ``unsplit_min_programs`` (sequence, KV head) programs; else enough to keep spans
+    within ``partition_size`` keys and, for a small batch, to reach about
+    ``unsplit_min_programs`` programs, without a span under ``block_n`` keys. Shapes only."""
+    programs = num_seqs * num_kv_heads
+    if unsplit_min_programs is not None and programs >= unsplit_min_programs:
+        return 1
+    by_length = triton.cdiv(max_seq_len, partition_size)
+    if unsplit_min_programs is None:
+        return by_length
+    to_fill = min(triton.cdiv(unsplit_min_programs, programs), triton.cdiv(max_seq_len, block_n))
+    return max(by_length, to_fill)
 
 
 def decode_attention(
@@ -247,11 +279,13 @@ def decode_attention(
 
     Every sequence must have query length 1 (or 0: skipped, its ``out`` rows untouched);
     ``max_seq_len`` must be >= every ``seq_lens`` entry (it sizes the partition grid).
-    ``partition_size`` (a multiple of ``block_n``) is the number of keys per first-kernel
-    program; contexts up to that length use a single kernel launch. With
-    ``unsplit_min_programs`` set, a batch of at least that many (sequence, KV head) programs
-    is not split at all (one program per sequence and KV head, no reduce kernel). The choice
-    depends only on the shapes and ``max_seq_len``, so it is fixed inside a captured graph.
+    ``partition_size`` (a multiple of ``block_n``) bounds the keys per first-kernel program.
+    With ``unsplit_min_programs`` set, a batch of at least that many (sequence, KV head)
+    programs is not split at all (one program per sequence and KV head, no reduce kernel),
+    and a smaller one is split into enough partitions to make about that many programs
+    (``decode_partitions``). The partition count depends only on the shapes and
+    ``max_seq_len``, so it is fixed inside a captured graph; each sequence's span follows its
+    own length.
     ``k_scale``/``v_scale`` are an fp8 cache's per-tensor scales (1 for other caches).
     """
     check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
@@ -265,9 +299,8 @@ def decode_attention(
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_seq_len == 0:
         return out
-    if unsplit_min_programs is not None and num_seqs * num_kv_heads >= unsplit_min_programs:
-        partition_size = max(partition_size, _UNSPLIT_PARTITION_SIZE)
-    num_partitions = triton.cdiv(max_seq_len, partition_size)
+    num_partitions = decode_partitions(num_seqs, num_kv_heads, max_seq_len, block_n,
+                                       partition_size, unsplit_min_programs)
     single = num_partitions == 1
     if single:  # the statistics buffers are never touched; pass small placeholders
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=query.device)
@@ -305,11 +338,11 @@ def decode_attention(
         stride_part_seq,
         stride_part_head,
         head_dim,
+        num_partitions,
         GROUP=group,
         ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_N=block_n,
-        PARTITION_SIZE=partition_size,
         CACHE_BLOCK_SIZE=kv_cache.shape[2],
         SINGLE_PARTITION=single,
         UPCAST_DOT=upcast_dot(query.dtype),
@@ -334,7 +367,8 @@ def decode_attention(
         stride_part_seq,
         stride_part_head,
         head_dim,
-        PARTITION_SIZE=partition_size,
+        num_partitions,
+        BLOCK_N=block_n,
         BLOCK_P=min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions)),
         HEAD_DIM_PADDED=head_dim_padded,
         SLIDING=sliding_window is not None,
