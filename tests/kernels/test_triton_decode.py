@@ -63,21 +63,6 @@ def test_decode_context_shapes(case, block_size, partition_size):
     run_and_compare(batch, torch.float32, block_n=16, partition_size=partition_size)
 
 
-@pytest.mark.parametrize("case", ["several-blocks", "batch"])
-def test_decode_fused_reduce(case):
-    """The last partition of each (sequence, KV head) combines them (no reduce kernel), and
-    leaves the shared counters at zero for the next launch (run twice)."""
-    module = importlib.import_module("octavo.kernels.triton.decode_attention")
-    seq_lens = CONTEXT_CASES[case](8) + [45]
-    batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=6, num_kv_heads=2,
-                             head_dim=64, block_size=8, num_padding_tokens=1)
-    for _ in range(2):
-        run_and_compare(batch, torch.float32, max_seq_len=1024, block_n=16, partition_size=16,
-                        unsplit_min_programs=64, fuse_reduce=True)
-    counters = module._COUNTERS[batch.query.device]
-    assert int(counters.abs().sum()) == 0
-
-
 HEAD_LAYOUTS = [(2, 2), (4, 2), (4, 1), (6, 2)]
 
 
@@ -176,12 +161,11 @@ def test_decode_default_launch_config(head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse_reduce", [False, True], ids=["reduce-kernel", "fused-reduce"])
 @pytest.mark.parametrize("graph_bound", [False, True], ids=["eager", "graph-bound"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8), (16, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_full_shapes(head_dim, heads, dtype, graph_bound, fuse_reduce):
+def test_decode_full_shapes(head_dim, heads, dtype, graph_bound):
     num_heads, num_kv_heads = heads
     seq_lens = [1, 15, 16, 17, 511, 512, 513, 2000, 8191]
     batch = make_paged_batch(
@@ -200,5 +184,5 @@ def test_decode_full_shapes(head_dim, heads, dtype, graph_bound, fuse_reduce):
                     block_n=config.decode_block_n,
                     partition_size=config.decode_partition_size,
                     unsplit_min_programs=config.decode_unsplit_min_programs if graph_bound
-                    else None, fuse_reduce=fuse_reduce,
+                    else None,
                     num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)

@@ -57,9 +57,6 @@ class TritonLaunchConfig:
     # empty programs and the reduce kernel. None: always split contexts longer than a
     # partition.
     decode_unsplit_min_programs: int | None = 256
-    # The last partition of each (sequence, KV head) combines the partitions (an atomic count
-    # per pair) instead of a second kernel: one launch less per layer when contexts split.
-    decode_fuse_reduce: bool = True
     # Warps per decode program (both decode kernels).
     decode_num_warps: int = 4
     # Software-pipelining stages of the decode key loop.
@@ -156,7 +153,6 @@ class TritonAttentionImpl(AttentionImpl):
                 block_n=cfg.decode_block_n,
                 partition_size=cfg.decode_partition_size,
                 unsplit_min_programs=cfg.decode_unsplit_min_programs,
-                fuse_reduce=cfg.decode_fuse_reduce,
                 num_warps=cfg.decode_num_warps,
                 num_stages=cfg.decode_num_stages,
                 fp32_dot_precision=cfg.fp32_dot_precision,

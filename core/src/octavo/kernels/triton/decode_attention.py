@@ -10,11 +10,7 @@ tokens instead:
    ``l`` and unnormalized output ``acc`` (float32, base-2 scores).
 2. ``_decode_reduce_kernel``, one program per (sequence, query head): rescales every
    partition by ``exp2(m_p - max_p m_p)`` and returns ``sum acc_p / sum l_p`` (in one pass
-   with a running max). With ``fuse_reduce`` there is no second kernel: each partition
-   program counts itself done on an int32 counter per (sequence, KV head) (an acq_rel atomic
-   after a CTA barrier, so its partials are visible first), and the program that completes
-   the count combines that pair's query heads the same way (reading through L2) and resets
-   the counter to zero for the next launch.
+   with a running max).
 
 A launch has ``num_partitions`` partitions per sequence, fixed by the shapes (so it holds
 inside a captured graph); each sequence's context is cut into that many equal spans rounded
@@ -69,45 +65,6 @@ def _partition_span(seq_len, num_partitions, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _combine_partitions(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, base, first_part,
-                        num_parts, token, head, v_scale, stride_o_token, stride_o_head,
-                        head_dim, BLOCK_P: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                        CACHE_MODIFIER: tl.constexpr):
-    """Write ``head``'s output row of ``token`` from its partitions ``[first_part,
-    num_parts)`` (statistics at ``base + partition``). ``CACHE_MODIFIER`` ".cg" reads
-    through L2 only (partials other programs of the same launch wrote)."""
-    dims = tl.arange(0, HEAD_DIM_PADDED)
-    dim_valid = dims < head_dim
-    # One pass with a running max (as the online softmax): each step loads BLOCK_P
-    # partitions' max, sum and output together, so a context of up to BLOCK_P partitions
-    # costs one round of loads instead of a max pass and then a sum pass.
-    run_max = tl.full([1], NEG_LARGE, tl.float32)
-    run_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM_PADDED], tl.float32)
-    for p0 in range(first_part, num_parts, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        part_valid = parts < num_parts
-        m_p = tl.load(part_max_ptr + base + parts, mask=part_valid, other=NEG_LARGE,
-                      cache_modifier=CACHE_MODIFIER)
-        l_p = tl.load(part_sum_ptr + base + parts, mask=part_valid, other=0.0,
-                      cache_modifier=CACHE_MODIFIER)
-        acc_offsets = (base + parts)[:, None] * head_dim + dims[None, :]
-        acc_mask = part_valid[:, None] & dim_valid[None, :]
-        acc_p = tl.load(part_acc_ptr + acc_offsets, mask=acc_mask, other=0.0,
-                        cache_modifier=CACHE_MODIFIER)  # [BLOCK_P, D]
-        new_max = tl.maximum(run_max, tl.max(m_p, axis=0))  # [1]
-        rescale = tl.exp2(run_max - new_max)  # [1]: 1 while the max holds
-        weight = tl.where(part_valid, tl.exp2(m_p - new_max), 0.0)  # [BLOCK_P]
-        run_sum = run_sum * rescale + tl.sum(weight * l_p, axis=0)
-        acc = acc * rescale + tl.sum(acc_p * weight[:, None], axis=0)
-        run_max = new_max
-
-    out = acc / tl.sum(run_sum, axis=0) * v_scale  # [D] (v_scale 1: exact)
-    o_offsets = token.to(tl.int64) * stride_o_token + head * stride_o_head + dims
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
-
-
-@triton.jit
 def _decode_partition_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -118,7 +75,6 @@ def _decode_partition_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    counters_ptr,  # int32 [>= num_seqs * num_kv_heads], zeros; read when FUSE_REDUCE
     scale_log2,  # softmax scale * k_scale * log2(e)
     sliding_window,  # keys the token sees (itself included); read when SLIDING
     soft_cap,  # logit soft cap; read when SOFT_CAP
@@ -146,8 +102,6 @@ def _decode_partition_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
-    FUSE_REDUCE: tl.constexpr,  # the last partition of each (sequence, KV head) combines them
-    BLOCK_P: tl.constexpr,  # partitions per combining step (FUSE_REDUCE)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -219,26 +173,6 @@ def _decode_partition_kernel(
         tl.store(part_sum_ptr + stat_index, l_i, mask=row_valid)
         acc_offsets = stat_index[:, None] * head_dim + dims[None, :]
         tl.store(part_acc_ptr + acc_offsets, acc, mask=q_mask)
-        if FUSE_REDUCE:
-            # Count this partition done; the program that completes the count combines the
-            # (sequence, KV head)'s partitions and resets the counter for the next launch.
-            num_parts = tl.cdiv(seq_len, span)
-            first_part = 0
-            if SLIDING:
-                first_part = tl.maximum(seq_len - sliding_window, 0) // span
-            tl.debug_barrier()  # every thread's stores above precede the release below
-            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == num_parts - first_part - 1:
-                tl.store(counter, 0)
-                seq_base = seq.to(tl.int64) * stride_part_seq
-                for r in range(GROUP):
-                    head = kv_head * GROUP + r
-                    _combine_partitions(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-                                        seq_base + head * stride_part_head, first_part,
-                                        num_parts, token, head, v_scale, stride_o_token,
-                                        stride_o_head, head_dim, BLOCK_P, HEAD_DIM_PADDED,
-                                        ".cg")
 
 
 @triton.jit
@@ -274,29 +208,33 @@ def _decode_reduce_kernel(
     if SLIDING:
         first_part = tl.maximum(seq_len - sliding_window, 0) // span
     base = seq.to(tl.int64) * stride_part_seq + head * stride_part_head
-    _combine_partitions(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, base, first_part,
-                        num_parts, token, head, v_scale, stride_o_token, stride_o_head,
-                        head_dim, BLOCK_P, HEAD_DIM_PADDED, "")
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < head_dim
 
+    # One pass with a running max (as the online softmax): each step loads BLOCK_P
+    # partitions' max, sum and output together, so a context of up to BLOCK_P partitions
+    # costs one round of loads instead of a max pass and then a sum pass.
+    run_max = tl.full([1], NEG_LARGE, tl.float32)
+    run_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PADDED], tl.float32)
+    for p0 in range(first_part, num_parts, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        part_valid = parts < num_parts
+        m_p = tl.load(part_max_ptr + base + parts, mask=part_valid, other=NEG_LARGE)
+        l_p = tl.load(part_sum_ptr + base + parts, mask=part_valid, other=0.0)
+        acc_offsets = (base + parts)[:, None] * head_dim + dims[None, :]
+        acc_mask = part_valid[:, None] & dim_valid[None, :]
+        acc_p = tl.load(part_acc_ptr + acc_offsets, mask=acc_mask, other=0.0)  # [BLOCK_P, D]
+        new_max = tl.maximum(run_max, tl.max(m_p, axis=0))  # [1]
+        rescale = tl.exp2(run_max - new_max)  # [1]: 1 while the max holds
+        weight = tl.where(part_valid, tl.exp2(m_p - new_max), 0.0)  # [BLOCK_P]
+        run_sum = run_sum * rescale + tl.sum(weight * l_p, axis=0)
+        acc = acc * rescale + tl.sum(acc_p * weight[:, None], axis=0)
+        run_max = new_max
 
-# Per device: int32 zeros the fused reduce counts finished partitions in (each count returns
-# to zero within its launch). Grown outside graph capture only.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MIN_COUNTERS = 1 << 16
-
-
-def _zeroed_counters(size: int, device: torch.device) -> torch.Tensor:
-    """``size`` zeroed int32 counters for the fused reduce: the device's shared buffer, or
-    during CUDA-graph capture, when that buffer is too small, a fresh one (zeroed inside the
-    graph)."""
-    counters = _COUNTERS.get(device)
-    if counters is not None and counters.numel() >= size:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(size, dtype=torch.int32, device=device)
-    counters = torch.zeros(max(size, _MIN_COUNTERS), dtype=torch.int32, device=device)
-    _COUNTERS[device] = counters
-    return counters
+    out = acc / tl.sum(run_sum, axis=0) * v_scale  # [D] (v_scale 1: exact)
+    o_offsets = token.to(tl.int64) * stride_o_token + head * stride_o_head + dims
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
@@ -335,7 +273,6 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     fp32_dot_precision: str = "ieee",
-    fuse_reduce: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's single new token over its whole cached context (its last
     ``sliding_window`` positions when set; scores soft-capped at ``logits_soft_cap``).
@@ -380,9 +317,6 @@ def decode_attention(
         )
         stride_part_seq, stride_part_head = part_max.stride(0), part_max.stride(1)
     head_dim_padded = triton.next_power_of_2(head_dim)
-    fuse = fuse_reduce and not single
-    counters = _zeroed_counters(num_seqs * num_kv_heads, query.device) if fuse else seq_lens
-    block_p = min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions))
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query,
         kv_cache,
@@ -393,7 +327,6 @@ def decode_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        counters,
         scale * k_scale * math.log2(math.e),
         sliding_window or 0,
         float(logits_soft_cap or 0.0),
@@ -416,12 +349,10 @@ def decode_attention(
         DOT_PRECISION=fp32_dot_precision,
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
-        FUSE_REDUCE=fuse,
-        BLOCK_P=block_p,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if single or fuse:
+    if single:
         return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out,
@@ -438,7 +369,7 @@ def decode_attention(
         head_dim,
         num_partitions,
         BLOCK_N=block_n,
-        BLOCK_P=block_p,
+        BLOCK_P=min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions)),
         HEAD_DIM_PADDED=head_dim_padded,
         SLIDING=sliding_window is not None,
         num_warps=num_warps,
