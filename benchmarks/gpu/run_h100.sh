@@ -2,7 +2,7 @@
 # Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
-#                                    [latency] [latency-sync] [latency-mp] [profile] [profile-b1]
+#                                    [latency] [latency-sync] [latency-mp] [profile] [profile-b1] [profile-8b]
 #                                    [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
@@ -171,6 +171,12 @@ for stage in "${stages[@]}"; do
           --num-requests 1 --output-len 300 --warmup-steps 40 --steps 40 --row-limit 30 2>&1 \
           | tee "$OUT/profile-b1-$(basename "$1")-$2.log" | tail -48
       done
+      ;;
+    profile-8b)
+      # W1's steady decode on the Llama-3-8B shape (dummy weights): GPU-busy fraction of a step.
+      make_l8b
+      python3 benchmarks/gpu/profile_steps.py --model $L8B --load-format dummy 2>&1 \
+        | tee "$OUT/profile-8b.log" | tail -24
       ;;
     profile-sync)
       # As profile, one step at a time (no async scheduling).
