@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from octavo.engine_core.output_router import OutputRouter
 from octavo.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from octavo.sampling_params import SamplingParams

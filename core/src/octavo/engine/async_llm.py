@@ -34,6 +34,8 @@ from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
 from octavo.engine.processor import KVCacheCapacity, Processor, PromptType
 from octavo.engine.stats import IterationStats, StatLogger
 from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
+from octavo.errors import InvalidRequestError
+from octavo.lora_request import LoRARequest
 from octavo.messages import SchedulerStats
 from octavo.messages.engine_core import (
     EngineCoreFailed,
@@ -41,8 +43,6 @@ from octavo.messages.engine_core import (
     EngineCoreReady,
     EngineCoreUtilityResult,
 )
-from octavo.errors import InvalidRequestError
-from octavo.lora_request import LoRARequest
 from octavo.outputs import RequestOutput
 from octavo.plugins import get_plugin_manager
 from octavo.sample.logits_processor import LogitsProcessorRegistry

@@ -44,6 +44,7 @@ from octavo.messages.engine_core import (
     EngineCoreEvent,
     EngineCoreFailed,
     EngineCoreInput,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreShutdown,
@@ -162,7 +163,7 @@ class EngineCoreProc:
                 self._send_outputs([], rejected)
         return 0
 
-    def _send_outputs(self, outputs: list, rejected: dict[str, str]) -> None:
+    def _send_outputs(self, outputs: list[EngineCoreOutput], rejected: dict[str, str]) -> None:
         """One ``EngineCoreOutputs`` per front end: its requests' outputs and rejections, and
         the scheduler's snapshot (every front end gets it, for its gauges and admission)."""
         stats = self._stats()

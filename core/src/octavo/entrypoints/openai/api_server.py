@@ -60,8 +60,8 @@ from octavo.entrypoints.openai.protocol import (
 )
 from octavo.entrypoints.openai.serving_chat import OpenAIServingChat
 from octavo.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from octavo.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from octavo.entrypoints.openai.serving_engine import invalid_request
+from octavo.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from octavo.entrypoints.openai.tool_calling import check_tools
 from octavo.errors import InvalidRequestError
 from octavo.version import __version__
