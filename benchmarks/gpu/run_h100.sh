@@ -8,6 +8,7 @@
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [bench-serve]
+#                                    [bench-serve-multi]
 #                                    [spec-tests] [bench-spec] [bench-spec-draft]
 #                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
@@ -357,6 +358,97 @@ print(f"bench-serve: HTTP {h:,.0f} output tok/s ({http['completed']} requests, "
       f"{http['total_output_tokens']:,} tokens, TTFT p99 {http['p99_ttft_ms']:.0f} ms, "
       f"TPOT median {http['median_tpot_ms']:.1f} ms) vs AsyncLLM in-process {a:,.0f} "
       f"({inproc['output_tokens']:,} tokens): HTTP / in-process = {h / a:.2f}")
+PY
+      ;;
+    bench-serve-multi)
+      # bench-serve's workload over HTTP with `--api-server-count` 1, 2 and 4 (override with
+      # API_SERVER_COUNTS="1 2 4 8"), then once through AsyncLLM in-process; one line per count
+      # with HTTP / in-process. Also the API processes' CPU seconds (user + sys, from /proc,
+      # read just before SIGTERM) per output token. ~6 min.
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      PORT=8012
+      for COUNT in ${API_SERVER_COUNTS:-1 2 4}; do
+        octavo serve $MODEL --dtype bfloat16 --max-num-seqs 256 --port $PORT \
+          --api-server-count $COUNT >"$OUT/bench-serve-multi-$COUNT-server.log" 2>&1 &
+        SERVER_PID=$!
+        if wait_health $SERVER_PID $PORT; then
+          # Warm-up (first-use compilation, CUDA graphs), not counted.
+          octavo bench serve --port $PORT --model $MODEL --num-prompts 64 --input-len 512 \
+            --output-len 32 --ignore-eos --seed 1 --disable-tqdm >/dev/null 2>&1
+          API_PIDS=$(python3 - $SERVER_PID $COUNT <<'PY'
+import os, sys
+# The API processes: with one, the server itself; with several, its spawned children but the
+# engine core (the first spawned, lowest pid).
+root, count = int(sys.argv[1]), int(sys.argv[2])
+if count == 1:
+    print(root); sys.exit()
+kids = []
+for e in os.listdir("/proc"):
+    if e.isdigit():
+        try:
+            stat = open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{e}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat[1]) == root and b"spawn_main" in cmd:
+            kids.append(int(e))
+print(" ".join(map(str, sorted(kids)[1:])))
+PY
+)
+          cpu() { python3 -c "
+import os, sys
+tck = os.sysconf('SC_CLK_TCK'); total = 0
+for pid in sys.argv[1:]:
+    f = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split(); total += int(f[11]) + int(f[12])
+print(total / tck)" $API_PIDS; }
+          CPU0=$(cpu)
+          octavo bench serve --port $PORT --model $MODEL --num-prompts 500 --input-len 512 \
+            --output-len 128 --ignore-eos --seed 0 --disable-tqdm \
+            --num-client-processes ${CLIENT_PROCS:-4} \
+            2>"$OUT/bench-serve-multi-$COUNT.err" | tee "$OUT/bench-serve-multi-$COUNT.log"
+          CPU1=$(cpu)
+          echo "api-server-count $COUNT: API processes ($API_PIDS) CPU $CPU0 -> $CPU1 s" \
+            | tee -a "$OUT/bench-serve-multi-$COUNT.log"
+          tail -3 "$OUT/bench-serve-multi-$COUNT.err"
+        else
+          tail -20 "$OUT/bench-serve-multi-$COUNT-server.log"
+        fi
+        kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID
+        echo "api-server-count $COUNT: server exited with $? (0 expected)"
+        # Nothing may be left behind: no process of the server, the port free again.
+        pgrep -f "spawn_main" >/dev/null && echo "LEFT BEHIND: $(pgrep -af spawn_main)"
+      done
+      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 500 \
+        --input-len 512 --output-len 128 --workload-seed 0 --max-num-seqs 256 --async-engine \
+        2>"$OUT/bench-serve-multi-inproc.err" | tee "$OUT/bench-serve-multi-inproc.log"
+      tail -3 "$OUT/bench-serve-multi-inproc.err"
+      python3 - "$OUT" ${API_SERVER_COUNTS:-1 2 4} <<'PY'
+import json, re, sys
+out, counts = sys.argv[1], sys.argv[2:]
+def last_json(path):
+    try:
+        lines = [l for l in open(path) if l.startswith("{")]
+    except OSError:
+        return None
+    return json.loads(lines[-1]) if lines else None
+inproc = last_json(f"{out}/bench-serve-multi-inproc.log")
+if inproc is None:
+    sys.exit("bench-serve-multi: the in-process run printed no result")
+a = inproc["output_tokens_per_s"]
+print(f"bench-serve-multi: AsyncLLM in-process {a:,.0f} output tok/s")
+for count in counts:
+    http = last_json(f"{out}/bench-serve-multi-{count}.log")
+    if http is None:
+        print(f"  --api-server-count {count}: no result"); continue
+    cpu = re.findall(r"CPU ([0-9.]+) -> ([0-9.]+) s", open(f"{out}/bench-serve-multi-{count}.log").read())
+    per_token = ""
+    if cpu:
+        used = float(cpu[-1][1]) - float(cpu[-1][0])
+        per_token = f", API CPU {used:.1f} s = {1e6 * used / http['total_output_tokens']:.0f} us/token"
+    h = http["output_throughput"]
+    print(f"  --api-server-count {count}: HTTP {h:,.0f} output tok/s ({http['completed']} "
+          f"requests, TTFT p99 {http['p99_ttft_ms']:.0f} ms, TPOT median "
+          f"{http['median_tpot_ms']:.1f} ms{per_token}): HTTP / in-process = {h / a:.2f}")
 PY
       ;;
     spec-tests)

@@ -165,3 +165,30 @@ def test_serve_refuses_bad_lora_modules_before_loading(lora_models, tmp_path, ca
         assert "rank 16 is over the engine's max_lora_rank 8" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
+
+
+def test_two_api_servers_serve_the_same_adapters_loaded_once(lora_models, expected) -> None:
+    """``--api-server-count 2 --lora-modules``: both API servers know every adapter under the
+    same id (same list, same order), so whichever process a request comes through it gets the
+    adapter's output, and the engine core loads each adapter into a slot once."""
+    modules = ["qv=" + str(lora_models.adapters["qv"]), "all=" + str(lora_models.adapters["all"])]
+    server = ServerProcess(lora_models.model, "--enable-lora", "--max-loras", "2",
+                           "--max-lora-rank", "16", "--api-server-count", "2",
+                           "--lora-modules", *modules, env={"OCTAVO_LOG_LEVEL": "DEBUG"})
+    try:
+        body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        for _ in range(4):  # a new connection each time: both processes answer some
+            for name in (SERVED_NAME, "qv", "all"):
+                response = _post(server, "/v1/completions", {**body, "model": name})
+                assert response.status_code == 200, response.text
+                want = expected[None if name == SERVED_NAME else name]
+                assert response.json()["choices"][0]["text"] == want, name
+            models = httpx.get(f"{server.url}/v1/models", headers=server.headers()).json()
+            assert {"qv", "all"} <= {card["id"] for card in models["data"]}
+        log = server.read_log()
+    except BaseException:
+        server.kill()
+        raise
+    assert server.stop() == 0
+    assert log.count("LoRA: adapter 'qv' (1) in slot") == 1, log[-3000:]
+    assert log.count("LoRA: adapter 'all' (2) in slot") == 1, log[-3000:]

@@ -41,6 +41,10 @@ def add_parser(sub) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds requests in flight may take to finish on SIGTERM/SIGINT")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    group.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="API server processes (HTTP, tokenization, detokenization) sharing "
+                       "the port and one engine core; more than 1 when one process cannot keep "
+                       "up with the engine's output (default 1)")
     group.add_argument("--vllm-metric-names", action="store_true",
                        help="also export every /metrics series under its vLLM name (vllm:...), "
                        "so dashboards built for vLLM work unchanged")
@@ -70,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    from octavo.entrypoints.openai.multi_api_server import check_api_server_count
+
+    check_api_server_count(args.api_server_count, envs.allow_runtime_lora_updating())
     # The port first: a busy one is reported now, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
     front_end_threads()
@@ -116,7 +123,12 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         lora_modules=lora_modules,
         allow_runtime_lora_updating=envs.allow_runtime_lora_updating(),
+        api_server_count=args.api_server_count,
     )
+    if args.api_server_count > 1:
+        from octavo.entrypoints.openai.multi_api_server import run_multi_api_server
+
+        return run_multi_api_server(server_args, sock, config)
     return run_server(server_args, sock)
 
 

@@ -23,12 +23,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from octavo.engine.arg_utils import EngineArgs
-from octavo.engine.core_client import EngineCoreClient, EngineDeadError, EngineShuttingDownError
+from octavo.engine.core_client import (
+    CoreAddresses,
+    EngineCoreClient,
+    EngineDeadError,
+    EngineShuttingDownError,
+)
 from octavo.engine.output_collector import RequestOutputCollector
 from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
 from octavo.engine.processor import KVCacheCapacity, Processor, PromptType
 from octavo.engine.stats import IterationStats, StatLogger
 from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
+from octavo.errors import InvalidRequestError
+from octavo.lora_request import LoRARequest
 from octavo.messages import SchedulerStats
 from octavo.messages.engine_core import (
     EngineCoreFailed,
@@ -36,8 +43,6 @@ from octavo.messages.engine_core import (
     EngineCoreReady,
     EngineCoreUtilityResult,
 )
-from octavo.errors import InvalidRequestError
-from octavo.lora_request import LoRARequest
 from octavo.outputs import RequestOutput
 from octavo.plugins import get_plugin_manager
 from octavo.sample.logits_processor import LogitsProcessorRegistry
@@ -61,9 +66,14 @@ class AsyncLLM:
     A ``max_tokens`` beyond the room the prompt leaves in ``max_model_len`` is refused
     (``context_length_exceeded``, as OpenAI does) unless ``clip_max_tokens``, where it is
     lowered to that room as ``octavo.LLM`` does.
+
+    ``attach``: use an engine core started by someone else (one front end of several:
+    ``octavo serve --api-server-count``) instead of spawning one; ``shutdown`` then aborts
+    this front end's requests and leaves the core running.
     """
 
-    def __init__(self, engine_args: EngineArgs, clip_max_tokens: bool = False) -> None:
+    def __init__(self, engine_args: EngineArgs, clip_max_tokens: bool = False,
+                 attach: CoreAddresses | None = None) -> None:
         self.engine_args = engine_args
         # Resolves the model and the backend; loads no weights (the core does). The core
         # process gets this config as it is: the model's config is read once.
@@ -81,7 +91,7 @@ class AsyncLLM:
         )
         # The front end's one record of live requests and their completions.
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.core = EngineCoreClient()
+        self.core = EngineCoreClient(attach)
         # Set by start(): what the core reported once the model was loaded.
         self.core_info: EngineCoreReady | None = None
         # Latest scheduler snapshot from the core.
@@ -99,9 +109,10 @@ class AsyncLLM:
 
     @classmethod
     async def from_engine_args(
-        cls, engine_args: EngineArgs, clip_max_tokens: bool = False
+        cls, engine_args: EngineArgs, clip_max_tokens: bool = False,
+        attach: CoreAddresses | None = None,
     ) -> AsyncLLM:
-        engine = cls(engine_args, clip_max_tokens=clip_max_tokens)
+        engine = cls(engine_args, clip_max_tokens=clip_max_tokens, attach=attach)
         try:
             await engine.start()
         except BaseException:
@@ -128,7 +139,13 @@ class AsyncLLM:
 
     @property
     def num_waiting_requests(self) -> int:
-        """Completions queued but not running (the core's view plus what is on its way)."""
+        """Completions queued but not running (the core's view plus what is on its way).
+
+        Attached (one front end of several): the core's count as of its last step, which
+        includes every front end's requests but not those on their way.
+        """
+        if self.core.attached is not None:
+            return self.scheduler_stats.num_waiting
         return max(
             self.output_processor.num_unfinished_completions - self.scheduler_stats.num_running, 0
         )
@@ -316,7 +333,11 @@ class AsyncLLM:
 
     def _on_core_exit(self) -> None:
         if not self._shutting_down:
-            code = self.core.process.exitcode if self.core.process is not None else None
+            if self.core.process is None:  # attached: not our child, its exit code is not ours
+                self._set_dead(f"the engine core process (pid {self.core.pid}) exited "
+                               "unexpectedly")
+                return
+            code = self.core.process.exitcode
             self._set_dead(f"the engine core process exited unexpectedly (exit code {code})")
 
     def _set_dead(self, reason: str) -> None:
@@ -347,7 +368,9 @@ class AsyncLLM:
                 await self._output_task
             except (asyncio.CancelledError, Exception):
                 pass
+        child_ids = [child for request_id in self._queues
+                     for child in self.output_processor.child_ids(request_id)]
         for queue in self._queues.values():
             queue.put_nowait(EngineShuttingDownError("the engine is shutting down"))
         self._queues.clear()
-        self.core.shutdown()
+        self.core.shutdown(request_ids=child_ids)

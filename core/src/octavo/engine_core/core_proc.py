@@ -2,12 +2,19 @@
 
 ``run_engine_core`` is the target of a ``multiprocessing`` *spawn* process. It builds the
 ``EngineCore`` from the ``EngineConfig`` the front end resolved (passed as a spawn argument:
-the model's config is read once, in the front end), then talks to the front end over two zmq
+the model's config is read once, in the front end), then talks to the front end over zmq
 PUSH/PULL sockets, msgpack-encoded with msgspec:
 
 - in:  ``EngineCoreInput``  (add, abort, utility call, shutdown)
 - out: ``EngineCoreEvent``  (ready once, then outputs + a stats snapshot each step, utility
   results; ``EngineCoreFailed`` just before exiting on an error)
+
+With several front ends (``octavo serve --api-server-count N``: N API server processes) the
+input socket is connected to every front end's address (and to the supervising parent's, which
+sends the shutdown), and there is one output socket per front end: each request carries its
+front end's ``client_index``, and every step sends each front end one ``EngineCoreOutputs``
+with the outputs of its own requests and the scheduler's snapshot (``OutputRouter``). Ready
+and failure messages go to every front end.
 
 The loop: take every pending input (waiting for one while there is nothing to run), run one
 step while there is work, send what it produced. It exits when told to, when a step fails
@@ -30,12 +37,14 @@ import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine_core.core import EngineCore
+from octavo.engine_core.output_router import OutputRouter
 from octavo.messages.engine_core import (
     EngineCoreAbort,
     EngineCoreAdd,
     EngineCoreEvent,
     EngineCoreFailed,
     EngineCoreInput,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreShutdown,
@@ -53,14 +62,16 @@ _LINGER_MS = 2000
 
 
 def run_engine_core(
-    config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
-    ipc_dir: str | None = None,
+    config: EngineConfig, input_addresses: list[str], output_addresses: list[str],
+    parent_pid: int, ipc_dir: str | None = None,
 ) -> None:
     """Process entry point: build the core, announce it, serve until told to stop.
 
     :param config: the engine's resolved configuration (model, backend, limits).
-    :param input_address: zmq address the front end PUSHes ``EngineCoreInput`` to.
-    :param output_address: zmq address the front end PULLs ``EngineCoreEvent`` from.
+    :param input_addresses: zmq addresses front ends (and a supervisor) PUSH
+        ``EngineCoreInput`` to; the core reads them all, fairly.
+    :param output_addresses: one zmq address per front end, which PULLs ``EngineCoreEvent``
+        from it; front end ``i`` sends requests with ``client_index`` ``i``.
     :param parent_pid: the front end's pid; the loop exits when it is no longer our parent.
     :param ipc_dir: the folder of the ipc sockets; removed here if the parent died (it could
         not remove it itself).
@@ -73,13 +84,13 @@ def run_engine_core(
     from octavo.logger import configure_logging
 
     configure_logging()
-    proc = EngineCoreProc(input_address, output_address, parent_pid)
+    proc = EngineCoreProc(input_addresses, output_addresses, parent_pid)
     try:
         proc.start(config)
         exit_code = proc.run()
     except BaseException as exc:  # anything: tell the front end before dying
         logger.exception("engine core failed")
-        proc.send(EngineCoreFailed(message=f"{type(exc).__name__}: {exc}"))
+        proc.broadcast(EngineCoreFailed(message=f"{type(exc).__name__}: {exc}"))
         exit_code = 1
     finally:
         proc.close()
@@ -91,16 +102,24 @@ def run_engine_core(
 class EngineCoreProc:
     """The sockets and the busy loop around one ``EngineCore``."""
 
-    def __init__(self, input_address: str, output_address: str, parent_pid: int) -> None:
+    def __init__(self, input_addresses: list[str], output_addresses: list[str],
+                 parent_pid: int) -> None:
         self.parent_pid = parent_pid
         self.context = zmq.Context()
         self.input_socket = self.context.socket(zmq.PULL)
-        self.input_socket.connect(input_address)
-        self.output_socket = self.context.socket(zmq.PUSH)
-        # No high-water mark: a send never blocks, so the loop keeps checking that the parent
-        # lives even if it stopped reading (a blocked send would make an orphan).
-        self.output_socket.setsockopt(zmq.SNDHWM, 0)
-        self.output_socket.connect(output_address)
+        for address in input_addresses:
+            self.input_socket.connect(address)
+        self.output_sockets: list[zmq.Socket] = []
+        for address in output_addresses:
+            socket = self.context.socket(zmq.PUSH)
+            # No high-water mark: a send never blocks, so the loop keeps checking that the
+            # parent lives even if a front end stopped reading (a blocked send would make an
+            # orphan).
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.connect(address)
+            self.output_sockets.append(socket)
+        # Whose requests are whose (one entry per front end's output socket).
+        self.router = OutputRouter(len(output_addresses))
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreInput)
         self.engine_core: EngineCore | None = None
@@ -116,7 +135,7 @@ class EngineCoreProc:
 
     def start(self, config: EngineConfig) -> None:
         self.engine_core = EngineCore(config)
-        self.send(
+        self.broadcast(
             EngineCoreReady(
                 backend=config.backend,
                 num_blocks=self.engine_core.num_blocks,
@@ -138,14 +157,31 @@ class EngineCoreProc:
             if self._shutdown:
                 break
             if core.has_unfinished_requests():
-                outputs = core.step()
-                self.send(
-                    EngineCoreOutputs(outputs=outputs, stats=self._stats(), rejected=rejected or {})
-                )
+                self._send_outputs(core.step(), rejected or {})
             elif rejected is not None:
                 # Inputs while idle (aborts, rejections): the front end's gauges must move too.
-                self.send(EngineCoreOutputs(outputs=[], stats=self._stats(), rejected=rejected))
+                self._send_outputs([], rejected)
         return 0
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput], rejected: dict[str, str]) -> None:
+        """One ``EngineCoreOutputs`` per front end: its requests' outputs and rejections, and
+        the scheduler's snapshot (every front end gets it, for its gauges and admission)."""
+        stats = self._stats()
+        sockets = self.output_sockets
+        if len(sockets) == 1:
+            sockets[0].send(self.encoder.encode(
+                EngineCoreOutputs(outputs=outputs, stats=stats, rejected=rejected)))
+            return
+        per_client_rejected: list[dict[str, str]] = [{} for _ in sockets]
+        for request_id, message in rejected.items():
+            index = self.router.client_of(request_id)
+            self.router.forget([request_id])
+            if index is not None:
+                per_client_rejected[index][request_id] = message
+        for socket, client_outputs, client_rejected in zip(
+                sockets, self.router.split(outputs), per_client_rejected):
+            socket.send(self.encoder.encode(
+                EngineCoreOutputs(outputs=client_outputs, stats=stats, rejected=client_rejected)))
 
     def _process_inputs(self, block: bool) -> dict[str, str] | None:
         """Apply every pending input; wait up to PARENT_CHECK_INTERVAL_S for one if ``block``.
@@ -176,16 +212,24 @@ class EngineCoreProc:
         if isinstance(message, EngineCoreAdd):
             for request in message.requests:
                 try:
+                    self.router.add(request)
+                except ValueError as exc:  # its id is another front end's request's
+                    self.send(EngineCoreOutputs(outputs=[], stats=self._stats(),
+                                                rejected={request.request_id: str(exc)}),
+                              request.client_index)
+                    continue
+                try:
                     core.add_request(request)
                 except (ValueError, TypeError) as exc:
                     rejected[request.request_id] = str(exc)
         elif isinstance(message, EngineCoreAbort):
+            self.router.forget(message.request_ids)
             if message.stopped:
                 core.finish_requests_stopped(message.request_ids)
             else:
                 core.abort_requests(message.request_ids)
         elif isinstance(message, EngineCoreUtility):
-            self.send(self._call_utility(message))
+            self.send(self._call_utility(message), message.client_index)
         elif isinstance(message, EngineCoreShutdown):
             self._shutdown = True
         else:  # pragma: no cover - the decoder only yields the union's members
@@ -223,8 +267,19 @@ class EngineCoreProc:
         self._last_parent_check = now
         return os.getppid() == self.parent_pid
 
-    def send(self, event: EngineCoreEvent) -> None:
-        self.output_socket.send(self.encoder.encode(event))
+    def send(self, event: EngineCoreEvent, client_index: int = 0) -> None:
+        """Send ``event`` to one front end (an unknown index is logged and dropped)."""
+        if not 0 <= client_index < len(self.output_sockets):
+            logger.error("dropped a %s for client %d: there are %d clients",
+                         type(event).__name__, client_index, len(self.output_sockets))
+            return
+        self.output_sockets[client_index].send(self.encoder.encode(event))
+
+    def broadcast(self, event: EngineCoreEvent) -> None:
+        """Send ``event`` to every front end."""
+        frame = self.encoder.encode(event)
+        for socket in self.output_sockets:
+            socket.send(frame)
 
     def close(self) -> None:
         if self.engine_core is not None:
@@ -233,5 +288,6 @@ class EngineCoreProc:
             except Exception:  # pragma: no cover - best effort at exit
                 logger.exception("engine core shutdown failed")
         self.input_socket.close(linger=0)
-        self.output_socket.close(linger=_LINGER_MS)
+        for socket in self.output_sockets:
+            socket.close(linger=_LINGER_MS)
         self.context.term()

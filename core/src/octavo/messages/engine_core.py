@@ -36,6 +36,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     beam_search: BeamSearchParams | None = None
     # The LoRA adapter it runs with (None: the base model); checked by the front end.
     lora_request: LoRARequest | None = None
+    # Which front end (API server process, --api-server-count) sent it: its outputs go back to
+    # that one only. Set by EngineCoreClient; 0 with one front end.
+    client_index: int = 0
 
 
 class BeamSequence(msgspec.Struct, kw_only=True):
@@ -103,6 +106,8 @@ class EngineCoreUtility(msgspec.Struct, tag="utility", kw_only=True):
     call_id: int
     # Method name (see ``core_proc.UTILITY_METHODS``).
     method: str
+    # The front end that called, which gets the result (see EngineCoreRequest.client_index).
+    client_index: int = 0
 
 
 class EngineCoreShutdown(msgspec.Struct, tag="shutdown"):

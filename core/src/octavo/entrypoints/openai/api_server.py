@@ -8,6 +8,10 @@ rules of ``octavo serve``:
   seconds, then cancel them), stop the engine core, exit 0.
 - The engine core dies: requests in flight get 503 errors, ``/health`` answers 503, the
   server shuts down and ``run_server`` returns 1.
+
+With ``--api-server-count N`` (N > 1) ``multi_api_server`` runs this same server in N
+processes on one listening socket, each one's ``AsyncLLM`` attached to one shared engine core
+(``attach``); such a process also exits (1) when its supervisor is gone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import errno
 import gc
 import logging
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -33,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.async_llm import AsyncLLM
-from octavo.engine.core_client import EngineShuttingDownError
+from octavo.engine.core_client import CoreAddresses, EngineShuttingDownError
 from octavo.engine.processor import check_text
 from octavo.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from octavo.entrypoints.openai.metrics import PrometheusStatLogger
@@ -55,8 +60,8 @@ from octavo.entrypoints.openai.protocol import (
 )
 from octavo.entrypoints.openai.serving_chat import OpenAIServingChat
 from octavo.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from octavo.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from octavo.entrypoints.openai.serving_engine import invalid_request
+from octavo.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from octavo.entrypoints.openai.tool_calling import check_tools
 from octavo.errors import InvalidRequestError
 from octavo.version import __version__
@@ -108,16 +113,27 @@ class ServerArgs:
     # Add POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     # (OCTAVO_ALLOW_RUNTIME_LORA_UPDATING=1).
     allow_runtime_lora_updating: bool = False
+    # API server processes sharing the socket and one engine core (vLLM's --api-server-count).
+    api_server_count: int = 1
 
 
-def build_app(args: ServerArgs) -> FastAPI:
-    """The FastAPI app; the engine starts with the app's lifespan."""
+def build_app(args: ServerArgs, attach: CoreAddresses | None = None) -> FastAPI:
+    """The FastAPI app; the engine starts with the app's lifespan.
+
+    :param attach: the engine core to use, started by the ``--api-server-count`` supervisor
+        (None: the lifespan spawns one).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = await AsyncLLM.from_engine_args(args.engine_args)
+        engine = await AsyncLLM.from_engine_args(args.engine_args, attach=attach)
+        watcher = None
         try:
-            _attach_engine(app, engine, args)
+            _attach_engine(app, engine, args, attach)
+            on_supervisor_gone = getattr(app.state, "on_supervisor_gone", None)
+            if on_supervisor_gone is not None:
+                watcher = asyncio.create_task(_watch_supervisor(app.state.supervisor_pid,
+                                                                on_supervisor_gone))
             # What start-up made (modules, the tokenizer, the app: ~400k objects) lives as long
             # as the server: out of the collector's sight, so that a full collection, which
             # would stop every stream for 0.1-0.2 s, only scans what requests allocate.
@@ -125,6 +141,8 @@ def build_app(args: ServerArgs) -> FastAPI:
             gc.freeze()
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await engine.shutdown()
 
     app = FastAPI(
@@ -151,7 +169,17 @@ def build_app(args: ServerArgs) -> FastAPI:
     return app
 
 
-def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs) -> None:
+async def _watch_supervisor(supervisor_pid: int, on_gone: Any) -> None:
+    """Call ``on_gone()`` once the ``--api-server-count`` supervisor is no longer our parent."""
+    from octavo.entrypoints.openai.multi_api_server import SUPERVISOR_CHECK_INTERVAL_S
+
+    while os.getppid() == supervisor_pid:
+        await asyncio.sleep(SUPERVISOR_CHECK_INTERVAL_S)
+    on_gone()
+
+
+def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs,
+                   attach: CoreAddresses | None = None) -> None:
     model_config = engine.model_config
     names = args.served_model_names or [model_config.model]
     common: dict[str, Any] = dict(max_waiting_requests=args.max_waiting_requests)
@@ -167,7 +195,11 @@ def _attach_engine(app: FastAPI, engine: AsyncLLM, args: ServerArgs) -> None:
     state.chat = OpenAIServingChat(engine, names, chat_template=args.chat_template,
                                    tool_parser=args.tool_call_parser,
                                    enable_auto_tool_choice=args.enable_auto_tool_choice, **common)
-    state.metrics = PrometheusStatLogger(names[0], vllm_names=args.vllm_metric_names)
+    # Several API servers: one set of metrics over all of them (see multi_api_server), the
+    # engine core's own counters counted by the first one only.
+    state.metrics = PrometheusStatLogger(
+        names[0], vllm_names=args.vllm_metric_names, multiprocess=attach is not None,
+        engine_counters=attach is None or attach.client_index == 0)
     engine.stat_loggers.append(state.metrics)
     if args.engine_args.speculative_config is not None:
         from octavo.engine.stats import SpecDecodeLogger
@@ -382,14 +414,17 @@ class _Server(uvicorn.Server):
                     shown, port, shown, port)
 
 
-def run_server(args: ServerArgs, sock: socket.socket | None = None) -> int:
+def run_server(args: ServerArgs, sock: socket.socket | None = None,
+               attach: CoreAddresses | None = None, supervisor_pid: int | None = None) -> int:
     """Serve until SIGTERM/SIGINT (returns 0) or the engine dies / fails to start (returns 1).
 
     :param sock: the listening socket (``bind_socket``); bound here when not given.
+    :param attach: see ``build_app`` (one API server of several).
+    :param supervisor_pid: exit (1) once this process is no longer our parent.
     """
     if sock is None:
         sock = bind_socket(args.host, args.port)
-    app = build_app(args)
+    app = build_app(args, attach)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, lifespan="on", access_log=args.access_log,
         timeout_graceful_shutdown=int(args.shutdown_timeout + _ERROR_DELIVERY_S) + 1,
@@ -402,6 +437,14 @@ def run_server(args: ServerArgs, sock: socket.socket | None = None) -> int:
         asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_DELAY_S, server.request_exit, 1)
 
     app.state.on_engine_dead = on_engine_dead
+    if supervisor_pid is not None:
+        def on_supervisor_gone() -> None:
+            logger.error("the octavo serve supervisor (pid %d) is gone; shutting down",
+                         supervisor_pid)
+            server.request_exit(1)
+
+        app.state.supervisor_pid = supervisor_pid
+        app.state.on_supervisor_gone = on_supervisor_gone
     # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown; with these
     # handlers in place that re-raise is a no-op and the exit code stays ours (0).
     previous = {sig: signal.signal(sig, _ignore_reraised_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -7,14 +7,23 @@ step with the scheduler's snapshot and what the front end saw in that step. Ever
 ``vllm_names`` each series is exported under ``vllm:<name>`` as well, and existing Grafana
 boards work unchanged. Metrics live in their own ``CollectorRegistry`` (never the global one),
 labelled with the served model name.
+
+With several API server processes (``--api-server-count``; ``multiprocess``) prometheus_client's
+multiprocess mode is on (``PROMETHEUS_MULTIPROC_DIR``, set by the supervisor before they
+start): every process writes its values to files there, and ``expose`` adds up every process's
+counters and histograms. Gauges (the engine core's snapshot, which every process receives)
+take the most recently written value. Counters derived from the engine core's running totals
+(prefix cache, preemptions, speculative decoding) and the per-step token histogram are counted
+by one process only (``engine_counters``), or they would count N times.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
 from octavo.config import PREEMPTION_MODES
 from octavo.engine.stats import IterationStats
@@ -103,10 +112,21 @@ class PrometheusStatLogger:
     """Turns engine snapshots into Prometheus metrics.
 
     :param vllm_names: also export every series as ``vllm:<name>``.
+    :param multiprocess: one of several API server processes (see the module's docstring).
+    :param engine_counters: count what comes from the engine core's totals (False in all
+        API server processes but one).
     """
 
-    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
+    def __init__(self, model_name: str, vllm_names: bool = False, multiprocess: bool = False,
+                 engine_counters: bool = True) -> None:
+        if multiprocess and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            raise RuntimeError("multiprocess metrics need PROMETHEUS_MULTIPROC_DIR (set by the "
+                               "--api-server-count supervisor before the processes start)")
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess
+        self.engine_counters = engine_counters
+        # Gauges of the engine core's snapshot: the latest value any process wrote.
+        gauge_mode = {"multiprocess_mode": "mostrecent"} if multiprocess else {}
         self.prefixes = ("octavo", "vllm") if vllm_names else ("octavo",)
         self.model_name = model_name
         kinds = {name: (kind, text) for name, kind, text in METRICS}
@@ -136,7 +156,8 @@ class PrometheusStatLogger:
                         full, text, ["model_name", "position"], registry=self.registry))
                     continue
                 if kind == "gauge":
-                    metric = Gauge(full, text, ["model_name"], registry=self.registry)
+                    metric = Gauge(full, text, ["model_name"], registry=self.registry,
+                                   **gauge_mode)
                 elif kind == "counter":
                     metric = Counter(full, text, ["model_name"], registry=self.registry)
                 else:
@@ -159,16 +180,19 @@ class PrometheusStatLogger:
         s["kv_cache_usage_perc"].set(sched.kv_cache_usage)
         s["cpu_cache_usage_perc"].set(sched.host_kv_cache_usage)
         s["prefix_cache_hit_rate"].set(sched.prefix_cache_hit_rate)
-        self._count_preemptions(sched)
-        self._count_since_last("prefix_cache_queries", sched.prefix_cache_queries,
-                               "_last_prefix_queries")
-        self._count_since_last("prefix_cache_hits", sched.prefix_cache_hits, "_last_prefix_hits")
-        self._count_spec_decode(sched)
+        if self.engine_counters:
+            self._count_preemptions(sched)
+            self._count_since_last("prefix_cache_queries", sched.prefix_cache_queries,
+                                   "_last_prefix_queries")
+            self._count_since_last("prefix_cache_hits", sched.prefix_cache_hits,
+                                   "_last_prefix_hits")
+            self._count_spec_decode(sched)
         if it.num_prompt_tokens:
             s["prompt_tokens"].inc(it.num_prompt_tokens)
         if it.num_generation_tokens:
             s["generation_tokens"].inc(it.num_generation_tokens)
-            s["iteration_tokens_total"].observe(sched.num_batched_tokens)
+            if self.engine_counters:
+                s["iteration_tokens_total"].observe(sched.num_batched_tokens)
         s["time_to_first_token_seconds"].observe_all(it.time_to_first_tokens)
         s["inter_token_latency_seconds"].observe_all(it.inter_token_latencies)
         for done in it.finished_requests:
@@ -222,5 +246,10 @@ class PrometheusStatLogger:
         setattr(self, last_attr, total)
 
     def expose(self) -> bytes:
-        """The text exposition format of every metric."""
+        """The text exposition format of every metric (of every API server process, in
+        multiprocess mode)."""
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return prometheus_client.generate_latest(registry)
         return prometheus_client.generate_latest(self.registry)

@@ -50,6 +50,7 @@ from octavo.entrypoints.openai.serving_engine import (
     merge_streams,
     top_entries,
 )
+from octavo.entrypoints.openai.sse import ChatChunkEncoder
 from octavo.entrypoints.openai.tool_calling import ToolCallPlan, plan_tool_calls
 from octavo.entrypoints.openai.tool_parsers import get_tool_parser
 from octavo.errors import InvalidRequestError
@@ -191,14 +192,21 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
 
         num_generated = 0
+        # Events with text only (no logprobs, nothing to split out: the common case) skip
+        # pydantic: see entrypoints.openai.sse.
+        encoder = ChatChunkEncoder(request_id, created, model, include_usage)
+        plain = parsers is None and not request.logprobs
         try:
             # The role comes first, once per choice.
             for index in range(request.n):
-                yield chunk([ChatCompletionStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content=""))])
+                yield encoder.role_chunk(index)
             async for _, output in merge_streams(streams):
                 for c in output.outputs:
                     num_generated += len(c.token_ids)
+                    if plain:
+                        if c.text or c.finish_reason is not None:
+                            yield encoder.content_chunk(c.index, c.text, c.finish_reason)
+                        continue
                     logprobs = self._logprobs(c.token_ids, c.logprobs, request)
                     reason = c.finish_reason
                     if parsers is None:
