@@ -17,6 +17,11 @@ result's host copies), ``finalize`` (the runner output from the host copies),
 ``grammar_accept`` (structured outputs), ``output_processing`` (the front end's per-step
 work) and ``other`` (the step's wall time less these).
 
+``--clock cpu`` times with the engine thread's CPU time (``time.thread_time``) instead of wall
+time: on a machine shared with other jobs, time the thread spends descheduled is left out
+(the grammar engine's own mask threads are then not counted: ``grammar_fill`` is the engine
+thread's part of it).
+
 ``--py-spy OUT.svg`` records the timed windows with ``py-spy record --native`` (subprocess
 attached to this process) as well.
 """
@@ -62,6 +67,8 @@ def main() -> None:
                              "octavo.testing.json_schemas)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=False)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: time.perf_counter; cpu: the engine thread's CPU time")
     parser.add_argument("--py-spy", metavar="OUT", default=None,
                         help="also record the timed windows with py-spy (--native; a .svg "
                              "flame graph, or raw/speedscope by the extension)")
@@ -101,16 +108,17 @@ def main() -> None:
     core = engine.engine_core
     runner = core.executor.worker.model_runner
     phases: dict[str, float] = defaultdict(float)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     def timed(obj, name, label):
         original = getattr(obj, name)
 
         def wrapper(*a, **k):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return original(*a, **k)
             finally:
-                phases[label] += time.perf_counter() - start
+                phases[label] += clock() - start
 
         setattr(obj, name, wrapper)
 
@@ -125,7 +133,7 @@ def main() -> None:
         manager = core.structured_outputs
         timed(manager, "_fill", "grammar_fill")
         timed(manager, "_advance", "grammar_accept")
-    _time_finalize(runner, phases)
+    _time_finalize(runner, phases, clock)
 
     spy = None
     if args.py_spy:
@@ -138,10 +146,10 @@ def main() -> None:
     windows: list[dict[str, float]] = []
     for _ in range(args.windows):
         phases.clear()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(args.steps):
             engine.step()
-        wall = time.perf_counter() - start
+        wall = clock() - start
         per_step = {label: phases.get(label, 0.0) / args.steps * 1e6 for label in _PHASES}
         per_step["other"] = wall / args.steps * 1e6 - sum(per_step.values())
         per_step["step"] = wall / args.steps * 1e6
@@ -152,7 +160,7 @@ def main() -> None:
     running = engine.stats().num_running
     label = "json" if args.structured else "unconstrained"
     print(f"\nhost µs per step, {running} running, {label}, "
-          f"async scheduling {'on' if args.async_scheduling else 'off'}, "
+          f"async scheduling {'on' if args.async_scheduling else 'off'}, {args.clock} clock, "
           f"{args.windows} windows of {args.steps} steps: median (min-max)")
     medians = {}
     for name in (*_PHASES, "other", "step"):
@@ -162,12 +170,13 @@ def main() -> None:
         medians[name] = statistics.median(values)
         print(f"  {name:<20} {medians[name]:9.0f}   ({min(values):.0f}-{max(values):.0f})")
     print(json.dumps({"profile": "host-steps", "structured": args.structured,
-                      "async_scheduling": args.async_scheduling, "running": running,
+                      "async_scheduling": args.async_scheduling, "clock": args.clock,
+                      "running": running,
                       "us_per_step": {k: round(v) for k, v in medians.items()}}))
     llm.llm_engine.shutdown()
 
 
-def _time_finalize(runner, phases) -> None:
+def _time_finalize(runner, phases, clock) -> None:
     """Time each step's ``finalize`` (turning the host copies into a ModelRunnerOutput)."""
     from octavo.worker import async_output
 
@@ -175,11 +184,11 @@ def _time_finalize(runner, phases) -> None:
 
     def init(self, copies, finalize, previous, sampled_token_ids):
         def timed_finalize(host):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return finalize(host)
             finally:
-                phases["finalize"] += time.perf_counter() - start
+                phases["finalize"] += clock() - start
 
         original_init(self, copies, timed_finalize, previous, sampled_token_ids)
 

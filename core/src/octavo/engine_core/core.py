@@ -32,7 +32,6 @@ samples), and the oldest step is recorded once the pipeline is full or nothing n
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -113,12 +112,6 @@ class EngineCore:
             logger.info("pipeline parallelism: up to %d steps in flight", self.max_in_flight)
         elif self.max_in_flight > 1:
             logger.info("async scheduling: the next step is scheduled while one runs")
-        # What start-up made (modules, the model's Python objects, one KVCacheBlock per KV
-        # block: hundreds of thousands of objects) lives as long as the engine: out of the
-        # collector's sight, so the collections that the per-step allocations trigger scan
-        # only what steps allocate (vLLM's engine core does the same).
-        gc.collect()
-        gc.freeze()
 
     @property
     def async_scheduling(self) -> bool:
