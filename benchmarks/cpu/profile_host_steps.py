@@ -29,6 +29,7 @@ attached to this process) as well.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="OUT", default=None,
                         help="also record the timed windows with py-spy (--native; a .svg "
                              "flame graph, or raw/speedscope by the extension)")
+    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                        help="freeze start-up's objects out of the garbage collector's sight "
+                             "(octavo.engine_core.gc_heap), as octavo bench does")
     args = parser.parse_args()
 
     from octavo import LLM, SamplingParams
@@ -86,6 +90,11 @@ def main() -> None:
               max_num_batched_tokens=max(args.num_requests * args.prompt_len, 2048),
               max_model_len=max_model_len, async_scheduling=args.async_scheduling,
               cpu_threads=1, enable_prefix_caching=True)
+    if args.gc_freeze:
+        # As octavo bench and the engine core's process do (octavo.engine_core.gc_heap).
+        from octavo.engine_core.gc_heap import freeze_startup_objects
+
+        freeze_startup_objects()
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -135,6 +144,18 @@ def main() -> None:
         timed(manager, "_advance", "grammar_accept")
     _time_finalize(runner, phases, clock)
 
+    # The cyclic garbage collector's pauses, per generation (gc.callbacks), in the windows.
+    gc_time = defaultdict(float)
+    gc_count = defaultdict(int)
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = clock()
+        else:
+            gc_time[info["generation"]] += clock() - gc_start[0]
+            gc_count[info["generation"]] += 1
+
     spy = None
     if args.py_spy:
         spy = subprocess.Popen(["py-spy", "record", "--native", "-r", "200", "-p",
@@ -144,6 +165,7 @@ def main() -> None:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
     windows: list[dict[str, float]] = []
+    gc.callbacks.append(on_gc)
     for _ in range(args.windows):
         phases.clear()
         start = clock()
@@ -154,6 +176,7 @@ def main() -> None:
         per_step["other"] = wall / args.steps * 1e6 - sum(per_step.values())
         per_step["step"] = wall / args.steps * 1e6
         windows.append(per_step)
+    gc.callbacks.remove(on_gc)
     if spy is not None:
         spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
         spy.wait(timeout=60)
@@ -169,10 +192,20 @@ def main() -> None:
             continue
         medians[name] = statistics.median(values)
         print(f"  {name:<20} {medians[name]:9.0f}   ({min(values):.0f}-{max(values):.0f})")
+    num_steps = args.steps * args.windows
+    mean_step = statistics.mean(w["step"] for w in windows)
+    print(f"  {'step, mean of all':<20} {mean_step:9.0f}   (the stalls of full collections "
+          "included, which the medians above leave out)")
+    print("  garbage collector (inside the phases above): "
+          + ", ".join(f"gen{g} {gc_count[g]} runs {gc_time[g] / num_steps * 1e6:.0f} µs/step"
+                      for g in sorted(gc_count)))
     print(json.dumps({"profile": "host-steps", "structured": args.structured,
                       "async_scheduling": args.async_scheduling, "clock": args.clock,
                       "running": running,
-                      "us_per_step": {k: round(v) for k, v in medians.items()}}))
+                      "us_per_step": {k: round(v) for k, v in medians.items()},
+                      "mean_step_us": round(mean_step),
+                      "gc_us_per_step": {f"gen{g}": round(gc_time[g] / num_steps * 1e6)
+                                         for g in sorted(gc_count)}}))
     llm.llm_engine.shutdown()
 
 
