@@ -22,6 +22,10 @@ time: on a machine shared with other jobs, time the thread spends descheduled is
 (the grammar engine's own mask threads are then not counted: ``grammar_fill`` is the engine
 thread's part of it).
 
+With ``--async-scheduling --structured json`` the grammar thread accepts the tokens and fills
+the masks beside the engine thread: ``grammar_*`` then count that thread's time, and ``other``
+(the step less the phases) can come out negative.
+
 ``--py-spy OUT.svg`` records the timed windows with ``py-spy record --native`` (subprocess
 attached to this process) as well.
 """
