@@ -40,6 +40,9 @@ def main() -> None:
                         help="every request's output length (default: W1's 100-1024 draw)")
     parser.add_argument("--row-limit", type=int, default=15,
                         help="kernels listed in the profiler's table")
+    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                        help="freeze start-up's objects out of the garbage collector's sight "
+                             "(octavo.engine_core.gc_heap), as octavo bench does")
     args = parser.parse_args()
 
     from octavo import LLM, SamplingParams
@@ -51,6 +54,11 @@ def main() -> None:
     llm = LLM(args.model, dtype="bfloat16", max_num_seqs=256,
               async_scheduling=args.async_scheduling, load_format=args.load_format,
               quantization=args.quantization)
+    if args.gc_freeze:
+        # As octavo bench and the engine core's process do (octavo.engine_core.gc_heap).
+        from octavo.engine_core.gc_heap import freeze_startup_objects
+
+        freeze_startup_objects()
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
     workload = make_workload(args.num_requests, (100, 1024), (100, 1024), vocab, 0)

@@ -7,7 +7,7 @@
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
-#                                    [bench-swap] [profile-structured] [bench-serve]
+#                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi]
 #                                    [spec-tests] [bench-spec] [bench-spec-draft]
 #                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
@@ -186,6 +186,14 @@ for stage in "${stages[@]}"; do
         | tee "$OUT/profile-sync.log" | tail -12
       python3 benchmarks/gpu/profile_steps.py --model $MODEL --num-requests 1 \
         --no-async-scheduling 2>&1 | tee "$OUT/profile-batch1-sync.log" | tail -12
+      ;;
+    profile-host)
+      # The engine core's host work per steady decode step on this machine's CPU: a tiny Llama
+      # on the CPU backend, 256 requests, per-phase µs, unconstrained and JSON (~2 min; #15).
+      for flag in "" "--structured json"; do
+        python3 benchmarks/cpu/profile_host_steps.py --windows 5 --clock cpu $flag 2>/dev/null \
+          | tee -a "$OUT/profile-host.log" | tail -16
+      done
       ;;
     bench-moe)
       # W1 on a Qwen3-30B-A3B-shaped MoE (61 GB of bf16 weights, random, made on the GPU by

@@ -373,3 +373,50 @@ def test_blocks_to_allocate_counts_the_blocks_the_window_gives_back() -> None:
     assert ids is not None and len(ids) == 1 and manager.num_free_blocks == 1
     manager.free(request)
     assert manager.num_free_blocks == 3
+
+
+def _manager_state(manager: KVCacheManager) -> tuple:
+    pool = manager.block_pool
+    return (
+        {k: [b.block_id for b in v] for k, v in manager._req_blocks.items()},
+        dict(manager._num_indexed), dict(manager._num_freed), pool.num_free_blocks,
+        [(b.ref_cnt, b.block_hash) for b in pool.blocks], list(manager._copies),
+        {k: list(v) for k, v in manager._replaced.items()},
+    )
+
+
+def test_fits_in_held_blocks_is_exactly_an_allocation_that_changes_nothing() -> None:
+    """The scheduler skips allocate_slots when fits_in_held_blocks says so: for every decode
+    position of caching on/off, a fork sharing a partly filled block and a sliding window,
+    True must mean allocate_slots would return [] and change nothing (and
+    num_blocks_to_allocate is 0), and False must mean it would not be such a no-op (or the
+    check is conservative: a window, or no blocks yet)."""
+    import copy
+    import random
+
+    rng = random.Random(0)
+    for caching in (True, False):
+        for window in (None, 6):
+            manager = KVCacheManager(64, BS, enable_caching=caching, sliding_window=window)
+            request = make_request("a", [rng.randrange(50) for _ in range(6)], max_tokens=40)
+            assert not manager.fits_in_held_blocks(request, 1)  # holds no block yet
+            run_prompt(manager, request)
+            child = make_request("b", request.prompt_token_ids, max_tokens=40)
+            if window is None:
+                manager.fork(request, child)  # shares the partly filled last block
+            for _ in range(30):
+                for num_new in (1, 2, 3):
+                    fits = manager.fits_in_held_blocks(request, num_new)
+                    before = _manager_state(manager)
+                    trial = copy.deepcopy(manager)
+                    ids = trial.allocate_slots(request, num_new)
+                    unchanged = ids == [] and _manager_state(trial) == before
+                    if fits:
+                        assert unchanged and window is None
+                        assert manager.num_blocks_to_allocate(request, num_new) == 0
+                    elif window is None:
+                        assert not unchanged
+                ids = manager.allocate_slots(request, 1)
+                assert ids is not None
+                request.num_computed_tokens += 1
+                request.append_output_token(rng.randrange(50))

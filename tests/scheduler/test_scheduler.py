@@ -382,3 +382,51 @@ def test_prompt_logprobs_are_sent_once_across_preemption() -> None:
     for request in requests:
         assert received[request.request_id] == request.prompt_token_ids[1:]
     assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_inline_decode_path_gives_the_same_steps_as_the_general_path(
+        caching: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's inline path for plain running requests (taken when the step fits the
+    blocks a request holds) must schedule exactly what the general path schedules: the same
+    messages every step, the same outputs, the same preemptions, under pressure."""
+
+    num_inline = 0
+
+    def run(inline: bool) -> tuple[list[tuple], list[tuple], int]:
+        scheduler = make_scheduler(num_blocks=14, budget=12, max_num_seqs=6, caching=caching)
+        fits = scheduler.kv_cache_manager.fits_in_held_blocks
+
+        def counted(request: Request, num_new: int) -> bool:
+            nonlocal num_inline
+            result = inline and fits(request, num_new)
+            num_inline += result
+            return result
+
+        monkeypatch.setattr(scheduler.kv_cache_manager, "fits_in_held_blocks", counted)
+        runner = FakeRunner()
+        requests = [make_request(f"r{i}", 3 + (i * 5) % 13, max_tokens=3 + i % 9, start=i % 4)
+                    for i in range(14)]
+        for request in requests:
+            scheduler.add_request(request)
+        steps, outputs = [], []
+        for _ in range(400):
+            if not scheduler.has_unfinished_requests():
+                break
+            so = scheduler.schedule()
+            steps.append((
+                [(r.req_id, r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs],
+                [(r.req_id, r.new_block_ids, r.num_computed_tokens, r.new_token_ids,
+                  r.replaced_block_ids) for r in so.scheduled_cached_reqs],
+                dict(so.num_scheduled_tokens), so.total_num_scheduled_tokens,
+                sorted(so.finished_req_ids)))
+            for o in scheduler.update_from_output(so, runner.execute(so)):
+                outputs.append((o.request_id, o.new_token_ids, o.finish_reason,
+                                o.num_cached_tokens))
+        assert_all_free(scheduler)
+        return steps, outputs, scheduler.num_preemptions
+
+    inline = run(True)
+    assert num_inline > 20  # decode steps within a block took the inline path
+    assert inline == run(False)
+    assert inline[2] > 0  # the pool is small enough to preempt

@@ -284,15 +284,19 @@ class EngineCore:
         manager = self.structured_outputs
         rows: list[str] = []
         deferred = False
+        constrained = manager.constrained_ids
+        if not constrained:
+            return rows, deferred
+        requests = self.scheduler.requests
         for req_id in scheduler_output.num_scheduled_tokens:
-            if not manager.is_constrained(req_id):
+            if req_id not in constrained:
                 continue
-            request = self.scheduler.requests[req_id]
+            request = requests[req_id]
             # Scheduling counted the token this step samples as a placeholder; a step that
             # does not sample (a prompt chunk short of the end) added none.
             placeholders = request.num_output_placeholders
-            if placeholders == 0 or (
-                    request.num_computed_tokens + 1 != request.num_tokens_with_placeholders):
+            if placeholders == 0 or (request.num_computed_tokens + 1
+                                     != len(request.all_token_ids) + placeholders):
                 continue
             if not manager.needs_mask(req_id, token_in_flight=placeholders > 1):
                 continue  # thinking: its grammar starts after the reasoning
@@ -315,7 +319,8 @@ class EngineCore:
             self._grammar_step = manager.accept_and_bitmask_async(
                 self._constrained_tokens(runner_output), deferred_rows)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        constrained = [output for output in outputs if manager.is_constrained(output.request_id)]
+        ids = manager.constrained_ids
+        constrained = [output for output in outputs if output.request_id in ids] if ids else []
         if deferred_rows is None and constrained:
             sampled = {output.request_id: output.new_token_ids for output in constrained}
             refused = manager.accept_step(sampled)
@@ -332,11 +337,11 @@ class EngineCore:
         """The tokens a step sampled for constrained requests, as ``update_from_output`` will
         record them: it drops only those of requests finished meanwhile (a request speculates
         only without a grammar, so each row is its one sampled token)."""
-        manager = self.structured_outputs
+        constrained = self.structured_outputs.constrained_ids
         requests = self.scheduler.requests
         sampled: dict[str, list[int]] = {}
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            if not token_ids or not manager.is_constrained(req_id):
+            if not token_ids or req_id not in constrained:
                 continue
             request = requests.get(req_id)
             if request is not None and not request.status.is_finished:

@@ -37,6 +37,7 @@ import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine_core.core import EngineCore
+from octavo.engine_core.gc_heap import freeze_startup_objects
 from octavo.engine_core.output_router import OutputRouter
 from octavo.messages.engine_core import (
     EngineCoreAbort,
@@ -135,6 +136,9 @@ class EngineCoreProc:
 
     def start(self, config: EngineConfig) -> None:
         self.engine_core = EngineCore(config)
+        # This process is the engine's own (a spawn child): start-up's objects leave the
+        # collector's sight, so full collections stop stalling steps (octavo.engine_core.gc_heap).
+        freeze_startup_objects()
         self.broadcast(
             EngineCoreReady(
                 backend=config.backend,
@@ -240,12 +244,14 @@ class EngineCoreProc:
         if method is None:
             return EngineCoreUtilityResult(
                 call_id=call.call_id,
-                error=f"unknown utility method {call.method!r}; known: {sorted(self.utility_methods)}",
+                error=f"unknown utility method {call.method!r}; known: "
+                      f"{sorted(self.utility_methods)}",
             )
         try:
             return EngineCoreUtilityResult(call_id=call.call_id, result=method())
-        except Exception as exc:
-            return EngineCoreUtilityResult(call_id=call.call_id, error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001  (a utility's failure goes back to its caller)
+            return EngineCoreUtilityResult(call_id=call.call_id,
+                                           error=f"{type(exc).__name__}: {exc}")
 
     def _kv_cache_stats(self) -> dict[str, Any]:
         scheduler = self.engine_core.scheduler

@@ -332,6 +332,29 @@ class KVCacheManager:
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self._req_host_blocks
 
+    def fits_in_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``allocate_slots(request, num_new_tokens)`` would change nothing and return
+        ``[]`` (no block to take, copy, index or free: the common decode step), so a caller may
+        skip it; ``num_blocks_to_allocate`` is then 0. A cheap check, made for every running
+        request every step."""
+        if self.sliding_window is not None:
+            return False
+        blocks = self._req_blocks.get(request.request_id)
+        if not blocks:
+            return False
+        num_computed = request.num_computed_tokens
+        total_tokens = num_computed + num_new_tokens
+        block_size = self.block_size
+        if total_tokens > len(blocks) * block_size:
+            return False
+        num_full = total_tokens // block_size
+        if num_full and min(num_full, len(request.block_hashes)) > self._num_indexed.get(
+                request.request_id, 0):
+            return False
+        # A write into a block shared with another request copies it first.
+        return not (num_computed % block_size
+                    and blocks[num_computed // block_size].ref_cnt > 1)
+
     def _fits_without_change(self, request: Request, num_new_tokens: int,
                              num_lookahead_tokens: int = 0) -> bool:
         """Whether the request's blocks already hold ``num_new_tokens`` (and the lookahead)

@@ -30,16 +30,17 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        # By value (a str, its hash cached): read for every request every step.
+        return self._value_ in _FINISHED_VALUES
 
     @property
     def finish_reason(self) -> str | None:
         """OpenAI-style finish reason ("stop", "length", "abort"), None while running."""
-        return self.value if self.is_finished else None
+        value = self._value_
+        return value if value in _FINISHED_VALUES else None
+
+
+_FINISHED_VALUES = frozenset({"stop", "length", "abort"})
 
 
 class Request:
@@ -187,17 +188,22 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> bool:
         """Update ``status`` after a new token; True when the request just finished."""
+        # Lengths read directly, not through the properties: this runs for every request
+        # every step.
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        output_token_ids = self.output_token_ids
+        num_output_tokens = len(output_token_ids)
+        last = output_token_ids[-1]
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in params.all_stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last in params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if (num_output_tokens >= params.max_tokens
+                or len(self.all_token_ids) >= max_model_len):
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

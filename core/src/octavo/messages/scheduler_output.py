@@ -82,7 +82,8 @@ class GrammarBitmask:
 
     Row ``i`` belongs to ``req_ids[i]``; bit ``t % 32`` of its int32 word ``t // 32`` is set
     when token ``t`` is allowed. ``data`` holds the rows as little-endian int32,
-    ``len(req_ids) * num_words`` of them.
+    ``len(req_ids) * num_words`` of them: in process a writable ``bytearray`` the runner reads
+    without a copy, ``bytes`` once decoded from another process.
     """
 
     req_ids: list[str]

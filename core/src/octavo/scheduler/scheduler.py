@@ -266,8 +266,41 @@ class Scheduler:
         preempted_any = False
         index = 0
         forked: list[Request] = []
-        while index < len(self.running) and budget > 0:
-            unit = self._unit_of(self.running[index])
+        running = self.running
+        # The common running request (one sequence: no beams, drafts, forks waiting on it,
+        # pipeline stages or lookahead slots) whose step fits in the blocks it holds is
+        # scheduled inline: the general path below does the same with about four times the
+        # Python per request, and a decode needs a new block only once every block_size
+        # steps (docs/benchmarks.md, "host work per step").
+        plain = not (self.pipeline_parallel or self.num_lookahead_slots)
+        fits = self.kv_cache_manager.fits_in_held_blocks
+        cached_reqs = out.scheduled_cached_reqs
+        num_scheduled = out.num_scheduled_tokens
+        while index < len(running) and budget > 0:
+            request = running[index]
+            if (plain and request.beam_group is None and not request.spec_token_ids
+                    and not request.pending_forks and not request.new_to_workers):
+                placeholders = request.num_output_placeholders
+                end = len(request.all_token_ids) + placeholders  # num_tokens_with_placeholders
+                n = end - request.num_computed_tokens
+                if n <= 0 or (placeholders and (  # request.reached_length_limit, inline
+                        len(request.output_token_ids) + placeholders
+                        >= request.sampling_params.max_tokens or end >= self.max_model_len)):
+                    index += 1  # nothing to run, or its last token is in flight
+                    continue
+                n = min(n, budget)
+                if fits(request, n):
+                    computed = request.num_computed_tokens
+                    cached_reqs.append(CachedRequestData(request.request_id, [], computed))
+                    num_scheduled[request.request_id] = n
+                    out.total_num_scheduled_tokens += n
+                    request.num_computed_tokens = computed + n  # _advance, without drafts
+                    if computed + n == end:
+                        request.num_output_placeholders = placeholders + 1
+                    budget -= n
+                    index += 1
+                    continue
+            unit = self._unit_of(request)
             members = [r for r in unit if self._can_run_now(r)
                        and r.num_tokens_with_placeholders > r.num_computed_tokens]
             if len(members) < len(unit) and unit[0].beam_group is not None:
@@ -717,9 +750,40 @@ class Scheduler:
         """
         self.kv_cache_manager.commit_step()
         outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        # The common row (a running single sequence that sampled one token, no prompt
+        # logprobs, drafts or proposer) is recorded inline: the general path below does the
+        # same with several times the Python per request (docs/benchmarks.md, "host work per
+        # step").
+        plain = not (runner_output.prompt_logprobs or self.proposer is not None
+                     or scheduler_output.scheduled_spec_decode_tokens)
+        logprobs = runner_output.logprobs
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.status.is_finished:
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            if (plain and len(sampled) == 1 and request.status is running
+                    and request.beam_group is None):
+                request.num_output_placeholders -= 1
+                request.append_output_token(sampled[0])
+                finished = request.check_stop(max_model_len)
+                num_cached = request.num_cached_tokens
+                outputs.append(EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=list(sampled),
+                    finish_reason=request.status.value if finished else None,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=logprobs.get(req_id) if logprobs else None,
+                    num_cached_tokens=num_cached if num_cached > 0 else 0,
+                    first_scheduled_time=request.first_scheduled_time,
+                ))
+                if finished:
+                    request.num_output_placeholders = 0
+                    self._remove_finished(request)
+                continue
+            if request.status.is_finished:
                 continue
             if request.beam_group is not None:
                 self._record_beam(request, runner_output, sampled, outputs)

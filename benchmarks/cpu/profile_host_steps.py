@@ -1,0 +1,236 @@
+"""The engine core's host work per steady decode step, on the CPU, phase by phase.
+
+    python benchmarks/cpu/profile_host_steps.py [--structured json] [--windows 5]
+
+A tiny random-weight Llama (hidden 64, 2 layers, octavo.testing.tiny_models) runs 256 requests
+(short prompts, long outputs, greedy, EOS ignored) until every request is in steady decode;
+then windows of ``--steps`` steps are timed, each phase by a timer wrapped around the method
+that does it (no device sync is needed: the CPU backend computes as it is called). The forward
+pass of such a model is a small part of a step, so what is left is the Python the engine runs
+per step for 256 requests, the same code a GPU step runs on its host. Prints per-phase µs per
+step (the median over the windows, and the spread) and one JSON line.
+
+Phases: ``schedule`` (Scheduler.schedule), ``update_states`` and ``prepare_inputs`` (the model
+runner's per-request state and flat batch), ``forward``, ``sample`` (logits, sampler, the
+result's host copies), ``finalize`` (the runner output from the host copies),
+``update_from_output`` (recording the step, building EngineCoreOutputs), ``grammar_fill`` /
+``grammar_accept`` (structured outputs), ``output_processing`` (the front end's per-step
+work) and ``other`` (the step's wall time less these).
+
+``--clock cpu`` times with the engine thread's CPU time (``time.thread_time``) instead of wall
+time: on a machine shared with other jobs, time the thread spends descheduled is left out
+(the grammar engine's own mask threads are then not counted: ``grammar_fill`` is the engine
+thread's part of it).
+
+With ``--async-scheduling --structured json`` the grammar thread accepts the tokens and fills
+the masks beside the engine thread: ``grammar_*`` then count that thread's time, and ``other``
+(the step less the phases) can come out negative.
+
+``--py-spy OUT.svg`` records the timed windows with ``py-spy record --native`` (subprocess
+attached to this process) as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+_PHASES = ("schedule", "update_states", "prepare_inputs", "forward", "sample", "finalize",
+           "update_from_output", "grammar_fill", "grammar_accept", "output_processing")
+
+
+def make_model(folder: Path) -> Path:
+    from octavo.testing.tiny_models import make_tiny_model
+
+    if not (folder / "config.json").exists():
+        make_tiny_model(folder, "llama", max_position_embeddings=4096)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="a model folder (default: a tiny Llama made in the temp dir)")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--warmup-steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=60, help="steps per timed window")
+    parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument("--structured", choices=["json"], default=None,
+                        help="constrain every request to a JSON schema (round robin over "
+                             "octavo.testing.json_schemas)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=False)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: time.perf_counter; cpu: the engine thread's CPU time")
+    parser.add_argument("--py-spy", metavar="OUT", default=None,
+                        help="also record the timed windows with py-spy (--native; a .svg "
+                             "flame graph, or raw/speedscope by the extension)")
+    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                        help="freeze start-up's objects out of the garbage collector's sight "
+                             "(octavo.engine_core.gc_heap), as octavo bench does")
+    args = parser.parse_args()
+
+    from octavo import LLM, SamplingParams
+    from octavo.engine.output_processor import RequestOutputKind
+    from octavo.sampling_params import StructuredOutputsParams
+    from octavo.testing.json_schemas import SCHEMA_CASES
+
+    model = args.model or str(make_model(Path(tempfile.gettempdir()) / "octavo-host-llama"))
+    steps_needed = args.warmup_steps + args.steps * args.windows + 8
+    max_model_len = args.prompt_len + steps_needed + 16
+    llm = LLM(model, dtype="float32", max_num_seqs=args.num_requests,
+              max_num_batched_tokens=max(args.num_requests * args.prompt_len, 2048),
+              max_model_len=max_model_len, async_scheduling=args.async_scheduling,
+              cpu_threads=1, enable_prefix_caching=True)
+    if args.gc_freeze:
+        # As octavo bench and the engine core's process do (octavo.engine_core.gc_heap).
+        from octavo.engine_core.gc_heap import freeze_startup_objects
+
+        freeze_startup_objects()
+    engine = llm.llm_engine
+    vocab = engine.config.model_config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    for i in range(args.num_requests):
+        prompt = torch.randint(3, vocab, (args.prompt_len,), generator=generator).tolist()
+        constraint = None
+        if args.structured:
+            constraint = StructuredOutputsParams(json=SCHEMA_CASES[i % len(SCHEMA_CASES)].schema)
+        # FINAL_ONLY, as LLM.generate asks; EOS ignored so every request stays in decode.
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=steps_needed,
+                                          ignore_eos=True, structured_outputs=constraint),
+                           output_kind=RequestOutputKind.FINAL_ONLY)
+    for _ in range(args.warmup_steps):
+        engine.step()
+    running = engine.stats().num_running
+    print(f"after warm-up: {running} running, {engine.stats().num_waiting} waiting",
+          file=sys.stderr)
+
+    core = engine.engine_core
+    runner = core.executor.worker.model_runner
+    phases: dict[str, float] = defaultdict(float)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+
+    def timed(obj, name, label):
+        original = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            start = clock()
+            try:
+                return original(*a, **k)
+            finally:
+                phases[label] += clock() - start
+
+        setattr(obj, name, wrapper)
+
+    timed(core.scheduler, "schedule", "schedule")
+    timed(runner, "_update_states", "update_states")
+    timed(runner, "_prepare_inputs", "prepare_inputs")
+    timed(runner, "_forward", "forward")
+    timed(runner, "_sample", "sample")
+    timed(core.scheduler, "update_from_output", "update_from_output")
+    timed(engine.output_processor, "process_outputs", "output_processing")
+    if args.structured:
+        manager = core.structured_outputs
+        timed(manager, "_fill", "grammar_fill")
+        timed(manager, "_advance", "grammar_accept")
+    _time_finalize(runner, phases, clock)
+
+    # The cyclic garbage collector's pauses, per generation (gc.callbacks), in the windows.
+    gc_time = defaultdict(float)
+    gc_count = defaultdict(int)
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = clock()
+        else:
+            gc_time[info["generation"]] += clock() - gc_start[0]
+            gc_count[info["generation"]] += 1
+
+    spy = None
+    if args.py_spy:
+        spy = subprocess.Popen(["py-spy", "record", "--native", "-r", "200", "-p",
+                                str(os.getpid()), "-o", args.py_spy]
+                               + (["-f", "speedscope"] if args.py_spy.endswith(".json") else [])
+                               + (["-f", "raw"] if args.py_spy.endswith(".txt") else []),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+    windows: list[dict[str, float]] = []
+    gc.callbacks.append(on_gc)
+    for _ in range(args.windows):
+        phases.clear()
+        start = clock()
+        for _ in range(args.steps):
+            engine.step()
+        wall = clock() - start
+        per_step = {label: phases.get(label, 0.0) / args.steps * 1e6 for label in _PHASES}
+        per_step["other"] = wall / args.steps * 1e6 - sum(per_step.values())
+        per_step["step"] = wall / args.steps * 1e6
+        windows.append(per_step)
+    gc.callbacks.remove(on_gc)
+    if spy is not None:
+        spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+        spy.wait(timeout=60)
+    running = engine.stats().num_running
+    label = "json" if args.structured else "unconstrained"
+    print(f"\nhost µs per step, {running} running, {label}, "
+          f"async scheduling {'on' if args.async_scheduling else 'off'}, {args.clock} clock, "
+          f"{args.windows} windows of {args.steps} steps: median (min-max)")
+    medians = {}
+    for name in (*_PHASES, "other", "step"):
+        values = [w[name] for w in windows]
+        if name.startswith("grammar") and not args.structured:
+            continue
+        medians[name] = statistics.median(values)
+        print(f"  {name:<20} {medians[name]:9.0f}   ({min(values):.0f}-{max(values):.0f})")
+    num_steps = args.steps * args.windows
+    mean_step = statistics.mean(w["step"] for w in windows)
+    print(f"  {'step, mean of all':<20} {mean_step:9.0f}   (the stalls of full collections "
+          "included, which the medians above leave out)")
+    print("  garbage collector (inside the phases above): "
+          + ", ".join(f"gen{g} {gc_count[g]} runs {gc_time[g] / num_steps * 1e6:.0f} µs/step"
+                      for g in sorted(gc_count)))
+    print(json.dumps({"profile": "host-steps", "structured": args.structured,
+                      "async_scheduling": args.async_scheduling, "clock": args.clock,
+                      "running": running,
+                      "us_per_step": {k: round(v) for k, v in medians.items()},
+                      "mean_step_us": round(mean_step),
+                      "gc_us_per_step": {f"gen{g}": round(gc_time[g] / num_steps * 1e6)
+                                         for g in sorted(gc_count)}}))
+    llm.llm_engine.shutdown()
+
+
+def _time_finalize(runner, phases, clock) -> None:
+    """Time each step's ``finalize`` (turning the host copies into a ModelRunnerOutput)."""
+    from octavo.worker import async_output
+
+    original_init = async_output.PendingStepOutput.__init__
+
+    def init(self, copies, finalize, previous, sampled_token_ids):
+        def timed_finalize(host):
+            start = clock()
+            try:
+                return finalize(host)
+            finally:
+                phases["finalize"] += clock() - start
+
+        original_init(self, copies, timed_finalize, previous, sampled_token_ids)
+
+    async_output.PendingStepOutput.__init__ = init
+
+
+if __name__ == "__main__":
+    main()
