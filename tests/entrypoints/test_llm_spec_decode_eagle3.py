@@ -1,7 +1,7 @@
 """Speculative decoding with an EAGLE-3 head (``"method": "eagle3"``) through ``octavo.LLM``:
 greedy outputs equal those without speculation (a random head: mixed batches of prefills and
-verifications, prefix caching, preemption by recompute and swap, n > 1, max_tokens inside a
-step); a head built to be exactly right (``make_exact_eagle3_head``, for a target that repeats
+verifications, prefix caching, preemption by recompute and swap, n > 1, max_tokens and stop
+tokens inside a step); a head built to be exactly right (``make_exact_eagle3_head``, for a target that repeats
 its current token) has every draft accepted, and none for a token outside its draft
 vocabulary; each row the head reads carries the target's auxiliary hidden states of its
 position; sampled requests verify drafts drawn from the draft vocabulary's distribution
@@ -207,6 +207,32 @@ def test_sampled_requests_verify_the_scattered_draft_distribution(exact: tuple[P
         assert not q[:, outside].any()
         torch.testing.assert_close(q.sum(dim=1), torch.ones(q.shape[0]))
     assert_no_leaks(llm)
+
+
+def test_stop_tokens_cut_inside_a_step(tmp_path: Path) -> None:
+    """A target whose outputs alternate between the two tokens of a pair, and the head whose
+    first proposal of each step is right: steps emit an accepted draft and a bonus token, and
+    a stop token among them cuts the step right after it (as without speculation)."""
+    target = make_repeating_target(tmp_path / "pairs", seed=2, swap_pairs=True)
+    head = make_exact_eagle3_head(tmp_path / "head", target)
+    prompt = [7, 9, 11, 20]  # 20 and 21 alternate; both are draft tokens
+    plain = make_llm(target)
+    want = run(plain, [prompt])[0]
+    assert want[:4] == [21, 20, 21, 20]
+    llm = make_llm(target, speculative_config=spec(head))
+    assert run(llm, [prompt]) == [want]
+    assert llm.llm_engine.stats().spec_decode_num_accepted_tokens > 0
+    # The prompt's step emits 21; the next verifies the draft 20 (accepted) and would add a
+    # bonus 21 after it: the stop on 20 cuts there.
+    stopping = make_llm(target, speculative_config=spec(head))
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, stop_token_ids=[20])
+    expected = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    got = stopping.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert list(got.token_ids) == list(expected.token_ids) == [21, 20]
+    assert (got.finish_reason, got.stop_reason) == ("stop", 20)
+    stats = stopping.llm_engine.stats()
+    assert stats.spec_decode_num_accepted_tokens == 1
+    assert_no_leaks(stopping)
 
 
 class _EagerGraphRunner:

@@ -212,11 +212,13 @@ EXACT3_LAYERS = 4
 EXACT3_AUX_LAYERS = [1, EXACT3_LAYERS - 1, 2]
 
 
-def make_repeating_target(folder: Path, seed: int = 0, **overrides) -> Path:
+def make_repeating_target(folder: Path, seed: int = 0, swap_pairs: bool = False,
+                          **overrides) -> Path:
     """A tiny ``EXACT3_LAYERS``-layer Llama whose greedy next token is always its current
-    token: attention-free (every ``o_proj`` zero), its last layer's MLP zero, and its LM head
-    row of each token the final-normed stream that token produces, so each position's logits
-    peak at its own token (the rows all have one norm; distinct rows are not parallel: checked
+    token (``swap_pairs``: the other token of its pair ``{2k, 2k + 1}``, so outputs
+    alternate): attention-free (every ``o_proj`` zero), its last layer's MLP zero, and its LM
+    head row of each token the final-normed stream of the token it follows, so each position's
+    logits peak there (the rows all have one norm; distinct rows are not parallel: checked
     here). The earlier layers' MLPs are random, so the stream entering each layer differs
     (``make_exact_eagle3_head`` must read the right one)."""
     from safetensors.torch import load_file
@@ -229,24 +231,29 @@ def make_repeating_target(folder: Path, seed: int = 0, **overrides) -> Path:
     for i in range(EXACT3_LAYERS):
         tensors[f"model.layers.{i}.self_attn.o_proj.weight"].zero_()
     tensors[f"model.layers.{EXACT3_LAYERS - 1}.mlp.down_proj.weight"].zero_()
-    streams = _attention_free_streams(tensors, EXACT3_LAYERS)
-    final = _rms_norm(streams[-1], tensors["model.norm.weight"])  # [vocab, hidden]
-    logits = final @ final.T
-    assert torch.equal(logits.argmax(dim=-1), torch.arange(final.shape[0])), (
+    final = _final_streams(tensors)  # [vocab, hidden]
+    successor = torch.arange(final.shape[0])
+    if swap_pairs:
+        successor = successor ^ 1
+    lm_head = final[successor]  # row b: the stream of the token b follows (an involution)
+    assert torch.equal((final @ lm_head.T).argmax(dim=-1), successor), (
         "two tokens give parallel streams; pick another seed")
-    tensors["lm_head.weight"] = final.to(tensors["lm_head.weight"].dtype).contiguous()
+    tensors["lm_head.weight"] = lm_head.to(tensors["lm_head.weight"].dtype).contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
     return Path(folder)
 
 
 def make_exact_eagle3_head(folder: Path, target_folder: Path,
                            draft_token_ids: list[int] | None = None) -> Path:
-    """An EAGLE-3 head whose proposals equal the greedy tokens of the repeating target in
-    ``target_folder`` (``make_repeating_target``) for every token in its draft vocabulary:
+    """An EAGLE-3 head for the target in ``target_folder`` (``make_repeating_target``) that
+    proposes, at every step, the token of the aux state it read (the token before the newest):
     ``fc`` picks the middle aux state (the stream entering the target's last layer, which
-    adds nothing), its attention output and MLP are zero, so ``p = g`` at every step, and its
-    final norm and LM head are the target's (rows of ``draft_token_ids``), so its argmax maps
-    back through ``d2t`` to the current token."""
+    adds nothing), its attention output and MLP are zero, so ``p = g`` at every step, its
+    final norm is the target's and its LM head row of each draft token that token's final
+    stream, so its argmax maps back through ``d2t`` to that token. For a repeating target
+    every proposal of a draftable token is right; with ``swap_pairs`` the first of each
+    step is (the token after next of an alternating pair is the token itself) and the
+    others are not."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -263,12 +270,19 @@ def make_exact_eagle3_head(folder: Path, target_folder: Path,
     tensors["norm.weight"] = target["model.norm.weight"].clone()
     ids = torch.tensor(sorted(draft_token_ids if draft_token_ids is not None
                               else default_draft_token_ids(config.vocab_size)))
-    tensors["lm_head.weight"] = target["lm_head.weight"][ids].clone()
+    tensors["lm_head.weight"] = _final_streams(target)[ids].to(target["lm_head.weight"].dtype)
     return write_eagle3_head(folder, config, tensors, EXACT3_AUX_LAYERS)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _final_streams(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each token's final-normed stream through the attention-free target, ``[vocab,
+    hidden]`` float32."""
+    return _rms_norm(_attention_free_streams(tensors, EXACT3_LAYERS)[-1],
+                     tensors["model.norm.weight"].float())
 
 
 def _attention_free_streams(tensors: dict[str, torch.Tensor], num_layers: int
