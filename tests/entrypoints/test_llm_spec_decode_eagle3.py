@@ -1,11 +1,12 @@
 """Speculative decoding with an EAGLE-3 head (``"method": "eagle3"``) through ``octavo.LLM``:
 greedy outputs equal those without speculation (a random head: mixed batches of prefills and
 verifications, prefix caching, preemption by recompute and swap, n > 1, max_tokens and stop
-tokens inside a step); a head built to be exactly right (``make_exact_eagle3_head``, for a target that repeats
-its current token) has every draft accepted, and none for a token outside its draft
-vocabulary; each row the head reads carries the target's auxiliary hidden states of its
-position; sampled requests verify drafts drawn from the draft vocabulary's distribution
-scattered into the target's; bad heads are refused at start-up with one clear line."""
+tokens inside a step); a head built to be exactly right (``make_exact_eagle3_head``, for a
+target that repeats its current token) has every draft accepted, and none for a token outside
+its draft vocabulary; each row the head reads carries the target's auxiliary hidden states of
+its position; sampled requests verify drafts drawn from the draft vocabulary's distribution
+scattered into the target's, and their tokens keep the target's distribution (chi-square);
+bad heads are refused at start-up with one clear line."""
 
 from __future__ import annotations
 
@@ -233,6 +234,38 @@ def test_stop_tokens_cut_inside_a_step(tmp_path: Path) -> None:
     stats = stopping.llm_engine.stats()
     assert stats.spec_decode_num_accepted_tokens == 1
     assert_no_leaks(stopping)
+
+
+def test_sampled_tokens_keep_the_target_distribution(folder: Path, head: Path) -> None:
+    """The second token of a sampled request comes from a verifying step (max_tokens 3 leaves
+    room for one draft, drawn from the head's q, which is zero outside its draft vocabulary,
+    so tokens outside it come only from resampling ``max(0, p - q)``): over many requests its
+    frequencies match the target's marginal ``sum_t1 p(t1) p(t2 | t1)``, computed with
+    transformers on the same weights (Pearson's chi-square; cells expecting under 5 draws
+    pooled)."""
+    from tests.spec_decode.test_rejection_sampler import _chi_square_p_value
+
+    prompt, temperature, trials = [5, 6, 7, 8, 9], 0.7, 3000
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        vocab = first.shape[0]
+        both = torch.tensor([prompt + [t] for t in range(vocab)])
+        second = torch.softmax(model(both).logits[:, -1] / temperature, -1)  # [t1, t2]
+    marginal = first @ second
+    llm = make_llm(folder, speculative_config=spec(head, k=2), enable_prefix_caching=False)
+    params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([prompt] * trials, params, use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    # Both rules at work: accepted drafts and resampled rejections.
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert stats.spec_decode_num_drafts == trials
+    counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[1] for o in outputs]),
+                            minlength=vocab)
+    big = marginal * trials >= 5
+    pooled_counts = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    pooled_probs = torch.cat([marginal[big], marginal[~big].sum().reshape(1)])
+    assert _chi_square_p_value(pooled_counts, pooled_probs) > 1e-3
 
 
 class _EagerGraphRunner:
