@@ -785,7 +785,7 @@ class ModelRunner:
         assert self.drafter is not None
         eagle = isinstance(self.drafter, EagleProposer)
         assert hidden is not None or not eagle, "an EAGLE head needs the target's hidden states"
-        if eagle:  # EAGLE-3: the target's aux hidden states of this step instead
+        if eagle:  # the rows the head reads: the target's output (EAGLE-1) or aux states
             hidden = self.drafter.target_hidden_source(hidden)
         bs = self.block_size
         max_len = self.model_config.max_model_len
