@@ -1,5 +1,5 @@
-"""Speculative decoding speed-up at batch 1 on a repetitive prompt (any backend): ngram, or a
-draft model with ``--draft-model``.
+"""Speculative decoding speed-up at batch 1 on a repetitive prompt (any backend): ngram, a
+draft model with ``--draft-model``, or an EAGLE-3 head with ``--eagle3-head``.
 
     python benchmarks/gpu/bench_spec_decode.py --model /tmp/llama3-8b-config --load-format dummy \
         --device cuda --num-speculative-tokens 4
@@ -9,7 +9,9 @@ draft model with ``--draft-model``.
 
 With ``--draft-model`` the draft loads with the target's ``--load-format`` (dummy: random
 weights too, so acceptance is near zero and the run measures the draft's cost; a draft that is
-the target itself accepts every draft and measures the machinery at full acceptance).
+the target itself accepts every draft and measures the machinery at full acceptance). So does
+an ``--eagle3-head`` folder (with dummy weights only its config.json is read: the run measures
+what the head and the target's auxiliary hidden states cost).
 
 The prompt is a block of random token ids repeated (``--block-len`` x ``--repeats``), or with
 ``--text`` a text prompt asking to repeat a passage (for a real model). The same greedy request
@@ -50,6 +52,8 @@ def main() -> None:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=2048)
     parser.add_argument("--draft-model", default=None,
                         help="folder of a draft model (method draft_model) instead of ngram")
+    parser.add_argument("--eagle3-head", default=None,
+                        help="folder of an EAGLE-3 head (method eagle3) instead of ngram")
     args = parser.parse_args()
 
     from octavo import LLM, SamplingParams
@@ -63,9 +67,9 @@ def main() -> None:
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max}
     method = "ngram"
-    if args.draft_model is not None:
-        method = "draft_model"
-        spec = {"method": method, "model": args.draft_model,
+    if args.draft_model is not None or args.eagle3_head is not None:
+        method = "draft_model" if args.draft_model is not None else "eagle3"
+        spec = {"method": method, "model": args.draft_model or args.eagle3_head,
                 "num_speculative_tokens": args.num_speculative_tokens}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     results = {}
@@ -119,7 +123,8 @@ def main() -> None:
     print(f"outputs identical: {same} (first difference at {first_difference}); speed-up {speedup:.2f}x at draft acceptance rate "
           f"{results[method].get('draft_acceptance_rate', 0):.1%}")
     print(json.dumps({"bench": f"spec_decode_{method}", "model": args.model,
-                      "draft_model": args.draft_model, "device": args.device,
+                      "draft_model": args.draft_model or args.eagle3_head,
+                      "device": args.device,
                       "k": args.num_speculative_tokens, "output_len": args.output_len,
                       "identical": same, "first_difference": first_difference, "speedup": round(speedup, 3), **{
                           f"{k}_{m}": v for k, r in results.items() for m, v in r.items()}}))

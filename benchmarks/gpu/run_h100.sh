@@ -10,6 +10,7 @@
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi]
 #                                    [spec-tests] [bench-spec] [bench-spec-draft]
+#                                    [bench-spec-eagle3]
 #                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
 # Needs the wheels the GPU image lacks in .whl/ (see docs/benchmarks.md); logs go to $OUT.
 set -uo pipefail
@@ -460,8 +461,11 @@ for count in counts:
 PY
       ;;
     spec-tests)
-      # Speculative decoding (ngram) on CUDA: greedy equality with and without, graphs on/off.
+      # Speculative decoding (ngram, draft model, EAGLE-1, EAGLE-3) on CUDA: greedy equality with
+      # and without, graphs on/off.
       python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_spec_decode.py \
+        backends/cuda/tests/test_cuda_spec_decode_eagle.py \
+        backends/cuda/tests/test_cuda_spec_decode_eagle3.py \
         2>&1 | tee "$OUT/spec-tests.log" | tail -15
       ;;
     bench-spec)
@@ -476,6 +480,27 @@ PY
         --num-speculative-tokens 4 --output-len 256 \
         2>"$OUT/bench-spec-q05.err" | tee "$OUT/bench-spec-q05.log"
       tail -3 "$OUT/bench-spec-l8b.err" "$OUT/bench-spec-q05.err"
+      ;;
+    bench-spec-eagle3)
+      # eagle3 speculation at batch 1, greedy, 256 output tokens, K = 4: Llama-3-8B shape target
+      # with an EAGLE-3 head of EAGLE3-LLaMA3.1-Instruct-8B's shape (one layer, a 32,000-token
+      # draft vocabulary; both dummy bf16 weights: acceptance near zero, so this measures what
+      # the head and the target's three auxiliary hidden states cost per step).
+      make_l8b
+      E3=/tmp/eagle3-llama3-8b-config
+      [ -d $E3 ] || python3 - $L8B $E3 <<'PY' || exit 1
+import json, pathlib, sys
+config = json.loads((pathlib.Path(sys.argv[1]) / "config.json").read_text())
+config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+              draft_vocab_size=32000)
+out = pathlib.Path(sys.argv[2])
+out.mkdir(parents=True)
+(out / "config.json").write_text(json.dumps(config, indent=2))
+PY
+      python3 benchmarks/gpu/bench_spec_decode.py --model $L8B --load-format dummy \
+        --dtype bfloat16 --device cuda --num-speculative-tokens 4 --output-len 256 \
+        --eagle3-head $E3 2>"$OUT/bench-spec-eagle3.err" | tee "$OUT/bench-spec-eagle3.log"
+      tail -3 "$OUT/bench-spec-eagle3.err"
       ;;
     bench-spec-draft)
       # draft_model speculation at batch 1, greedy, 256 output tokens, K = 4: Llama-3-8B shape

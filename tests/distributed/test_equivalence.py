@@ -17,7 +17,7 @@ import pytest
 from octavo import SamplingParams
 
 from tests.helpers.engine import assert_no_leaks, make_llm, prompts_of_lengths
-from tests.helpers.tiny import make_tiny_model
+from tests.helpers.tiny import VOCAB_SIZE, make_tiny_model
 
 NUM_TOKENS = 12
 NUM_LOGPROBS = 2
@@ -204,6 +204,34 @@ def test_tensor_parallel_with_an_eagle_head(model_folder, tmp_path):
         assert_same(run(llm), reference(folder))
         stats = llm.llm_engine.stats()
         assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tensor_parallel_with_an_eagle3_head(tmp_path):
+    """An EAGLE-3 head (replicated on both ranks, its own LM head whole; the target's
+    embedding it shares is split over them) reading the target's aux hidden states, which
+    each rank has whole after the row-parallel reduce: the exact head for a target that
+    repeats its token has every draft accepted, and the tokens are the one-device ones."""
+    from octavo.testing.eagle_heads import (
+        default_draft_token_ids,
+        make_exact_eagle3_head,
+        make_repeating_target,
+    )
+
+    folder = make_repeating_target(tmp_path / "target", seed=2)
+    head = make_exact_eagle3_head(tmp_path / "head", folder)
+    draftable = set(default_draft_token_ids(VOCAB_SIZE))
+    assert all(p[-1] in draftable for p in PROMPTS), "each output token must be draftable"
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    llm = make_llm(folder, device="cpu", tensor_parallel_size=2, speculative_config=spec,
+                   **STRESS)
+    try:
+        assert_same(run(llm), reference(folder))
+        stats = llm.llm_engine.stats()
+        assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()

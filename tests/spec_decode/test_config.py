@@ -22,14 +22,15 @@ def test_defaults_follow_vllm() -> None:
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "eagle3", "num_speculative_tokens": 2}', "method 'eagle3' is not supported yet"),
+    ('{"method": "medusa", "num_speculative_tokens": 2}', "method 'medusa' is not supported yet"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' needs \"model\""),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', "method 'eagle3' needs \"model\""),
     ({"method": "draft_model", "num_speculative_tokens": 2},
      "method 'draft_model' needs \"model\""),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/x",
       "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size must be 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "/x"},
-     "for methods 'draft_model' and 'eagle' only"),
+     "for methods 'draft_model', 'eagle' and 'eagle3' only"),
     ({"method": "magic", "num_speculative_tokens": 2}, "unknown method 'magic'"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),

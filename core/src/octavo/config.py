@@ -368,9 +368,9 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 # Proposal methods of --speculative-config (vLLM's names); only these run today.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # Methods vLLM has that Octavo does not run yet (named in the error).
-_SPECULATIVE_METHODS_NOT_YET = ("eagle3", "medusa", "mlp_speculator")
+_SPECULATIVE_METHODS_NOT_YET = ("medusa", "mlp_speculator")
 # The keys --speculative-config accepts.
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
                      "prompt_lookup_max", "model", "draft_tensor_parallel_size")
@@ -384,8 +384,9 @@ class SpeculativeConfig:
     ``octavo.spec_decode``)."""
 
     # How drafts are proposed: "ngram" (prompt lookup in the request's own tokens) or
-    # "draft_model" (a small model of the same vocabulary, run by the workers) or "eagle" (an
-    # EAGLE-1 head fed the target's hidden states, run by the workers; Llama targets).
+    # "draft_model" (a small model of the same vocabulary, run by the workers), "eagle" (an
+    # EAGLE-1 head fed the target's hidden states, run by the workers; Llama targets) or
+    # "eagle3" (an EAGLE-3 head fed three of the target's intermediate hidden states).
     method: str
     # Most draft tokens proposed per request and step (K).
     num_speculative_tokens: int
@@ -393,8 +394,8 @@ class SpeculativeConfig:
     # defaults: 5 and 5 when neither is given, else the one given for both).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    # draft_model: the draft model's local folder (same tokenizer and vocabulary); eagle: the
-    # EAGLE head's folder.
+    # draft_model: the draft model's local folder (same tokenizer and vocabulary); eagle,
+    # eagle3: the EAGLE head's folder.
     model: str | None = None
     # draft_model: the draft's tensor-parallel size; only 1 (the draft runs whole, replicated
     # on every rank of a tensor-parallel target).
@@ -416,9 +417,9 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be a positive "
                              f"integer, got {k!r}")
-        if self.method == "eagle" and (not isinstance(self.model, str) or not self.model):
-            raise ValueError("speculative_config: method 'eagle' needs \"model\": the local "
-                             "folder of an EAGLE head trained for the target")
+        if self.uses_eagle and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config: method {self.method!r} needs \"model\": the "
+                             "local folder of an EAGLE head trained for the target")
         if self.uses_draft_model:
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError("speculative_config: method 'draft_model' needs \"model\": the "
@@ -430,7 +431,7 @@ class SpeculativeConfig:
             return
         if self.model is not None or self.draft_tensor_parallel_size is not None:
             raise ValueError("speculative_config: \"model\" and \"draft_tensor_parallel_size\" "
-                             "are for methods 'draft_model' and 'eagle' only")
+                             "are for methods 'draft_model', 'eagle' and 'eagle3' only")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -451,13 +452,14 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """The workers run a model that proposes ("draft_model" or "eagle"): its KV shares the
-        target's blocks and it needs lookahead slots."""
-        return self.method in ("draft_model", "eagle")
+        """The workers run a model that proposes ("draft_model", "eagle" or "eagle3"): its KV
+        shares the target's blocks and it needs lookahead slots."""
+        return self.method in ("draft_model", "eagle", "eagle3")
 
     @property
     def uses_eagle(self) -> bool:
-        return self.method == "eagle"
+        """An EAGLE head (EAGLE-1 or EAGLE-3) reading the target's hidden states."""
+        return self.method in ("eagle", "eagle3")
 
     @property
     def num_lookahead_slots(self) -> int:

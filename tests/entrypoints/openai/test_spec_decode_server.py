@@ -75,8 +75,8 @@ def test_greedy_text_streamed_or_not_and_metrics(spec_server, tiny_model: Path) 
 
 def test_bad_config_is_refused_with_one_line(tiny_model: Path) -> None:
     """(Every bad value is checked in tests/spec_decode/test_config.py; here the CLI path.)"""
-    config, message = ('{"method": "eagle3", "num_speculative_tokens": 2}',
-                       "method 'eagle3' is not supported yet")
+    config, message = ('{"method": "medusa", "num_speculative_tokens": 2}',
+                       "method 'medusa' is not supported yet")
     proc = subprocess.run(
         [sys.executable, "-m", "octavo.cli.main", "serve", str(tiny_model), "--dtype", "float32",
          "--port", "0", "--speculative-config", config],

@@ -168,6 +168,8 @@ class EngineArgs:
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
         "(method ngram: prompt lookup; method draft_model with \"model\": a small model of the "
         "same vocabulary; method eagle with \"model\": an EAGLE-1 head for a Llama target; "
+        "method eagle3 with \"model\": an EAGLE-3 head (reduced draft vocabulary with d2t) for "
+        "a Llama target; "
         "steps with drafts run without async scheduling)",
         metavar="JSON")
 
@@ -252,7 +254,8 @@ class EngineArgs:
         if speculative is not None and speculative.uses_eagle:
             from octavo.model_executor.loader.eagle_loader import check_eagle_folder
 
-            check_eagle_folder(speculative.draft_model_config, config.model_config)
+            check_eagle_folder(speculative.draft_model_config, config.model_config,
+                               speculative.method)
         if speculative is not None and config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with pipeline parallelism yet; "
                              "drop --speculative-config or use --pipeline-parallel-size 1")
@@ -286,7 +289,10 @@ class EngineArgs:
                              f"tokens) differs from the target's ({target_vocab}); use a draft "
                              "with the target's tokenizer")
         try:
-            derive_max_model_len(hf_config, target.max_model_len)
+            # An EAGLE head is no model of its own: it runs at the target's positions whatever
+            # its config's max_position_embeddings (EAGLE-3 heads publish 2048), as in vLLM.
+            if not speculative.uses_eagle:
+                derive_max_model_len(hf_config, target.max_model_len)
         except ValueError as error:
             raise ValueError(f"speculative_config: the draft model is too short for "
                              f"max_model_len {target.max_model_len} ({error}); lower "

@@ -47,7 +47,7 @@ from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
 from octavo.worker.draft_model import DraftBatch, DraftModelProposer, DraftRequest
-from octavo.worker.eagle import EagleProposer
+from octavo.worker.eagle import Eagle3Proposer, EagleProposer
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
 from octavo.worker.pipeline import StageIO
@@ -184,8 +184,17 @@ class ModelRunner:
             # from the same tokens, as each runs the same rejection sampler.
             args = (spec.draft_model_config, self.attn_backend, self.device, self.pm,
                     self.config.backend, spec.num_speculative_tokens, self.block_size)
-            self.drafter = (EagleProposer(*args, target=self.model) if spec.uses_eagle
-                            else DraftModelProposer(*args))
+            if spec.method == "eagle3":
+                # The target's aux hidden states fill a buffer of its largest forward: the
+                # token budget, or a captured verification graph's padded batch.
+                sched = self.config.scheduler_config
+                max_tokens = max(sched.max_num_batched_tokens,
+                                 sched.max_num_seqs * (1 + spec.num_speculative_tokens))
+                self.drafter = Eagle3Proposer(*args, target=self.model, max_tokens=max_tokens)
+            elif spec.method == "eagle":
+                self.drafter = EagleProposer(*args, target=self.model)
+            else:
+                self.drafter = DraftModelProposer(*args)
             self.drafter.load_model()
         if self.parallel.ranks.pp_size > 1:
             self.stage_io = StageIO(self.parallel, self.model_config.hf_config.hidden_size,
@@ -793,7 +802,8 @@ class ModelRunner:
         its proposals for the next step (see ``octavo.worker.draft_model`` and
         ``octavo.worker.eagle``). ``emitted``: the tokens each sampling request emitted this
         step (accepted drafts, then its newest token); ``hidden``: the target's hidden states
-        of the step (rows of the flat batch), which an EAGLE head reads.
+        of the step (rows of the flat batch), which an EAGLE-1 head reads (an EAGLE-3 head
+        reads the target's aux hidden states of the same rows instead).
 
         Proposing: the step's sampling requests that may speculate and have room before
         max_model_len, not forks of this step (they have no tokens in the step's batch).
@@ -801,6 +811,8 @@ class ModelRunner:
         assert self.drafter is not None
         eagle = isinstance(self.drafter, EagleProposer)
         assert hidden is not None or not eagle, "an EAGLE head needs the target's hidden states"
+        if eagle:  # the rows the head reads: the target's output (EAGLE-1) or aux states
+            hidden = self.drafter.target_hidden_source(hidden)
         bs = self.block_size
         max_len = self.model_config.max_model_len
         metadata = inputs.metadata

@@ -249,6 +249,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.max_model_len = max_model_len
+        self.hidden_size = config.hidden_size
         # Given to every linear layer this body builds (None: dense weights).
         self.quant_config = quant_config
         if make_mlp is None:
@@ -274,6 +275,28 @@ class LlamaModel(nn.Module):
         self.norm: nn.Module | None = None
         if parallel.ranks.is_last_stage:
             self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 (set_aux_hidden_state_layers): the layers whose input stream each forward
+        # copies into aux_hidden_states; () and None: off, nothing is copied.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...], max_tokens: int,
+                                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """From now on every forward writes, for each token, the residual stream entering
+        each of ``layers`` (global layer numbers; 0 is the embedding; the output of layer
+        ``i - 1`` with its residual added, as vLLM gives EAGLE-3 heads) side by side into
+        rows ``[:num_tokens]`` of the returned persistent buffer ``[max_tokens, len(layers)
+        * hidden]`` (``aux_hidden_states``; persistent so captured graphs write it where it
+        is). Read it after a forward and before the next. These states are whole on every
+        tensor-parallel rank (after the row-parallel reduce)."""
+        bad = [i for i in layers if i not in self.layer_range]
+        if bad or not layers:
+            raise ValueError(f"auxiliary hidden-state layers {list(layers)}: each must be a "
+                             f"layer of this model (0 .. {self.layer_range.stop - 1})")
+        self.aux_hidden_state_layers = tuple(layers)
+        self.aux_hidden_states = torch.zeros(max_tokens, len(layers) * self.hidden_size,
+                                             dtype=dtype, device=device)
+        return self.aux_hidden_states
 
     def make_layer(self, config: Any, index: int, options: DecoderOptions,
                    attn_backend: AttentionBackend, parallel: ParallelState) -> nn.Module:
@@ -292,6 +315,18 @@ class LlamaModel(nn.Module):
             self.rotary_embs[key] = get_rope(config, head_dim_of(config), layer_type,
                                              max_model_len=self.max_model_len)
         return self.rotary_embs[key]
+
+    def _copy_aux(self, aux: torch.Tensor, index: int, hidden_states: torch.Tensor,
+                  residual: torch.Tensor | None) -> None:
+        """Copy the stream entering layer ``index`` into its column blocks of ``aux``."""
+        num_tokens, hidden = hidden_states.shape
+        if num_tokens > aux.shape[0]:
+            raise ValueError(f"{num_tokens} tokens in a step, but the auxiliary hidden-state "
+                             f"buffer holds {aux.shape[0]}")
+        stream = hidden_states if residual is None else hidden_states + residual
+        for slot, layer in enumerate(self.aux_hidden_state_layers):
+            if layer == index:
+                aux[:num_tokens, slot * hidden : (slot + 1) * hidden].copy_(stream)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         assert self.embed_tokens is not None, "only the first pipeline stage embeds"
@@ -315,7 +350,10 @@ class LlamaModel(nn.Module):
         else:
             assert intermediate is not None, "a later pipeline stage needs the previous one's"
             hidden_states, residual = intermediate.hidden_states, intermediate.residual
-        for layer, kv_cache in zip(self.layers.values(), kv_caches):
+        aux = self.aux_hidden_states
+        for (index, layer), kv_cache in zip(self.layers.items(), kv_caches):
+            if aux is not None:
+                self._copy_aux(aux, int(index), hidden_states, residual)
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
