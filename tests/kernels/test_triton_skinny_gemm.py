@@ -146,13 +146,6 @@ def test_tuner_keeps_the_default_unless_a_candidate_is_clearly_faster():
     assert pick_config([], default) == default
 
 
-def test_tuner_times_nothing_without_alternatives():
-    tuner, default, calls = SkinnyTuner("test"), SkinnyConfig(16, 64), []
-    assert tuner.choose(("k",), torch.device("cpu"), default, [], calls.append) == default
-    assert tuner.choose(("j",), torch.device("cpu"), default, [default], calls.append) == default
-    assert calls == [] and tuner.best == {("k",): default, ("j",): default}
-
-
 def test_layers_keep_the_reference_path_on_the_cpu():
     weight, scale = fp8_weight(16, 64)
     x = torch.randn(1, 64)

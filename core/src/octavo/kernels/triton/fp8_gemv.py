@@ -102,13 +102,11 @@ def default_config(n: int, k: int, m: int) -> SkinnyConfig:
 
 
 def candidate_configs(m: int) -> list[SkinnyConfig]:
-    """What the tuner times for rows bucket ``m`` besides the default (none for one row)."""
+    """What the tuner times for rows bucket ``m``."""
     if m == 1:
-        # None: the one-row default stays. A full sweep on the H100 (docs/benchmarks.md,
-        # quant-kernels-sweep) found no config better than it beyond timing noise, and the
-        # start-up timing then picked a different config per process (fp8 batch-1 decode moved
-        # by up to 25 % between processes).
-        return []
+        return [SkinnyConfig(8, 512), SkinnyConfig(16, 256), SkinnyConfig(16, 1024, num_warps=8),
+                SkinnyConfig(32, 256), SkinnyConfig(32, 512, num_warps=8),
+                SkinnyConfig(64, 256, num_warps=8), SkinnyConfig(16, 512, num_stages=3)]
     return [SkinnyConfig(16, 256), SkinnyConfig(64, 128), SkinnyConfig(32, 512, num_warps=8),
             SkinnyConfig(64, 256, num_warps=8), SkinnyConfig(32, 128)]
 

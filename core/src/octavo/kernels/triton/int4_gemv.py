@@ -168,14 +168,12 @@ def default_config(n: int, k: int, m: int) -> SkinnyConfig:
 
 
 def candidate_configs(m: int) -> list[SkinnyConfig]:
-    """What the tuner times for rows bucket ``m`` besides the default (none for one row;
-    ``block_k`` is cut to the group size)."""
+    """What the tuner times for rows bucket ``m`` (``block_k`` is cut to the group size)."""
     if m == 1:
-        # None: the one-row default stays. A full sweep on the H100 (docs/benchmarks.md,
-        # quant-kernels-sweep) found no config better than it beyond timing noise, and the
-        # start-up timing then picked a different config per process (fp8 batch-1 decode moved
-        # by up to 25 % between processes).
-        return []
+        return [SkinnyConfig(64, 128), SkinnyConfig(128, 128, num_warps=8),
+                SkinnyConfig(256, 64, num_warps=8), SkinnyConfig(256, 32),
+                SkinnyConfig(512, 32, num_warps=8), SkinnyConfig(32, 128),
+                SkinnyConfig(128, 64, num_stages=3)]
     return [SkinnyConfig(32, 128), SkinnyConfig(128, 128, num_warps=8),
             SkinnyConfig(64, 64), SkinnyConfig(128, 64)]
 

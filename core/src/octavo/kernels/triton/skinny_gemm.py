@@ -118,9 +118,6 @@ class SkinnyTuner:
         found = self.best.get(key)
         if found is not None:
             return found
-        if all(config == default for config in candidates):  # nothing to choose between
-            self.best[key] = default
-            return default
         if (not self.enabled or device.type != "cuda" or interpreting()
                 or torch.cuda.is_current_stream_capturing()):
             return default
