@@ -9,7 +9,7 @@ about two programs per SM stream the weight.
 ``SkinnyTuner`` picks a config per (kernel, N, K, row bucket, dtype, device) the first time a
 shape is seen outside CUDA-graph capture: it times a few candidates (whole calls, the zeroing
 and cast of split-K included, on a flushed L2 via ``triton.testing.do_bench``) and keeps the
-fastest for the process if it beats the default by ``TUNE_MARGIN``. During capture, under the interpreter, or with tuning off it uses the
+fastest for the process. During capture, under the interpreter, or with tuning off it uses the
 kernel's heuristic default and times nothing. The decode graph runner runs every batch size
 once eagerly before capturing it (``octavo.worker.cuda_graph``), so the captured kernels use
 tuned configs.
@@ -79,26 +79,6 @@ def k_per_split(k: int, split_k: int, block_k: int) -> int:
 
 TuneKey = tuple
 
-#: A candidate replaces the default only when it is at least this much faster. Timings of one
-#: shape vary by a few percent between leases on an H100, and the M = 1 sweeps
-#: (docs/benchmarks.md) found nothing reliably better than the defaults: without a margin the
-#: tuner picked a different config per start-up, and fp8 batch-1 decode moved by +-7 %.
-TUNE_MARGIN = 0.05
-
-
-def pick_config(timings: Sequence[tuple[float, SkinnyConfig]], default: SkinnyConfig,
-                margin: float = TUNE_MARGIN) -> SkinnyConfig:
-    """The fastest of ``(ms, config)`` timings if it beats ``default``'s timing by more than
-    ``margin`` (a fraction), else ``default`` (also when the default was not timed: it failed,
-    and the fastest that ran wins)."""
-    if not timings:
-        return default
-    fastest_ms, fastest = min(timings, key=lambda t: t[0])
-    default_ms = next((ms for ms, config in timings if config == default), None)
-    if default_ms is not None and fastest_ms > default_ms * (1 - margin):
-        return default
-    return fastest
-
 
 class SkinnyTuner:
     """Per-process choice of ``SkinnyConfig`` by timing (see the module docstring)."""
@@ -134,7 +114,7 @@ class SkinnyTuner:
                 logger.debug("%s %s: %s failed: %s", self.name, key, config, exc)
                 continue
             timings.append((ms, config))
-        best = pick_config(timings, default)
+        best = min(timings, key=lambda t: t[0])[1] if timings else default
         self.best[key] = best
         logger.debug("%s %s: %s (%.1f us)", self.name, key, best,
                      min(t[0] for t in timings) * 1e3 if timings else float("nan"))
