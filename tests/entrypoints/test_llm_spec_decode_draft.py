@@ -20,6 +20,7 @@ from tests.helpers.engine import (
     greedy,
     make_llm,
     record_mixed_spec_steps,
+    record_proposals,
     spec_prompts,
     token_ids,
 )
@@ -62,22 +63,6 @@ def run(llm, prompts=PROMPTS, params=None) -> list[list[int]]:
     ids = token_ids(llm.generate(prompts, params or greedy(NUM_TOKENS), use_tqdm=False))
     assert_no_leaks(llm)
     return ids
-
-
-def record_proposals(llm) -> list[tuple[str, list[int]]]:
-    """(request id, proposals) of every step's runner output, in order."""
-    core = llm.llm_engine.engine_core
-    update = core.scheduler.update_from_output
-    seen: list[tuple[str, list[int]]] = []
-
-    def recording_update(scheduler_output, runner_output):
-        for req_id in runner_output.req_ids:
-            if req_id in runner_output.spec_token_ids:
-                seen.append((req_id, list(runner_output.spec_token_ids[req_id])))
-        return update(scheduler_output, runner_output)
-
-    core.scheduler.update_from_output = recording_update
-    return seen
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 12])

@@ -21,10 +21,12 @@ from octavo.testing.eagle_heads import (
 from transformers import AutoConfig
 
 from tests.helpers.engine import (
+    EagerHeadGraphRunner,
     assert_no_leaks,
     greedy,
     make_llm,
     record_mixed_spec_steps,
+    record_proposals,
     spec_prompts,
     token_ids,
 )
@@ -213,50 +215,17 @@ def test_sampled_requests_and_n(exact: tuple[Path, Path]) -> None:
     assert_no_leaks(llm)
 
 
-class _EagerGraphRunner:
-    """Stands in for the head's CUDA graphs on the CPU: runs the module the worker would
-    capture (``EagleProposer.graph_model``: the head reading its hidden-state input from a
-    persistent buffer) for steps of at most K + 2 tokens a sequence, and counts them."""
-
-    def __init__(self, drafter, max_tokens: int) -> None:
-        self.module = drafter.graph_model(max_tokens)
-        self.drafter = drafter
-        self.query_lens: list[int] = []
-
-    def can_run(self, metadata) -> bool:
-        return metadata.max_query_len <= K + 2
-
-    def run(self, input_ids, positions, metadata):
-        self.query_lens.append(metadata.max_query_len)
-        return self.module(input_ids, positions, self.drafter.kv_caches, metadata)
-
-
-def _proposals(llm) -> list[tuple[str, list[int]]]:
-    core = llm.llm_engine.engine_core
-    update = core.scheduler.update_from_output
-    seen: list[tuple[str, list[int]]] = []
-
-    def recording_update(scheduler_output, runner_output):
-        for req_id in runner_output.req_ids:
-            if req_id in runner_output.spec_token_ids:
-                seen.append((req_id, list(runner_output.spec_token_ids[req_id])))
-        return update(scheduler_output, runner_output)
-
-    core.scheduler.update_from_output = recording_update
-    return seen
-
-
 def test_head_steps_through_the_graph_module_propose_the_same(folder: Path, head: Path,
                                                               reference) -> None:
     """The module the GPU worker captures for the head gives the proposals of the eager head
     (one-token steps and first forwards after verifying steps go through it)."""
     eager = make_llm(folder, speculative_config=spec(head))
-    want = _proposals(eager)
+    want = record_proposals(eager)
     assert run(eager) == reference
     llm = make_llm(folder, speculative_config=spec(head))
     drafter = llm.llm_engine.engine_core.executor.worker.model_runner.drafter
-    drafter.graph_runner = _EagerGraphRunner(drafter, max_tokens=64 * (K + 2))
-    got = _proposals(llm)
+    drafter.graph_runner = EagerHeadGraphRunner(drafter, max_tokens=64 * (K + 2), max_query_len=K + 2)
+    got = record_proposals(llm)
     assert run(llm) == reference
     lens = drafter.graph_runner.query_lens
     assert 1 in lens and any(1 < n <= K + 2 for n in lens)

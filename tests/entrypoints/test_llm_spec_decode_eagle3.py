@@ -27,10 +27,12 @@ from octavo.testing.eagle_heads import (
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.helpers.engine import (
+    EagerHeadGraphRunner,
     assert_no_leaks,
     greedy,
     make_llm,
     record_mixed_spec_steps,
+    record_proposals,
     spec_prompts,
     token_ids,
 )
@@ -156,7 +158,7 @@ def test_token_outside_the_draft_vocabulary_is_never_proposed(exact: tuple[Path,
     want = run(make_llm(target), prompt)
     assert set(want[0]) == {outside}
     llm = make_llm(target, speculative_config=spec(head))
-    proposals = _proposals(llm)
+    proposals = record_proposals(llm)
     assert run(llm, prompt) == want
     stats = llm.llm_engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens == 0
@@ -268,39 +270,6 @@ def test_sampled_tokens_keep_the_target_distribution(folder: Path, head: Path) -
     assert _chi_square_p_value(pooled_counts, pooled_probs) > 1e-3
 
 
-class _EagerGraphRunner:
-    """Stands in for the head's CUDA graphs on the CPU: runs the module the worker would
-    capture (``EagleProposer.graph_model``: the head reading its hidden-state input from a
-    persistent buffer) for steps of at most K + 2 tokens a sequence, and counts them."""
-
-    def __init__(self, drafter, max_tokens: int) -> None:
-        self.module = drafter.graph_model(max_tokens)
-        self.drafter = drafter
-        self.query_lens: list[int] = []
-
-    def can_run(self, metadata) -> bool:
-        return metadata.max_query_len <= K + 2
-
-    def run(self, input_ids, positions, metadata):
-        self.query_lens.append(metadata.max_query_len)
-        return self.module(input_ids, positions, self.drafter.kv_caches, metadata)
-
-
-def _proposals(llm) -> list[tuple[str, list[int]]]:
-    core = llm.llm_engine.engine_core
-    update = core.scheduler.update_from_output
-    seen: list[tuple[str, list[int]]] = []
-
-    def recording_update(scheduler_output, runner_output):
-        for req_id in runner_output.req_ids:
-            if req_id in runner_output.spec_token_ids:
-                seen.append((req_id, list(runner_output.spec_token_ids[req_id])))
-        return update(scheduler_output, runner_output)
-
-    core.scheduler.update_from_output = recording_update
-    return seen
-
-
 def test_head_steps_through_the_graph_module_propose_the_same(exact: tuple[Path, Path]
                                                               ) -> None:
     """The module the GPU worker captures for the head (fc applied before it, on the first
@@ -309,12 +278,12 @@ def test_head_steps_through_the_graph_module_propose_the_same(exact: tuple[Path,
     folder, head = exact
     reference = run(make_llm(folder))
     eager = make_llm(folder, speculative_config=spec(head))
-    want = _proposals(eager)
+    want = record_proposals(eager)
     assert run(eager) == reference
     llm = make_llm(folder, speculative_config=spec(head))
     drafter = drafter_of(llm)
-    drafter.graph_runner = _EagerGraphRunner(drafter, max_tokens=64 * (K + 2))
-    got = _proposals(llm)
+    drafter.graph_runner = EagerHeadGraphRunner(drafter, max_tokens=64 * (K + 2), max_query_len=K + 2)
+    got = record_proposals(llm)
     assert run(llm) == reference
     lens = drafter.graph_runner.query_lens
     assert 1 in lens and any(1 < n <= K + 2 for n in lens)

@@ -59,3 +59,40 @@ def spec_prompts() -> list[list[int]]:
     prompt) and random ones (tiny random models soon repeat themselves)."""
     return ([[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23, 24] * 3, [100, 101, 102]]
             + random_prompts(5, 4, 30, seed=7))
+
+
+class EagerHeadGraphRunner:
+    """Stands in for an EAGLE head's CUDA graphs on the CPU: runs the module the worker would
+    capture (``EagleProposer.graph_model``: the head reading its hidden-state input from a
+    persistent buffer) for steps of at most ``max_query_len`` tokens a sequence, and records
+    each step's query length."""
+
+    def __init__(self, drafter, max_tokens: int, max_query_len: int) -> None:
+        self.module = drafter.graph_model(max_tokens)
+        self.drafter = drafter
+        self.max_query_len = max_query_len
+        self.query_lens: list[int] = []
+
+    def can_run(self, metadata) -> bool:
+        return metadata.max_query_len <= self.max_query_len
+
+    def run(self, input_ids, positions, metadata):
+        self.query_lens.append(metadata.max_query_len)
+        return self.module(input_ids, positions, self.drafter.kv_caches, metadata)
+
+
+def record_proposals(llm) -> list[tuple[str, list[int]]]:
+    """The (request id, draft tokens) of every proposal ``llm``'s in-process engine core
+    records from now on, in order (a list that fills as it runs)."""
+    core = llm.llm_engine.engine_core
+    update = core.scheduler.update_from_output
+    seen: list[tuple[str, list[int]]] = []
+
+    def recording_update(scheduler_output, runner_output):
+        for req_id in runner_output.req_ids:
+            if req_id in runner_output.spec_token_ids:
+                seen.append((req_id, list(runner_output.spec_token_ids[req_id])))
+        return update(scheduler_output, runner_output)
+
+    core.scheduler.update_from_output = recording_update
+    return seen

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,25 +137,24 @@ def check_eagle_folder(head_config: ModelConfig, target_config: ModelConfig,
                                        target_config.hf_config.num_hidden_layers)
 
 
-def load_eagle_head(head_config: ModelConfig, target: torch.nn.Module,
-                    attn_backend: AttentionBackend, device: torch.device
-                    ) -> EagleLlamaForCausalLM:
-    """Build the head in the target's dtype on ``device``, fill it from ``head_config``'s
-    folder (or with random weights under ``load_format="dummy"``), and share the target's LM
-    head (and embedding, when the checkpoint has none)."""
-    start = time.perf_counter()
+def _build_head(head_config: ModelConfig, target: torch.nn.Module, device: torch.device,
+                check: Callable[[Any, Any, dict[str, tuple[int, ...]], str], None],
+                make: Callable[[dict[str, tuple[int, ...]]], torch.nn.Module]
+                ) -> torch.nn.Module:
+    """The loading both head kinds share: check the folder's tensors (``check(head hf config,
+    target hf config, shapes, folder)``), build ``make(shapes)`` in the head's dtype on
+    ``device``, fill it from the folder (random weights under ``load_format="dummy"``) and
+    let it share the target's tensors."""
     folder = head_config.model_dir
     dummy = head_config.load_format == "dummy"
     shapes = {} if dummy else _shapes(folder)
     if not dummy:
-        check_eagle_head(head_config.hf_config, target.config, shapes, str(folder))
+        check(head_config.hf_config, target.config, shapes, str(folder))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(head_config.dtype)
     try:
         with torch.device(device):
-            head = EagleLlamaForCausalLM(
-                head_config.hf_config, attn_backend, has_embedding=EMBED_WEIGHT in shapes,
-                has_fc_bias=FC_BIAS in shapes, max_model_len=head_config.max_model_len)
+            head = make(shapes)
     finally:
         torch.set_default_dtype(previous)
     if dummy:
@@ -165,6 +165,21 @@ def load_eagle_head(head_config: ModelConfig, target: torch.nn.Module,
         head.load_weights(iterate_safetensors_weights(folder, lazy=True))
     head.share_target(target)
     head.eval()
+    return head
+
+
+def load_eagle_head(head_config: ModelConfig, target: torch.nn.Module,
+                    attn_backend: AttentionBackend, device: torch.device
+                    ) -> EagleLlamaForCausalLM:
+    """Build the head in the target's dtype on ``device``, fill it from ``head_config``'s
+    folder (or with random weights under ``load_format="dummy"``), and share the target's LM
+    head (and embedding, when the checkpoint has none)."""
+    start = time.perf_counter()
+    head = _build_head(head_config, target, device, check_eagle_head, lambda shapes:
+                       EagleLlamaForCausalLM(head_config.hf_config, attn_backend,
+                                             has_embedding=EMBED_WEIGHT in shapes,
+                                             has_fc_bias=FC_BIAS in shapes,
+                                             max_model_len=head_config.max_model_len))
     logger.info("speculative decoding: EAGLE head %s loaded (%s embedding) in %.2f s",
                 head_config.model, "own" if head.embed_tokens is not None else "the target's",
                 time.perf_counter() - start)
@@ -178,28 +193,10 @@ def load_eagle3_head(head_config: ModelConfig, target: torch.nn.Module,
     ``head_config``'s folder (or with random weights under ``load_format="dummy"``), and
     share the target's embedding when the checkpoint has none."""
     start = time.perf_counter()
-    folder = head_config.model_dir
-    dummy = head_config.load_format == "dummy"
-    shapes = {} if dummy else _shapes(folder)
-    if not dummy:
-        check_eagle3_head(head_config.hf_config, target.config, shapes, str(folder))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(head_config.dtype)
-    try:
-        with torch.device(device):
-            head = eagle3.Eagle3LlamaForCausalLM(
-                head_config.hf_config, attn_backend, has_embedding=EMBED_WEIGHT in shapes,
-                max_model_len=head_config.max_model_len)
-    finally:
-        torch.set_default_dtype(previous)
-    if dummy:
-        from octavo.model_executor.model_loader import fill_dummy_weights
-
-        fill_dummy_weights(head, seed=head_config.seed)
-    else:
-        head.load_weights(iterate_safetensors_weights(folder, lazy=True))
-    head.share_target(target)
-    head.eval()
+    head = _build_head(head_config, target, device, check_eagle3_head, lambda shapes:
+                       eagle3.Eagle3LlamaForCausalLM(head_config.hf_config, attn_backend,
+                                                     has_embedding=EMBED_WEIGHT in shapes,
+                                                     max_model_len=head_config.max_model_len))
     logger.info("speculative decoding: EAGLE-3 head %s loaded (%d-token draft vocabulary, "
                 "%s embedding) in %.2f s", head_config.model, head.draft_vocab_size,
                 "own" if head.embed_tokens is not None else "the target's",
