@@ -49,13 +49,14 @@ class TritonLaunchConfig:
     prefill_num_stages: int = 2
     # Keys per decode loop step; power of two, >= 16.
     decode_block_n: int = 64
-    # Keys per decode partition (first flash-decoding kernel); a multiple of decode_block_n.
-    # Contexts up to this length take one launch, longer ones add the reduce kernel.
+    # Most keys per decode partition (first flash-decoding kernel); a multiple of
+    # decode_block_n. Contexts longer than this are always split (plus the reduce kernel).
     decode_partition_size: int = 512
     # Decode batches of at least this many (sequence, KV head) programs are not split along
     # the context: they fill the GPU already (H100: 132 SMs), and the split would only add
-    # empty programs and the reduce kernel. None: always split contexts longer than a
-    # partition.
+    # empty programs and the reduce kernel. Smaller batches are split into enough partitions
+    # to make about this many programs (each sequence's spans cut from its own length;
+    # octavo.kernels.triton.decode_attention). None: split by decode_partition_size only.
     decode_unsplit_min_programs: int | None = 256
     # Warps per decode program (both decode kernels).
     decode_num_warps: int = 4
