@@ -36,6 +36,7 @@ from tests.helpers.engine import (
     spec_prompts,
     token_ids,
 )
+from tests.helpers.spec_sampling import assert_second_token_follows_target
 from tests.helpers.tiny import VOCAB_SIZE, make_tiny_model
 
 K = 3
@@ -245,29 +246,7 @@ def test_sampled_tokens_keep_the_target_distribution(folder: Path, head: Path) -
     frequencies match the target's marginal ``sum_t1 p(t1) p(t2 | t1)``, computed with
     transformers on the same weights (Pearson's chi-square; cells expecting under 5 draws
     pooled)."""
-    from tests.spec_decode.test_rejection_sampler import _chi_square_p_value
-
-    prompt, temperature, trials = [5, 6, 7, 8, 9], 0.7, 3000
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad():
-        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
-        vocab = first.shape[0]
-        both = torch.tensor([prompt + [t] for t in range(vocab)])
-        second = torch.softmax(model(both).logits[:, -1] / temperature, -1)  # [t1, t2]
-    marginal = first @ second
-    llm = make_llm(folder, speculative_config=spec(head, k=2), enable_prefix_caching=False)
-    params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
-    outputs = llm.generate([prompt] * trials, params, use_tqdm=False)
-    stats = llm.llm_engine.stats()
-    # Both rules at work: accepted drafts and resampled rejections.
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
-    assert stats.spec_decode_num_drafts == trials
-    counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[1] for o in outputs]),
-                            minlength=vocab)
-    big = marginal * trials >= 5
-    pooled_counts = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    pooled_probs = torch.cat([marginal[big], marginal[~big].sum().reshape(1)])
-    assert _chi_square_p_value(pooled_counts, pooled_probs) > 1e-3
+    assert_second_token_follows_target(folder, spec(head, k=2))
 
 
 def test_head_steps_through_the_graph_module_propose_the_same(exact: tuple[Path, Path]

@@ -12,17 +12,7 @@ from octavo.spec_decode.rejection_sampler import (
     target_distribution,
 )
 
-
-
-def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square test of ``counts`` against ``probs`` (cells with p > 0)."""
-    keep = probs > 0
-    expected = probs.double()[keep] * counts.sum()
-    observed = counts.double()[keep]
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    dof = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
-    assert (counts.double()[~keep] == 0).all(), "a token of probability 0 was emitted"
-    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+from tests.helpers.spec_sampling import chi_square_p_value
 
 
 def _rows(drafts: list[list[int]]) -> torch.Tensor:
@@ -76,7 +66,7 @@ def test_output_distribution_equals_the_targets_for_a_sampled_draft() -> None:
     draft = torch.multinomial(q, trials, replacement=True)
     first = _first_tokens(p, q, draft, trials, p_next=torch.full((5,), 0.2))
     counts = torch.bincount(first, minlength=5).double()
-    p_value = _chi_square_p_value(counts, p)
+    p_value = chi_square_p_value(counts, p)
     assert p_value > 1e-3, (counts / trials, p)
     # And it is really speculating: some drafts are accepted, some not.
     accepted = (first == draft).double().mean().item()
@@ -91,7 +81,7 @@ def test_output_distribution_equals_the_targets_for_a_deterministic_draft() -> N
     draft = torch.full((trials,), 2, dtype=torch.long)
     first = _first_tokens(p, None, draft, trials, p_next=torch.full((4,), 0.25))
     counts = torch.bincount(first, minlength=4).double()
-    p_value = _chi_square_p_value(counts, p)
+    p_value = chi_square_p_value(counts, p)
     assert p_value > 1e-3, (counts / trials, p)
 
 
@@ -108,7 +98,7 @@ def test_bonus_token_after_all_accepted_is_drawn_from_the_last_row() -> None:
     assert (out.token_ids[:, 0] == 1).all()
     first_two = out.token_ids[:, 1]
     counts = torch.bincount(first_two, minlength=3).double()
-    p_value = _chi_square_p_value(counts, p_next)
+    p_value = chi_square_p_value(counts, p_next)
     assert p_value > 1e-3
 
 
