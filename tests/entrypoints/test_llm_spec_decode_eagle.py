@@ -23,6 +23,7 @@ from transformers import AutoConfig
 from tests.helpers.engine import (
     EagerHeadGraphRunner,
     assert_no_leaks,
+    assert_speculation_survives_caching_and_preemption,
     greedy,
     make_llm,
     record_mixed_spec_steps,
@@ -78,17 +79,7 @@ def test_random_head_greedy_equal_in_a_mixed_batch(folder: Path, head: Path,
 
 
 def test_prefix_caching_and_preemption(folder: Path, head: Path, reference) -> None:
-    warm = make_llm(folder, speculative_config=spec(head), enable_prefix_caching=True,
-                    max_num_batched_tokens=16)
-    assert run(warm) == reference
-    hits = warm.llm_engine.stats().prefix_cache_hits
-    assert run(warm) == reference
-    assert warm.llm_engine.stats().prefix_cache_hits > hits
-    for mode in ("recompute", "swap"):
-        llm = make_llm(folder, speculative_config=spec(head), num_gpu_blocks_override=16,
-                       preemption_mode=mode, swap_space=0.01)
-        assert run(llm) == reference
-        assert llm.llm_engine.stats().num_preemptions > 0
+    assert_speculation_survives_caching_and_preemption(folder, spec(head), run, reference)
 
 
 @pytest.fixture(scope="module")

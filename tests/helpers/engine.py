@@ -96,3 +96,21 @@ def record_proposals(llm) -> list[tuple[str, list[int]]]:
 
     core.scheduler.update_from_output = recording_update
     return seen
+
+
+def assert_speculation_survives_caching_and_preemption(folder, speculative_config: dict,
+                                                       run, reference) -> None:
+    """``run(llm)`` (greedy token ids) equals ``reference`` with ``speculative_config``: with
+    prefix caching, run twice (the second run hits the cache), and under preemption by
+    recompute and by swap (a 16-block pool)."""
+    warm = make_llm(folder, speculative_config=speculative_config, enable_prefix_caching=True,
+                    max_num_batched_tokens=16)
+    assert run(warm) == reference
+    hits = warm.llm_engine.stats().prefix_cache_hits
+    assert run(warm) == reference
+    assert warm.llm_engine.stats().prefix_cache_hits > hits
+    for mode in ("recompute", "swap"):
+        llm = make_llm(folder, speculative_config=speculative_config,
+                       num_gpu_blocks_override=16, preemption_mode=mode, swap_space=0.01)
+        assert run(llm) == reference
+        assert llm.llm_engine.stats().num_preemptions > 0
