@@ -16,7 +16,7 @@ from octavo import LLM, SamplingParams
 from octavo.spec_decode.rejection_sampler import rejection_sample
 
 from tests.helpers.tiny import make_tiny_model
-from tests.spec_decode.test_rejection_sampler import _chi_square_p_value
+from tests.helpers.spec_sampling import chi_square_p_value
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,7 +99,7 @@ def test_rejection_sampler_distribution_on_the_device() -> None:
                            torch.zeros(2 * trials, dtype=torch.bool, device=device), drafts,
                            [1] * trials, draft_probs=draft_probs)
     counts = torch.bincount(out.token_ids[:, 0], minlength=5).cpu()
-    assert _chi_square_p_value(counts, p.cpu()) > 1e-3
+    assert chi_square_p_value(counts, p.cpu()) > 1e-3
 
 
 @pytest.fixture(scope="module")
