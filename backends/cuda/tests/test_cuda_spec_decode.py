@@ -15,8 +15,8 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.spec_decode.rejection_sampler import rejection_sample
 
-from tests.helpers.tiny import make_tiny_model
 from tests.helpers.spec_sampling import chi_square_p_value
+from tests.helpers.tiny import make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
