@@ -17,8 +17,14 @@ share of a CUDA graph that runs the call on enough copies of the weight (>= 256 
 that nothing is served from L2, as in a model forward. The last rows add one decode step's
 linear layers of the 8B model (32 x (qkv + o + gate_up + down)) per method: compare with
 ``quant-latency``'s ms per token. ``--sweep`` also times every candidate config of the
-skinny kernels and prints the best per case (to tune ``default_config``). The last line is the
-whole result as one JSON object. Without CUDA it exits with a message.
+skinny kernels and prints the best per case; ``--write-configs PATH`` adds those best configs
+to a config table (``octavo.kernels.triton.skinny_gemm``: the kernels read
+``configs/skinny_<GPU name>.json`` instead of timing at start-up), keeping its other cases:
+
+    python benchmarks/gpu/bench_quant_gemv.py --rows 1,2,4,8,16 --sweep \
+        --write-configs core/src/octavo/kernels/triton/configs/skinny_NVIDIA_H100_80GB_HBM3.json
+
+The last line is the whole result as one JSON object. Without CUDA it exits with a message.
 """
 
 from __future__ import annotations
@@ -124,6 +130,8 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
                 ("fp8", fp8_module, fp8_ws, lambda w, c: fp8_module.fp8_gemv(x, w, fp8_s, c)),
                 ("int4", int4_module, int4_ws,
                  lambda w, c: int4_module.int4_gemv(x, w, scales, zeros, GROUP, None, c))):
+            if label not in args.sweep_kernels.split(","):
+                continue
             best = None
             for config in sweep_configs(m):
                 try:
@@ -154,18 +162,62 @@ def sweep_configs(m: int):
                     yield SkinnyConfig(block_n, block_k, 0, warps)
 
 
+def write_configs(path: str, results: list[dict]) -> None:
+    """Add each case's best swept config to the table at ``path`` under the key the kernels
+    look up (``tune_key``: bf16 activations; int4 with groups of ``GROUP``, natural order)."""
+    from pathlib import Path
+
+    from octavo.kernels.skinny import m_bucket
+    from octavo.kernels.triton.skinny_gemm import tune_key
+
+    table_path = Path(path)
+    table = (json.loads(table_path.read_text()) if table_path.is_file()
+             else {"device": torch.cuda.get_device_name(), "kernels": {}})
+    table["written_by"] = ("benchmarks/gpu/bench_quant_gemv.py --sweep (best of each case, "
+                           "CUDA-graph timing over L2-cold weight copies)")
+    kernels = table["kernels"]
+    for r in results:
+        key = tune_key(n=r["n"], k=r["k"], m=m_bucket(r["m"]), dtype=torch.bfloat16)
+        if "fp8_best_config" in r:
+            kernels.setdefault("fp8_gemv", {})[key] = r["fp8_best_config"]
+        if "int4_best_config" in r:
+            int4_key = key + "," + tune_key(group=GROUP, act_order=False)
+            kernels.setdefault("int4_gemv", {})[int4_key] = r["int4_best_config"]
+    for entries in kernels.values():
+        entries_sorted = dict(sorted(entries.items()))
+        entries.clear()
+        entries.update(entries_sorted)
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"config table: {table_path} ({sum(len(e) for e in kernels.values())} cases)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,16", help="comma-separated row counts M")
+    parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES),
+                        help="comma-separated projections to time (default: all)")
     parser.add_argument("--sweep", action="store_true",
                         help="also search the skinny kernels' launch configs")
+    parser.add_argument("--sweep-kernels", default="fp8,int4",
+                        help="with --sweep: which skinny kernels to search (fp8, int4)")
+    parser.add_argument("--write-configs", metavar="PATH",
+                        help="with --sweep: add the best configs to this config table (JSON)")
     args = parser.parse_args()
+    if args.write_configs and not args.sweep:
+        parser.error("--write-configs needs --sweep (it writes what the sweep found)")
     if not torch.cuda.is_available():
         sys.exit("bench_quant_gemv: no CUDA device found; this benchmark times GPU kernels "
                  "(the CPU Triton interpreter is only for tests: pytest tests/kernels)")
     bandwidth = copy_bandwidth()
     rows = [int(m) for m in args.rows.split(",")]
-    results = [run_case(name, n, k, m, args, bandwidth) for m in rows for name, n, k in SHAPES]
+    names = args.shapes.split(",")
+    unknown = set(names) - {name for name, _, _ in SHAPES}
+    if unknown:
+        parser.error(f"--shapes: unknown {sorted(unknown)}; known: "
+                     f"{', '.join(name for name, _, _ in SHAPES)}")
+    results = [run_case(name, n, k, m, args, bandwidth)
+               for m in rows for name, n, k in SHAPES if name in names]
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e9:.0f} GB/s  "
           "(us per call; floor = bytes / copy bandwidth)")
     cols = ["bf16", "bf16_floor", "fp8_mm", "fp8_gemv", "fp8_floor", "int4_gemm", "int4_gemv",
@@ -188,6 +240,8 @@ def main() -> None:
                                     if r["m"] == m and r["shape"] in STEP_SHAPES) / 1e3
                 for c in cols}
         print(f"  M={m:<3}" + "  ".join(f"{c} {v:.2f}" for c, v in step.items()))
+    if args.write_configs:
+        write_configs(args.write_configs, results)
     print(json.dumps({"bench": "quant_gemv", "device": torch.cuda.get_device_name(),
                       "copy_bandwidth_gb_per_s": bandwidth / 1e9, "results": results}))
 

@@ -6,6 +6,7 @@
 #                                    [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
+#                                    [quant-configs]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi]
@@ -265,6 +266,20 @@ for stage in "${stages[@]}"; do
       # in octavo/kernels/triton/{fp8,int4}_gemv.py; ~6 min).
       python3 benchmarks/gpu/bench_quant_gemv.py --rows 1 --sweep \
         2>"$OUT/quant-kernels-sweep.err" | tee "$OUT/quant-kernels-sweep.log" | tail -20
+      ;;
+    quant-configs)
+      # The skinny kernels' config table for this GPU (octavo.kernels.triton.skinny_gemm):
+      # the sweep's best config per Llama-3-8B projection and row bucket in $ROWS (default 1;
+      # kernels in $SWEEP_KERNELS, default fp8,int4;
+      # ~5 min per new row bucket's compiles), added to the repo's table, written to $OUT.
+      table=$(python3 -c "import torch; from octavo.kernels.triton.skinny_gemm import \
+config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
+      cp "$table" "$OUT/" 2>/dev/null || true
+      OCTAVO_SKINNY_CONFIG_TABLES=0 python3 benchmarks/gpu/bench_quant_gemv.py \
+        --rows "${ROWS:-1}" --shapes qkv,o,gate_up,down --sweep \
+        --sweep-kernels "${SWEEP_KERNELS:-fp8,int4}" \
+        --write-configs "$OUT/$(basename "$table")" \
+        2>"$OUT/quant-configs.err" | tee "$OUT/quant-configs.log" | tail -12
       ;;
     quant-latency)
       # Batch-1 ms per output token, Llama-3-8B shape (dummy weights), bf16 vs fp8 weights

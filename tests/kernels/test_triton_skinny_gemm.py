@@ -11,6 +11,7 @@ dispatch (which kernel runs for how many rows).
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -22,7 +23,16 @@ from octavo.kernels.triton import fp8_gemv as fp8_gemv_module
 from octavo.kernels.triton.fp8_gemv import fp8_gemv
 from octavo.kernels.triton.gguf_gemv import gguf_gemv
 from octavo.kernels.triton.int4_gemv import fit_block_k, int4_gemv
-from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, choose_split_k
+from octavo.kernels.triton import skinny_gemm as skinny_gemm_module
+from octavo.kernels.triton.skinny_gemm import (
+    CONFIG_DIR,
+    SkinnyConfig,
+    SkinnyTuner,
+    choose_split_k,
+    config_table_path,
+    read_config_table,
+    tune_key,
+)
 
 from tests.kernels.conftest import DEVICE, TOLERANCES
 from tests.kernels.test_triton_quant_gemm import gguf_weight, int4_weight
@@ -124,13 +134,62 @@ def test_split_k_fills_the_target_programs_and_keeps_two_steps():
 def test_tuner_uses_the_default_off_the_gpu_and_keeps_what_it_chose():
     tuner = SkinnyTuner("test")
     default = SkinnyConfig(16, 64)
+    cpu = torch.device("cpu")
     calls = []
-    chosen = tuner.choose(("k",), torch.device("cpu"), default, [SkinnyConfig(32, 64)],
-                          lambda c: calls.append(c))
+    chosen = tuner.choose("k", cpu, default, [SkinnyConfig(32, 64)], lambda c: calls.append(c))
     assert chosen == default and calls == [] and tuner.best == {}
-    tuner.best[("k",)] = SkinnyConfig(32, 64)
-    assert tuner.choose(("k",), torch.device("cpu"), default, [], calls.append) == \
-        SkinnyConfig(32, 64)
+    tuner.best[("k", cpu)] = SkinnyConfig(32, 64)
+    assert tuner.choose("k", cpu, default, [], calls.append) == SkinnyConfig(32, 64)
+
+
+def test_tune_keys_spell_the_case_as_the_tables_do():
+    assert tune_key(n=6144, k=4096, m=1, dtype=torch.bfloat16) == \
+        "n=6144,k=4096,m=1,dtype=bfloat16"
+    assert tune_key(group=128, act_order=False) == "group=128,act_order=False"
+
+
+def test_tuner_takes_the_device_table_before_timing(monkeypatch):
+    """A case in the GPU's table is used as is (no timing, also during capture); a case
+    outside it falls back to timing, here off, so the default."""
+    table_config = SkinnyConfig(64, 256, split_k=2, num_warps=8)
+    monkeypatch.setattr(skinny_gemm_module, "interpreting", lambda: False)
+    monkeypatch.setattr(skinny_gemm_module, "_device_table",
+                        lambda index: {"t": {"n=8,k=64,m=1,dtype=bfloat16": table_config}})
+    tuner = SkinnyTuner("t")
+    tuner.enabled = False
+    gpu = torch.device("cuda", 0)
+    calls = []
+    key = tune_key(n=8, k=64, m=1, dtype=torch.bfloat16)
+    assert tuner.choose(key, gpu, SkinnyConfig(16, 64), [], calls.append) == table_config
+    assert tuner.choose("n=8,k=64,m=2,dtype=bfloat16", gpu, SkinnyConfig(16, 64), [],
+                        calls.append) == SkinnyConfig(16, 64)
+    assert calls == [] and tuner.best == {(key, gpu): table_config}
+
+
+def test_config_tables_round_trip_and_bad_files_name_themselves(tmp_path):
+    path = tmp_path / "skinny_Some_GPU.json"
+    path.write_text(json.dumps({"kernels": {"fp8_gemv": {"n=1,k=2,m=1,dtype=bfloat16": {
+        "block_n": 32, "block_k": 256, "split_k": 0, "num_warps": 8, "num_stages": 2}}}}))
+    assert read_config_table(path) == {
+        "fp8_gemv": {"n=1,k=2,m=1,dtype=bfloat16": SkinnyConfig(32, 256, 0, 8, 2)}}
+    path.write_text('{"kernels": {"fp8_gemv": {"n=1": {"block_size": 3}}}}')
+    with pytest.raises(ValueError, match="skinny_Some_GPU.json"):
+        read_config_table(path)
+    assert config_table_path("NVIDIA H100 80GB HBM3").name == \
+        "skinny_NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_shipped_config_tables_parse_and_name_known_kernels_and_cases():
+    """Every table shipped with the package: readable, for the skinny kernels, each key a
+    case those kernels look up (n, k, a row bucket, an activation dtype, ...)."""
+    tables = sorted(CONFIG_DIR.glob("skinny_*.json"))
+    for path in tables:
+        for kernel, entries in read_config_table(path).items():
+            assert kernel in {"fp8_gemv", "int4_gemv", "gguf_gemv"}, (path, kernel)
+            for key in entries:
+                fields = dict(field.split("=") for field in key.split(","))
+                assert list(fields)[:4] == ["n", "k", "m", "dtype"], (path, key)
+                assert int(fields["m"]) in (1, 2, 4, 8, 16), (path, key)
 
 
 def test_layers_keep_the_reference_path_on_the_cpu():
@@ -185,9 +244,10 @@ def test_int4_gemv_llama3_8b_shapes_on_gpu(n, k, m, act_order):
 
 
 @pytest.mark.gpu
-def test_skinny_kernels_capture_in_cuda_graphs_after_warm_up():
+def test_skinny_kernels_capture_in_cuda_graphs_after_warm_up(monkeypatch):
     """Warm-up (eager) tunes; the captured graph replays the tuned kernels and gives the eager
-    result. A shape first seen during capture takes the default config (no timing there)."""
+    result. A shape first seen during capture and absent from the config table takes the
+    default config (no timing there)."""
     weight, scale = (t.cuda() for t in fp8_weight(4096, 4096))
     qweight, scales, zeros, _ = (t.cuda() if t is not None else None
                                  for t in int4_weight(4096, 4096, 128, False, False))
@@ -202,6 +262,7 @@ def test_skinny_kernels_capture_in_cuda_graphs_after_warm_up():
     for a, b in zip(captured, eager):  # split-K atomics add in any order: not bit-exact
         assert relative_error(a, b) < GPU_RELATIVE_ERROR
     fresh = SkinnyTuner("fresh")
+    monkeypatch.setattr(skinny_gemm_module, "_device_table", lambda index: {})
     old, fp8_gemv_module.TUNER = fp8_gemv_module.TUNER, fresh
     try:
         y = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)

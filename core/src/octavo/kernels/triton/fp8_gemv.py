@@ -30,6 +30,7 @@ from octavo.kernels.triton.skinny_gemm import (
     SkinnyTuner,
     choose_split_k,
     k_per_split,
+    tune_key,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -154,6 +155,7 @@ def fp8_gemv(
     if config is None:
         bucket = m_bucket(m)
         config = TUNER.choose(
-            (n, k, bucket, x.dtype, x.device), x.device, default_config(n, k, bucket),
+            tune_key(n=n, k=k, m=bucket, dtype=x.dtype), x.device,
+            default_config(n, k, bucket),
             candidate_configs(bucket), lambda c: _launch(x, weight, scale, c))
     return _launch(x, weight, scale, config)

@@ -29,6 +29,7 @@ from octavo.kernels.triton.skinny_gemm import (
     SkinnyTuner,
     choose_split_k,
     k_per_split,
+    tune_key,
 )
 
 TUNER = SkinnyTuner("gguf_gemv")
@@ -141,6 +142,7 @@ def gguf_gemv(
     if config is None:
         bucket = m_bucket(m)
         config = TUNER.choose(
-            (n, k, bucket, qtype, x.dtype, x.device), x.device, default_config(n, k, bucket),
+            tune_key(n=n, k=k, m=bucket, dtype=x.dtype, qtype=qtype), x.device,
+            default_config(n, k, bucket),
             candidate_configs(bucket), lambda c: _launch(x, blocks, qtype, c))
     return _launch(x, blocks, qtype, config)

@@ -42,6 +42,7 @@ from octavo.kernels.triton.skinny_gemm import (
     SkinnyTuner,
     choose_split_k,
     k_per_split,
+    tune_key,
 )
 
 TUNER = SkinnyTuner("int4_gemv")
@@ -233,7 +234,8 @@ def int4_gemv(
     if config is None:
         bucket = m_bucket(m)
         config = TUNER.choose(
-            (n, k, bucket, group_size, g_idx is not None, x.dtype, x.device), x.device,
+            tune_key(n=n, k=k, m=bucket, dtype=x.dtype, group=group_size,
+                     act_order=g_idx is not None), x.device,
             default_config(n, k, bucket), candidate_configs(bucket),
             lambda c: _launch(x, qweight, scales, zeros, group_size, g_idx, c))
     return _launch(x, qweight, scales, zeros, group_size, g_idx, config)

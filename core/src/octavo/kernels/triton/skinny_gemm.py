@@ -6,21 +6,35 @@ sums into a zeroed buffer (``tl.atomic_add``) that is cast to the activations' d
 with 1 they store the result directly. ``split_k = 0`` asks ``choose_split_k`` to split until
 about two programs per SM stream the weight.
 
-``SkinnyTuner`` picks a config per (kernel, N, K, row bucket, dtype, device) the first time a
-shape is seen outside CUDA-graph capture: it times a few candidates (whole calls, the zeroing
-and cast of split-K included, on a flushed L2 via ``triton.testing.do_bench``) and keeps the
-fastest for the process. During capture, under the interpreter, or with tuning off it uses the
-kernel's heuristic default and times nothing. The decode graph runner runs every batch size
-once eagerly before capturing it (``octavo.worker.cuda_graph``), so the captured kernels use
-tuned configs.
+``SkinnyTuner`` picks a config per (kernel, N, K, row bucket, dtype, ...) and device:
+
+1. from the device's config table when it has the case: ``configs/skinny_<GPU name>.json``
+   next to this module (vLLM's practice for its Triton MoE configs), written by
+   ``benchmarks/gpu/bench_quant_gemv.py --sweep --write-configs``, which times every candidate
+   inside a CUDA graph over enough weight copies that L2 holds none (as in a model's forward).
+   The same config in every process: timing at start-up picked a different one of several
+   near-equal configs in each process, and batch-1 decode moved with it by up to 0.3 ms per
+   token on the 8B shape (docs/benchmarks.md). ``OCTAVO_SKINNY_CONFIG_TABLES=0`` ignores the
+   tables;
+2. else the first time the shape is seen outside CUDA-graph capture, by timing a few
+   candidates (whole calls, the zeroing and cast of split-K included, on a flushed L2 via
+   ``triton.testing.do_bench``), kept for the process;
+3. else (during capture, under the interpreter, with tuning off) the kernel's heuristic
+   default, timing nothing.
+
+The decode graph runner runs every batch size once eagerly before capturing it
+(``octavo.worker.cuda_graph``), so the captured kernels use tuned configs.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -77,29 +91,74 @@ def k_per_split(k: int, split_k: int, block_k: int) -> int:
     return triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
 
 
-TuneKey = tuple
+#: Where the per-device config tables live (package data of octavo-core).
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def tune_key(**fields: object) -> str:
+    """The case a config is chosen for, as the tables spell it: ``"n=6144,k=4096,m=1,
+    dtype=bfloat16"`` (fields in the caller's order; torch dtypes without ``torch.``)."""
+    return ",".join(f"{name}={str(value).removeprefix('torch.')}"
+                    for name, value in fields.items())
+
+
+def config_table_path(device_name: str) -> Path:
+    """The config table of GPUs named ``device_name`` (``torch.cuda.get_device_name``)."""
+    return CONFIG_DIR / f"skinny_{device_name.replace(' ', '_')}.json"
+
+
+def read_config_table(path: Path) -> dict[str, dict[str, SkinnyConfig]]:
+    """``{kernel: {tune_key: config}}`` from a table file (``{"kernels": {kernel: {key:
+    {"block_n": ..., ...}}}}``); a file that does not parse is an error naming it."""
+    try:
+        data = json.loads(path.read_text())
+        return {kernel: {key: SkinnyConfig(**fields) for key, fields in entries.items()}
+                for kernel, entries in data["kernels"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"skinny kernel config table {path} is not readable ({exc}); fix or "
+                         "delete it, or set OCTAVO_SKINNY_CONFIG_TABLES=0") from exc
+
+
+@functools.cache
+def _device_table(device_index: int) -> dict[str, dict[str, SkinnyConfig]]:
+    if os.environ.get("OCTAVO_SKINNY_CONFIG_TABLES", "1") == "0":
+        return {}
+    path = config_table_path(torch.cuda.get_device_name(device_index))
+    if not path.is_file():
+        return {}
+    table = read_config_table(path)
+    logger.info("small-M kernels: launch configs from %s (%d cases)", path.name,
+                sum(len(entries) for entries in table.values()))
+    return table
 
 
 class SkinnyTuner:
-    """Per-process choice of ``SkinnyConfig`` by timing (see the module docstring)."""
+    """Per-process choice of ``SkinnyConfig``: table, timing or default (module docstring)."""
 
     def __init__(self, name: str) -> None:
+        # The kernel's name: its section of the config tables.
         self.name = name
-        # Tuned configs by key (kernel-specific shape key).
-        self.best: dict[TuneKey, SkinnyConfig] = {}
+        # Chosen configs by (tune_key, device).
+        self.best: dict[tuple[str, torch.device], SkinnyConfig] = {}
         # Whether ``choose`` times candidates at all (tests and benchmarks switch it off).
         self.enabled = True
 
-    def choose(self, key: TuneKey, device: torch.device, default: SkinnyConfig,
+    def choose(self, key: str, device: torch.device, default: SkinnyConfig,
                candidates: Sequence[SkinnyConfig],
                run: Callable[[SkinnyConfig], object]) -> SkinnyConfig:
-        """The config for ``key``: tuned already, tuned now (timing ``run(config)`` for each
-        candidate), or ``default`` when timing is not possible here."""
-        found = self.best.get(key)
+        """The config for case ``key`` (``tune_key``) on ``device``: chosen already, from the
+        device's table, timed now (``run(config)`` for each candidate), or ``default`` when
+        timing is not possible here."""
+        found = self.best.get((key, device))
         if found is not None:
             return found
-        if (not self.enabled or device.type != "cuda" or interpreting()
-                or torch.cuda.is_current_stream_capturing()):
+        if device.type != "cuda" or interpreting():
+            return default
+        found = _device_table(device.index or 0).get(self.name, {}).get(key)
+        if found is not None:
+            self.best[(key, device)] = found
+            return found
+        if not self.enabled or torch.cuda.is_current_stream_capturing():
             return default
         from triton.testing import do_bench
 
@@ -115,7 +174,7 @@ class SkinnyTuner:
                 continue
             timings.append((ms, config))
         best = min(timings, key=lambda t: t[0])[1] if timings else default
-        self.best[key] = best
+        self.best[(key, device)] = best
         logger.debug("%s %s: %s (%.1f us)", self.name, key, best,
                      min(t[0] for t in timings) * 1e3 if timings else float("nan"))
         return best
