@@ -386,14 +386,17 @@ PY
       ;;
     bench-serve-multi)
       # bench-serve's workload over HTTP with `--api-server-count` 1, 2 and 4 (override with
-      # API_SERVER_COUNTS="1 2 4 8"), then once through AsyncLLM in-process; one line per count
-      # with HTTP / in-process. Also the API processes' CPU seconds (user + sys, from /proc,
-      # read just before SIGTERM) per output token. ~6 min.
+      # API_SERVER_COUNTS="1 2 4 8"; a count may repeat), each run followed by the same
+      # requests through AsyncLLM in-process; one line per run with HTTP / the in-process run
+      # next to it (both move between runs on this host). Also the API processes' CPU seconds
+      # (user + sys, from /proc, read just before SIGTERM) per output token. ~2 min per run.
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       PORT=8012
+      RUN=0
       for COUNT in ${API_SERVER_COUNTS:-1 2 4}; do
+        RUN=$((RUN + 1)); TAG="run$RUN-$COUNT"
         octavo serve $MODEL --dtype bfloat16 --max-num-seqs 256 --port $PORT \
-          --api-server-count $COUNT >"$OUT/bench-serve-multi-$COUNT-server.log" 2>&1 &
+          --api-server-count $COUNT >"$OUT/bench-serve-multi-$TAG-server.log" 2>&1 &
         SERVER_PID=$!
         if wait_health $SERVER_PID $PORT; then
           # Warm-up (first-use compilation, CUDA graphs), not counted.
@@ -429,23 +432,23 @@ print(total / tck)" $API_PIDS; }
           octavo bench serve --port $PORT --model $MODEL --num-prompts 500 --input-len 512 \
             --output-len 128 --ignore-eos --seed 0 --disable-tqdm \
             --num-client-processes ${CLIENT_PROCS:-4} \
-            2>"$OUT/bench-serve-multi-$COUNT.err" | tee "$OUT/bench-serve-multi-$COUNT.log"
+            2>"$OUT/bench-serve-multi-$TAG.err" | tee "$OUT/bench-serve-multi-$TAG.log"
           CPU1=$(cpu)
           echo "api-server-count $COUNT: API processes ($API_PIDS) CPU $CPU0 -> $CPU1 s" \
-            | tee -a "$OUT/bench-serve-multi-$COUNT.log"
-          tail -3 "$OUT/bench-serve-multi-$COUNT.err"
+            | tee -a "$OUT/bench-serve-multi-$TAG.log"
+          tail -3 "$OUT/bench-serve-multi-$TAG.err"
         else
-          tail -20 "$OUT/bench-serve-multi-$COUNT-server.log"
+          tail -20 "$OUT/bench-serve-multi-$TAG-server.log"
         fi
         kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID
         echo "api-server-count $COUNT: server exited with $? (0 expected)"
         # Nothing may be left behind: no process of the server, the port free again.
         pgrep -f "spawn_main" >/dev/null && echo "LEFT BEHIND: $(pgrep -af spawn_main)"
+        octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 500 \
+          --input-len 512 --output-len 128 --workload-seed 0 --max-num-seqs 256 --async-engine \
+          2>"$OUT/bench-serve-multi-$TAG-inproc.err" | tee "$OUT/bench-serve-multi-$TAG-inproc.log"
+        tail -3 "$OUT/bench-serve-multi-$TAG-inproc.err"
       done
-      octavo bench throughput --model $MODEL --dtype bfloat16 --num-prompts 500 \
-        --input-len 512 --output-len 128 --workload-seed 0 --max-num-seqs 256 --async-engine \
-        2>"$OUT/bench-serve-multi-inproc.err" | tee "$OUT/bench-serve-multi-inproc.log"
-      tail -3 "$OUT/bench-serve-multi-inproc.err"
       python3 - "$OUT" ${API_SERVER_COUNTS:-1 2 4} <<'PY'
 import json, re, sys
 out, counts = sys.argv[1], sys.argv[2:]
@@ -455,24 +458,23 @@ def last_json(path):
     except OSError:
         return None
     return json.loads(lines[-1]) if lines else None
-inproc = last_json(f"{out}/bench-serve-multi-inproc.log")
-if inproc is None:
-    sys.exit("bench-serve-multi: the in-process run printed no result")
-a = inproc["output_tokens_per_s"]
-print(f"bench-serve-multi: AsyncLLM in-process {a:,.0f} output tok/s")
-for count in counts:
-    http = last_json(f"{out}/bench-serve-multi-{count}.log")
-    if http is None:
-        print(f"  --api-server-count {count}: no result"); continue
-    cpu = re.findall(r"CPU ([0-9.]+) -> ([0-9.]+) s", open(f"{out}/bench-serve-multi-{count}.log").read())
+for run, count in enumerate(counts, 1):
+    tag = f"run{run}-{count}"
+    inproc = last_json(f"{out}/bench-serve-multi-{tag}-inproc.log")
+    http = last_json(f"{out}/bench-serve-multi-{tag}.log")
+    if http is None or inproc is None:
+        print(f"  run {run}, --api-server-count {count}: no result"); continue
+    a = inproc["output_tokens_per_s"]
+    cpu = re.findall(r"CPU ([0-9.]+) -> ([0-9.]+) s", open(f"{out}/bench-serve-multi-{tag}.log").read())
     per_token = ""
     if cpu:
         used = float(cpu[-1][1]) - float(cpu[-1][0])
         per_token = f", API CPU {used:.1f} s = {1e6 * used / http['total_output_tokens']:.0f} us/token"
     h = http["output_throughput"]
-    print(f"  --api-server-count {count}: HTTP {h:,.0f} output tok/s ({http['completed']} "
-          f"requests, TTFT p99 {http['p99_ttft_ms']:.0f} ms, TPOT median "
-          f"{http['median_tpot_ms']:.1f} ms{per_token}): HTTP / in-process = {h / a:.2f}")
+    print(f"  run {run}, --api-server-count {count}: HTTP {h:,.0f} output tok/s "
+          f"({http['completed']} requests, TTFT p99 {http['p99_ttft_ms']:.0f} ms, TPOT median "
+          f"{http['median_tpot_ms']:.1f} ms{per_token}); in-process right after {a:,.0f}: "
+          f"HTTP / in-process = {h / a:.2f}")
 PY
       ;;
     spec-tests)
