@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-b1] [profile-8b]
+#                                    [w1-timeline]
 #                                    [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
@@ -180,6 +181,13 @@ for stage in "${stages[@]}"; do
       make_l8b
       python3 benchmarks/gpu/profile_steps.py --model $L8B --load-format dummy 2>&1 \
         | tee "$OUT/profile-8b.log" | tail -24
+      ;;
+    w1-timeline)
+      # Every step of a whole W1 run (0.5B, in-process engine) timed and grouped: prefill/mixed
+      # steps and decode steps by running requests (bands of 32); where W1's seconds go (~1 min).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      python3 benchmarks/gpu/w1_timeline.py --model $MODEL 2>"$OUT/w1-timeline.err" \
+        | tee "$OUT/w1-timeline.log" | tail -14
       ;;
     profile-sync)
       # As profile, one step at a time (no async scheduling).
