@@ -52,6 +52,7 @@ def test_lists_are_kept_as_tuples():
     ({"max_logprobs": -1}, "max_logprobs must be None (no limit) or an integer >= 0, got -1"),
     ({"kv_cache_dtypes": ("fp8",)}, "kv_cache_dtypes must hold 'auto' and optionally 'fp8'"),
     ({"kv_cache_dtypes": ("auto", "fp8_e5m2")}, "kv_cache_dtypes must hold 'auto'"),
+    ({"default_max_num_batched_tokens": 0}, "default_max_num_batched_tokens must be a positive"),
 ])
 def test_a_bad_declaration_fails_at_registration(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -82,6 +83,9 @@ def test_real_backends_declare_what_their_kernels_support():
     assert cuda.head_dims == SUPPORTED_HEAD_DIMS  # the Triton kernels' list, not a copy of it
     assert set(cuda.dtypes) == set(KNOWN_DTYPES) and cuda.cuda_graphs
     assert cpu.kv_cache_dtypes == cuda.kv_cache_dtypes == ("auto", "fp8")
+    # The token budget: large prompt steps keep a GPU busy; the CPU keeps decodes responsive.
+    assert (cpu.default_max_num_batched_tokens, cuda.default_max_num_batched_tokens) == \
+        (2048, 8192)
     for caps in (cpu, cuda):  # the sampler is the core's: every logprob count, prompt logprobs
         assert caps.prompt_logprobs and caps.max_logprobs is None
         assert caps.max_num_seqs is None and caps.max_model_len is None
@@ -237,3 +241,14 @@ def test_prompt_logprobs_on_a_backend_without_them():
     message = str(info.value)
     assert message.startswith("prompt_logprobs are not supported by backend 'npu'")
     assert "got prompt_logprobs=0" in message and "leave prompt_logprobs unset" in message
+
+
+def test_the_token_budget_defaults_to_the_backends_and_an_explicit_one_wins(tiny_llama):
+    from octavo.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(tiny_llama), device="cpu").create_engine_config()
+    assert config.scheduler_config.max_num_batched_tokens == \
+        config.backend_capabilities.default_max_num_batched_tokens == 2048
+    config = EngineArgs(model=str(tiny_llama), device="cpu",
+                        max_num_batched_tokens=512).create_engine_config()
+    assert config.scheduler_config.max_num_batched_tokens == 512

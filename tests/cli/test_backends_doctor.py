@@ -54,7 +54,8 @@ def test_json_has_every_capability_of_every_backend(with_restricted, capsys):
         "capabilities": {
             "dtypes": ["float32"], "head_dims": [16, 64], "block_sizes": [16],
             "cuda_graphs": False, "cuda_graphs_multi_token": False,
-            "async_scheduling": False, "max_num_seqs": 8, "max_model_len": 128,
+            "async_scheduling": False, "default_max_num_batched_tokens": 2048,
+            "max_num_seqs": 8, "max_model_len": 128,
             "prompt_logprobs": False, "max_logprobs": 2, "quantization_methods": [],
             "kv_cache_dtypes": ["auto"], "sliding_window": False,
             "logits_soft_cap": False,
@@ -76,6 +77,7 @@ def test_json_shows_why_cuda_is_not_available_here(capsys):
     assert cuda["capabilities"]["cuda_graphs"] is True
     assert cuda["capabilities"]["cuda_graphs_multi_token"] is True
     assert cuda["capabilities"]["async_scheduling"] is True
+    assert cuda["capabilities"]["default_max_num_batched_tokens"] == 8192
     assert cuda["capabilities"]["head_dims"] == [64, 80, 96, 128, 256]
 
 
@@ -94,7 +96,7 @@ def test_text_lists_each_backend_with_its_capabilities(with_restricted, capsys):
     assert details[3:] == [
         "dtypes             float32", "head dims          16, 64", "block sizes        16",
         "CUDA graphs        no", "multi-token graphs no", "async scheduling   no",
-        "max num seqs       8", "max model len      128",
+        "token budget       2048", "max num seqs       8", "max model len      128",
         "prompt logprobs    no", "max top logprobs   2", "quantization       none",
         "kv cache dtypes    auto", "sliding window     no", "logits soft cap    no",
     ]

@@ -155,6 +155,29 @@ def test_n_with_prompt_logprobs_returns_them_once(llm) -> None:
     assert_no_leaks(llm)
 
 
+def test_prompt_logprobs_in_slices_equal_the_whole_chunk(llm, monkeypatch) -> None:
+    """The runner computes prompt logprobs a slice of positions at a time (memory); slices of
+    2 positions (the 6-token prompt in 3) give what one slice gives."""
+    from octavo.worker import model_runner
+
+    params = greedy(2, prompt_logprobs=2)
+    whole = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_SLICE", 2)
+    sliced = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert len(whole.prompt_token_ids) > 4
+    assert len(sliced.prompt_logprobs) == len(whole.prompt_logprobs)
+    for got, want in zip(sliced.prompt_logprobs, whole.prompt_logprobs):
+        if want is None:
+            assert got is None
+            continue
+        # The same tokens and ranks; values up to the matmul's float32 rounding, which depends
+        # on how many rows the LM head multiplies at once.
+        assert {t: p.rank for t, p in got.items()} == {t: p.rank for t, p in want.items()}
+        for token, logprob in want.items():
+            assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
+    assert_no_leaks(llm)
+
+
 def test_chat_equals_generate_on_the_rendered_prompt(llm) -> None:
     conversations = [
         [{"role": "user", "content": "Hello world!"}],

@@ -53,6 +53,11 @@ class BackendCapabilities:
     # Whether the device runs work asynchronously to the host, so scheduling the next step
     # while the current one runs pays off: the default of --async-scheduling.
     async_scheduling: bool = False
+    # The chunked-prefill token budget when --max-num-batched-tokens is not given: large enough
+    # that a step carrying prompt chunks keeps the device busy rather than waiting on the
+    # host's launch of the step (prompt and mixed steps run eagerly), small enough that the
+    # decodes sharing the step are not held up long.
+    default_max_num_batched_tokens: int = 2048
     # Most sequences one step may hold (caps --max-num-seqs; None: no limit).
     max_num_seqs: int | None = None
     # Longest sequence, prompt + completion, in tokens (caps --max-model-len; None: no limit).
@@ -104,6 +109,9 @@ class BackendCapabilities:
                     f"BackendCapabilities.{name} must be None (any) or a non-empty tuple of "
                     f"positive integers, got {values!r}"
                 )
+        if not _positive_int(self.default_max_num_batched_tokens):
+            raise ValueError("BackendCapabilities.default_max_num_batched_tokens must be a "
+                             f"positive integer, got {self.default_max_num_batched_tokens!r}")
         for name in ("max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):

@@ -22,6 +22,7 @@ _LABELS = {
     "cuda_graphs": "CUDA graphs",
     "cuda_graphs_multi_token": "multi-token graphs",
     "async_scheduling": "async scheduling",
+    "default_max_num_batched_tokens": "token budget",
     "max_logprobs": "max top logprobs",
     "quantization_methods": "quantization",
     "kv_cache_dtypes": "kv cache dtypes",

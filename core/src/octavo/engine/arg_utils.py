@@ -94,8 +94,9 @@ class EngineArgs:
         True, "split long prompts into chunks that share steps with decodes (off: every "
         "prompt runs in one step)", cli=_TOGGLE)
     max_num_seqs: int = _option(256, "most sequences in one step", type=int)
-    max_num_batched_tokens: int = _option(
-        2048, "most new tokens in one step (the chunked-prefill budget)", type=int)
+    max_num_batched_tokens: int | None = _option(
+        None, "most new tokens in one step (the chunked-prefill budget; default: the "
+        "backend's, 8192 on CUDA and ROCm, 2048 on the CPU)", type=int)
     kv_cache_memory_bytes: int | None = _option(
         None, "exact KV-cache size in bytes (wins over every other KV-cache size option)",
         type=int)
@@ -239,9 +240,11 @@ class EngineArgs:
             cache_config=CacheConfig(**self._options_of(
                 CacheConfig, cache_dtype=self.kv_cache_dtype,
                 sliding_window=_kv_window(model_config))),
-            scheduler_config=SchedulerConfig(
-                **self._options_of(SchedulerConfig, async_scheduling=async_scheduling)
-            ),
+            scheduler_config=SchedulerConfig(**self._options_of(
+                SchedulerConfig, async_scheduling=async_scheduling,
+                max_num_batched_tokens=(
+                    backend.capabilities.default_max_num_batched_tokens
+                    if self.max_num_batched_tokens is None else self.max_num_batched_tokens))),
             parallel_config=ParallelConfig(**self._options_of(ParallelConfig)),
             backend=backend.name,
             backend_capabilities=backend.capabilities,

@@ -27,7 +27,8 @@ TRITON_DTYPES = ("bfloat16", "float16", "float32")
 #: What a GPU backend running these kernels through the core's GPU worker supports: the
 #: kernels' dtypes and head sizes, the quantization methods, the block sizes they are tested
 #: and tuned for, CUDA (or HIP) graphs of decode and verification steps unless
-#: --enforce-eager, async scheduling (the device runs apart from the host), an fp8 KV cache, sliding-window attention and logit
+#: --enforce-eager, async scheduling (the device runs apart from the host), a chunked-prefill
+#: budget of 8192 tokens, an fp8 KV cache, sliding-window attention and logit
 #: soft-capping. No limit of its own on max_num_seqs / max_model_len (GPU memory decides);
 #: logprobs come from the core's sampler, so every count and prompt logprobs.
 TRITON_GPU_CAPABILITIES = BackendCapabilities(
@@ -37,6 +38,10 @@ TRITON_GPU_CAPABILITIES = BackendCapabilities(
     cuda_graphs=True,
     cuda_graphs_multi_token=True,
     async_scheduling=True,
+    # vLLM's serving default on large GPUs. With 2048, W1's prompts (134,531 tokens) took 72
+    # steps of ~18 ms of host launch work each against ~7 ms of GPU work: 47 % of the run
+    # (benchmarks/gpu/w1_timeline.py, docs/benchmarks.md).
+    default_max_num_batched_tokens=8192,
     # fp8 through the Triton w8a16 skinny kernel (<= 16 rows) and torch._scaled_mm (more),
     # dequantized where the GPU has no FP8 tensor cores; int4 AWQ/GPTQ through the Triton
     # skinny (<= 16 rows) and dequantize-in-GEMM kernels; GGUF through the latter.

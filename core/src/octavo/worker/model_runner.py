@@ -52,6 +52,10 @@ from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
 from octavo.worker.pipeline import StageIO
 
+
+#: Prompt positions whose logits a step computes at once for prompt logprobs.
+PROMPT_LOGPROBS_SLICE = 2048
+
 logger = logging.getLogger(__name__)
 
 
@@ -937,8 +941,18 @@ class ModelRunner:
         num = self.requests[req_id].sampling_params.prompt_logprobs
         # Indices and targets in one non-blocking copy (a host list would wait for the stream).
         both = host_to_device(torch.tensor(flat + targets, dtype=torch.long), self.device)
-        logits = self.model.compute_logits(hidden[both[: len(flat)]])
-        return compute_logprobs(logits, both[len(flat) :], num)
+        indices, chosen = both[: len(flat)], both[len(flat) :]
+        # In slices: a whole chunk's float32 logits (8192 positions x a 152k vocabulary: 5 GB,
+        # twice with the log-softmax) would not fit the memory the profile run left aside.
+        step = PROMPT_LOGPROBS_SLICE
+        parts = [compute_logprobs(self.model.compute_logits(hidden[indices[i:i + step]]),
+                                  chosen[i:i + step], num)
+                 for i in range(0, len(flat), step)]
+        if len(parts) == 1:
+            return parts[0]
+        return LogprobsTensors(token_ids=torch.cat([p.token_ids for p in parts]),
+                               logprobs=torch.cat([p.logprobs for p in parts]),
+                               ranks=torch.cat([p.ranks for p in parts]))
 
 
 def _grammar_rows(
