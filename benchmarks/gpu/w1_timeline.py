@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--input-len", default="100:1024", help="LO:HI prompt tokens (W1's)")
     parser.add_argument("--output-len", default="100:1024", help="LO:HI output tokens (W1's)")
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--print-steps", type=int, default=0, metavar="N",
+                        help="also print the first N steps one by one")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="default: the backend's (on for CUDA)")
     args = parser.parse_args()
@@ -67,6 +69,7 @@ def main() -> None:
     total_out = add(make_workload(args.num_requests, span(args.input_len), span(args.output_len),
                                   vocab, 0), "")
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])  # steps, s, tokens
+    first_steps: list[tuple[float, int, int, int]] = []
     start = last = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -78,6 +81,9 @@ def main() -> None:
         group[0] += 1
         group[1] += now - last
         group[2] += stats.num_running if decode else 0
+        if len(first_steps) < args.print_steps:
+            first_steps.append((1e3 * (now - last), stats.num_running, stats.num_waiting,
+                                stats.num_batched_tokens))
         last = now
     elapsed = time.perf_counter() - start
 
@@ -92,6 +98,9 @@ def main() -> None:
         steps, seconds, tokens = groups[name]
         print(f"{name:<30}{steps:>7}{seconds:>8.2f}{seconds / elapsed:>8.0%}"
               f"{1e3 * seconds / steps:>9.2f}{tokens / seconds if tokens else 0:>10,.0f}")
+    for i, (ms, running, waiting, batched) in enumerate(first_steps):
+        print(f"step {i:>3}: {ms:8.2f} ms  running {running:>3}  waiting {waiting:>3}  "
+              f"scheduled tokens {batched}")
     print(json.dumps({"bench": "w1_timeline", "elapsed_s": elapsed, "output_tokens": total_out,
                       "groups": {n: {"steps": g[0], "seconds": g[1], "decode_tokens": g[2]}
                                  for n, g in groups.items()}}))
