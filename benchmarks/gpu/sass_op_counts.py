@@ -22,15 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "kernels"))
 import sm90_compile_check as check
+from octavo.kernels.triton import int4_gemv
 from octavo.kernels.triton.fp8_gemv import _fp8_gemv_kernel
 from octavo.kernels.triton.int4_gemv import _int4_gemv_kernel
 from octavo.kernels.triton.skinny_gemm import SkinnyConfig
-
-# int4 one-row configs: the default (n128 k128) and the tuner's candidates at group 128.
-INT4_CONFIGS = [SkinnyConfig(128, 128), SkinnyConfig(64, 128), SkinnyConfig(256, 128),
-                SkinnyConfig(128, 128, num_warps=8), SkinnyConfig(256, 128, num_warps=8),
-                SkinnyConfig(512, 128, num_warps=8), SkinnyConfig(256, 64, num_warps=8),
-                SkinnyConfig(256, 32), SkinnyConfig(512, 32, num_warps=8)]
 
 
 def count(name: str, fn, signature: dict, consts: dict, config: SkinnyConfig) -> None:
@@ -50,7 +45,9 @@ def count(name: str, fn, signature: dict, consts: dict, config: SkinnyConfig) ->
 
 
 def main() -> None:
-    for config in INT4_CONFIGS:
+    # The one-row default and the tuner's candidates (block_k as cut for groups of 128).
+    for config in dict.fromkeys([int4_gemv.default_config(4096, 4096, 1),
+                                 *int4_gemv.candidate_configs(1)]):
         count("int4_gemv", _int4_gemv_kernel, {**check.INT4_SIG, "out_ptr": "*fp32"},
               check.int4_constexprs(1, config), config)
     count("fp8_gemv", _fp8_gemv_kernel, check.FP8_SIG,

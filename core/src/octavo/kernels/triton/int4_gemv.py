@@ -126,16 +126,17 @@ def _bf16_pair(pair):
 
 
 @triton.jit
-def _load_x8(x_ptr, first, ok, X_BF16_PAIRS: tl.constexpr):
-    """``x[first + j]`` for j < 8 as float32 (``[R, 1]`` each): bfloat16 ``x`` in four int32
+def _load_x8(x_ptr, row, ok, X_BF16_PAIRS: tl.constexpr):
+    """``x[8 * row + j]`` for j < 8 as float32 (``[R, 1]`` each): bfloat16 ``x`` in four int32
     loads of two, other dtypes one by one."""
     if X_BF16_PAIRS:
-        pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + first // 2
+        pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row * 4
         x0, x1 = _bf16_pair(tl.load(pairs, mask=ok, other=0))
         x2, x3 = _bf16_pair(tl.load(pairs + 1, mask=ok, other=0))
         x4, x5 = _bf16_pair(tl.load(pairs + 2, mask=ok, other=0))
         x6, x7 = _bf16_pair(tl.load(pairs + 3, mask=ok, other=0))
     else:
+        first = row * 8
         x0 = tl.load(x_ptr + first, mask=ok, other=0.0).to(tl.float32)
         x1 = tl.load(x_ptr + first + 1, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + first + 2, mask=ok, other=0.0).to(tl.float32)
@@ -165,12 +166,13 @@ def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start
         xs = tl.zeros((SLICE_ROWS, 1), dtype=tl.float32)  # sum x
         for s in tl.static_range(BLOCK_K // (8 * SLICE_ROWS)):
             rows = k0 // 8 + s * SLICE_ROWS + offs_r  # [R] word rows
-            first = rows[:, None] * 8  # [R, 1]: each row's first input
-            row_ok = (first < k_end) | EVEN_K  # K and k_end are multiples of 8
-            words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+            row_ok = (rows[:, None] * 8 < k_end) | EVEN_K  # K and k_end are multiples of 8
+            # int32 offsets: the launch checks that the weight has fewer than 2^31 words
+            words = tl.load(qweight_ptr + (rows[:, None] * N + offs_n[None, :]),
                             mask=row_ok & n_mask[None, :], other=0)  # [R, BLOCK_N]
             f0, f1, f2, f3, f4, f5, f6, f7 = _nibbles_128(words, NIBBLE_ASM)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(x_ptr, first, row_ok, X_BF16_PAIRS)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(x_ptr, rows[:, None], row_ok,
+                                                      X_BF16_PAIRS)
             xs += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
             qx += x0 * f0
             qx += x1 * f1
@@ -319,6 +321,7 @@ def candidate_configs(m: int) -> list[SkinnyConfig]:
     """What the tuner times for rows bucket ``m`` (``block_k`` is cut to the group size)."""
     if m == 1:
         return [SkinnyConfig(64, 128), SkinnyConfig(128, 128, num_warps=8),
+                SkinnyConfig(256, 128), SkinnyConfig(512, 128, num_warps=8),
                 SkinnyConfig(256, 64, num_warps=8), SkinnyConfig(256, 32),
                 SkinnyConfig(512, 32, num_warps=8), SkinnyConfig(32, 128),
                 SkinnyConfig(128, 64, num_stages=3)]
@@ -403,6 +406,9 @@ def int4_gemv(
             f"[N={n}] weight")
     if g_idx is None and group_size % 8:
         raise ValueError(f"int4_gemv: group_size {group_size} is not a multiple of 8")
+    if qweight.numel() >= 2**31:
+        raise ValueError(f"int4_gemv: qweight {tuple(qweight.shape)} has 2^31 words or more; "
+                         "split the layer (the one-row path indexes words in int32)")
     x = x.contiguous()
     if config is None:
         bucket = m_bucket(m)
