@@ -15,24 +15,24 @@ scale and zero are applied once per output, after the sum:
 
     sum_k x[k] * W[n, k] = scales[g, n] * (sum_k x[k] * q[k, n] - zeros[g, n] * sum_k x[k])
 
-- one row, natural order: bound by instruction issue, not memory (an H100 SM issues ~128
-  thread-instructions per clock against ~13 bytes of bandwidth: ~5 per int4 weight at the
-  memory rate), so it spends about 2.4 per weight on the weights themselves. Each nibble
-  becomes the float32 ``128 + q`` without a conversion: the masked bytes of a word
-  (``w & 0x0F0F0F0F`` and ``(w >> 4) & 0x0F0F0F0F``) go to bits 16..19 of a float whose top
-  byte is 0x43 with one ``prmt`` each (inline PTX; the interpreter runs the same bit algebra
-  in plain Triton), then one FFMA: ``sum_k x[k] * (128 + q[k, n])``, and the offset goes with
-  the zero point once per output and step:
+- one row, natural order: bound by instruction issue, not memory, before (an H100 SM issues
+  ~128 thread-instructions per clock against ~13 bytes of bandwidth: ~5 per int4 weight at
+  the memory rate; the old loop took ~5.5). Now about 2.4 per weight go to the weights: each
+  nibble becomes the float32 ``128 + q`` without a conversion (the word masked once per four
+  nibbles, ``w & 0x0F0F0F0F`` and ``(w >> 4) & 0x0F0F0F0F``, then one ``prmt`` per nibble
+  puts its byte at bits 16..23 of a float whose top byte is 0x43), and one FFMA sums
+  ``x[k] * (128 + q[k, n])``; the offset goes with the zero point once per output and step:
 
       sum_k x[k] * (q - z) = sum_k x[k] * (128 + q) - (128 + z) * sum_k x[k]
 
-  The products are exact for bfloat16 and float16 ``x`` (8 or 11 significant bits times 8);
-  the partial sums are up to ~143 / 8 ~ 2^4 (up to 143 / |q - z|, ~2^7 at worst) times
-  larger than the result's, so the float32 sums keep ~17 to 20 of their 24 bits: an error of
-  ~2^-17 of ``sum_k |x[k] * s[k]|`` at most, far below bfloat16 and float16 outputs'
-  rounding (``tests/kernels/test_triton_skinny_gemm.py`` checks the bound). A step's word
-  rows are loaded as slices of one word row per thread (``slice_rows``): ``x`` is loaded and
-  converted once per row and thread, and scale and zero once per output, step and thread;
+  The products are exact for bfloat16 and float16 ``x`` (8 or 11 significant bits times 8).
+  The cancellation costs about 7 of float32's 24 bits (partial sums reach ~143 * sum|x|
+  where the terms of the result are |q - z| * |x|): observed ~2^-22 of ``sum_k |x[k] *
+  s[k, n]|``, far below bfloat16 and float16 outputs' rounding (the worst-case bound is
+  checked in ``tests/kernels/test_triton_skinny_gemm.py``). A step's word rows are loaded as
+  slices of one word row per thread (``slice_rows``): ``x`` is loaded (bfloat16 in int32
+  pairs) and converted once per row and thread, the scale and zero once per output, step
+  and thread. SASS per weight of the K loop: ``benchmarks/gpu/sass_op_counts.py``;
 - 2 to 16 rows: ``tl.dot`` of the rows (a 16-row block) with the nibbles as 16-bit values
   (exact: 0..15);
 - act-order (``g_idx`` not the natural order): every input has its own group, so the tile is
@@ -69,53 +69,10 @@ from octavo.kernels.triton.skinny_gemm import (
 TUNER = SkinnyTuner("int4_gemv")
 
 
-# One ``prmt`` per nibble: bytes of the masked word (low nibbles, or high nibbles shifted
-# down) moved to byte 2 of a float whose byte 3 is 0x43 (bytes 4..7 of the pair {a, b} are
-# b = 0x43, 0, 0, 0; selector 0x4k55 takes byte k of a into byte 2). ``0x43 0q 00 00`` is
-# 128 * (1 + q * 2^16 / 2^23) = 128 + q exactly.
-_NIBBLES_128_ASM = tl.constexpr("""{
-.reg .b32 lo, hi;
-and.b32 lo, $8, 0x0F0F0F0F;
-shr.u32 hi, $8, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, 0x43, 0x4055;
-prmt.b32 $1, hi, 0x43, 0x4055;
-prmt.b32 $2, lo, 0x43, 0x4155;
-prmt.b32 $3, hi, 0x43, 0x4155;
-prmt.b32 $4, lo, 0x43, 0x4255;
-prmt.b32 $5, hi, 0x43, 0x4255;
-prmt.b32 $6, lo, 0x43, 0x4355;
-prmt.b32 $7, hi, 0x43, 0x4355;
-}""")
-
-
 @triton.jit
 def _byte_128(masked, byte: tl.constexpr):
     """Byte ``byte`` of ``masked`` (a value 0..15) at bits 16..19 under 0x43: ``128 + q``."""
     return ((((masked >> (8 * byte)) & 0xFF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nibbles_128(words, NIBBLE_ASM: tl.constexpr):
-    """The eight nibbles of each int32 word as float32 ``128 + q`` (exact), nibble 0 first.
-
-    ``NIBBLE_ASM``: eleven instructions per word through inline PTX (``and``, ``shr``, ``and``
-    and one ``prmt`` per nibble); otherwise the same bits in plain Triton (the interpreter
-    runs no inline assembly)."""
-    if NIBBLE_ASM:
-        f0, f1, f2, f3, f4, f5, f6, f7 = tl.inline_asm_elementwise(
-            _NIBBLES_128_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
-                   tl.int32), is_pure=True, pack=1)
-        return (f0.to(tl.float32, bitcast=True), f1.to(tl.float32, bitcast=True),
-                f2.to(tl.float32, bitcast=True), f3.to(tl.float32, bitcast=True),
-                f4.to(tl.float32, bitcast=True), f5.to(tl.float32, bitcast=True),
-                f6.to(tl.float32, bitcast=True), f7.to(tl.float32, bitcast=True))
-    else:
-        lo = words & 0x0F0F0F0F
-        hi = (words >> 4) & 0x0F0F0F0F
-        return (_byte_128(lo, 0), _byte_128(hi, 0), _byte_128(lo, 1), _byte_128(hi, 1),
-                _byte_128(lo, 2), _byte_128(hi, 2), _byte_128(lo, 3), _byte_128(hi, 3))
 
 
 @triton.jit
@@ -149,6 +106,88 @@ def _load_x8(x_ptr, row, ok, X_BF16_PAIRS: tl.constexpr):
 
 
 @triton.jit
+def _prmt(src, c43, SELECTOR: tl.constexpr):
+    """``prmt.b32 d, src, c43, SELECTOR`` (bytes 0..3 of ``src``, 4..7 of ``c43``)."""
+    if SELECTOR == 0x4055:
+        d = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4055;", "=r,r,r", [src, c43],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    elif SELECTOR == 0x4155:
+        d = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4155;", "=r,r,r", [src, c43],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    elif SELECTOR == 0x4255:
+        d = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4255;", "=r,r,r", [src, c43],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        d = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4355;", "=r,r,r", [src, c43],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return d
+
+
+@triton.jit
+def _nibble_128(lo, hi, j: tl.constexpr, c43, NIBBLE_ASM: tl.constexpr):
+    """float32 ``128 + q`` of nibble ``j`` of each word, from the word's masked low (``lo =
+    w & 0x0F0F0F0F``) or high (``hi = (w >> 4) & 0x0F0F0F0F``) nibbles.
+
+    ``NIBBLE_ASM``: one ``prmt`` (inline PTX) moves byte ``j // 2`` to byte 2 under byte 3
+    0x43 (``c43``'s low byte; selector 0x4k55: byte k of the source into byte 2, byte 4 =
+    0x43 into byte 3, byte 5 = 0 into bytes 0 and 1). ``0x43 0q 00 00`` is
+    ``128 * (1 + q * 2^16 / 2^23) = 128 + q`` exactly. Otherwise the same bits in plain Triton
+    (the interpreter runs no inline assembly)."""
+    if j % 2 == 0:
+        src = lo
+    else:
+        src = hi
+    if NIBBLE_ASM:
+        return _prmt(src, c43 + src * 0, 0x4055 + 0x100 * (j // 2)).to(tl.float32,
+                                                                      bitcast=True)
+    else:
+        return _byte_128(src, j // 2)
+
+
+@triton.jit
+def _x_of_slice(x_ptr, k0, s: tl.constexpr, k_end, offs_r, SLICE_ROWS: tl.constexpr,
+                EVEN_K: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
+    """The eight inputs of each word row of slice ``s`` of the step at ``k0``."""
+    rows = k0 // 8 + s * SLICE_ROWS + offs_r
+    row_ok = (rows[:, None] * 8 < k_end) | EVEN_K
+    return _load_x8(x_ptr, rows[:, None], row_ok, X_BF16_PAIRS)
+
+
+@triton.jit
+def _slice_words(qweight_ptr, k0, s: tl.constexpr, k_end, offs_r, offs_n, n_mask, N,
+                 SLICE_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Slice ``s`` of the step at ``k0``: ``[SLICE_ROWS, BLOCK_N]`` words (zeros past
+    ``k_end``)."""
+    rows = k0 // 8 + s * SLICE_ROWS + offs_r  # [R] word rows
+    if EVEN_K:  # whole steps: the step is in range or not
+        row_ok = rows[:, None] * 0 + k0 < k_end
+    else:  # K and k_end are multiples of 8
+        row_ok = rows[:, None] * 8 < k_end
+    # int32 offsets: the launch checks that the weight has fewer than 2^31 words
+    return tl.load(qweight_ptr + (rows[:, None] * N + offs_n[None, :]),
+                   mask=row_ok & n_mask[None, :], other=0)
+
+
+@triton.jit
+def _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS: tl.constexpr,
+                SLICES: tl.constexpr, EVEN_K: tl.constexpr):
+    """The step's 1, 2 or 4 slices (unused ones repeat the first: no load)."""
+    w0 = _slice_words(qweight_ptr, k0, 0, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS, EVEN_K)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if SLICES > 1:
+        w1 = _slice_words(qweight_ptr, k0, 1, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
+                          EVEN_K)
+    if SLICES > 2:
+        w2 = _slice_words(qweight_ptr, k0, 2, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
+                          EVEN_K)
+        w3 = _slice_words(qweight_ptr, k0, 3, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
+                          EVEN_K)
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start, k_end,
                            offs_n, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SLICE_ROWS: tl.constexpr, GROUP_STEPS: tl.constexpr,
@@ -156,32 +195,48 @@ def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start
                            NIBBLE_ASM: tl.constexpr):
     """``[BLOCK_N]`` float32 sums of one row over ``k_start .. k_end`` (natural-order groups).
 
-    A step's ``BLOCK_K / 8`` word rows are loaded as ``[SLICE_ROWS, BLOCK_N]`` slices (sized so
-    that a thread holds one word row of each): a thread sums its words of all slices against
-    ``x`` before the group's zero and scale are applied, once per output and step."""
+    A step's ``BLOCK_K / 8`` word rows are loaded as 1, 2 or 4 ``[SLICE_ROWS, BLOCK_N]``
+    slices (sized so that a thread holds one word row of each). A thread sums its words of
+    all slices against ``x`` (nibble-major, so all of a step's loads are issued together at
+    its start) before the group's zero and scale are applied, once per output and step."""
+    SLICES: tl.constexpr = BLOCK_K // (8 * SLICE_ROWS)
+    # 0x43 that the compiler cannot see as a constant (k_end >= 0): kept in a register for
+    # prmt's second source, so that the selector stays an immediate
+    c43 = (k_end >> 31) | 0x43
     offs_r = tl.arange(0, SLICE_ROWS)
     acc = tl.zeros((SLICE_ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
+        c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
+                                     SLICE_ROWS, SLICES, EVEN_K)
+        # Nibble-major over the slices: every slice's words are needed from the start, so
+        # ptxas issues all of a step's loads together (slice by slice, it sinks each
+        # slice's loads to just before its sums).
+        lo0 = c0 & 0x0F0F0F0F
+        hi0 = (c0 >> 4) & 0x0F0F0F0F
+        x0 = _x_of_slice(x_ptr, k0, 0, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+        xs = ((x0[0] + x0[1]) + (x0[2] + x0[3])) + ((x0[4] + x0[5]) + (x0[6] + x0[7]))
+        if SLICES > 1:
+            lo1 = c1 & 0x0F0F0F0F
+            hi1 = (c1 >> 4) & 0x0F0F0F0F
+            x1 = _x_of_slice(x_ptr, k0, 1, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+            xs += ((x1[0] + x1[1]) + (x1[2] + x1[3])) + ((x1[4] + x1[5]) + (x1[6] + x1[7]))
+        if SLICES > 2:
+            lo2 = c2 & 0x0F0F0F0F
+            hi2 = (c2 >> 4) & 0x0F0F0F0F
+            lo3 = c3 & 0x0F0F0F0F
+            hi3 = (c3 >> 4) & 0x0F0F0F0F
+            x2 = _x_of_slice(x_ptr, k0, 2, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+            x3 = _x_of_slice(x_ptr, k0, 3, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+            xs += ((x2[0] + x2[1]) + (x2[2] + x2[3])) + ((x2[4] + x2[5]) + (x2[6] + x2[7]))
+            xs += ((x3[0] + x3[1]) + (x3[2] + x3[3])) + ((x3[4] + x3[5]) + (x3[6] + x3[7]))
         qx = tl.zeros((SLICE_ROWS, BLOCK_N), dtype=tl.float32)  # sum x * (128 + q)
-        xs = tl.zeros((SLICE_ROWS, 1), dtype=tl.float32)  # sum x
-        for s in tl.static_range(BLOCK_K // (8 * SLICE_ROWS)):
-            rows = k0 // 8 + s * SLICE_ROWS + offs_r  # [R] word rows
-            row_ok = (rows[:, None] * 8 < k_end) | EVEN_K  # K and k_end are multiples of 8
-            # int32 offsets: the launch checks that the weight has fewer than 2^31 words
-            words = tl.load(qweight_ptr + (rows[:, None] * N + offs_n[None, :]),
-                            mask=row_ok & n_mask[None, :], other=0)  # [R, BLOCK_N]
-            f0, f1, f2, f3, f4, f5, f6, f7 = _nibbles_128(words, NIBBLE_ASM)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(x_ptr, rows[:, None], row_ok,
-                                                      X_BF16_PAIRS)
-            xs += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-            qx += x0 * f0
-            qx += x1 * f1
-            qx += x2 * f2
-            qx += x3 * f3
-            qx += x4 * f4
-            qx += x5 * f5
-            qx += x6 * f6
-            qx += x7 * f7
+        for j in tl.static_range(8):
+            qx += x0[j] * _nibble_128(lo0, hi0, j, c43, NIBBLE_ASM)
+            if SLICES > 1:
+                qx += x1[j] * _nibble_128(lo1, hi1, j, c43, NIBBLE_ASM)
+            if SLICES > 2:
+                qx += x2[j] * _nibble_128(lo2, hi2, j, c43, NIBBLE_ASM)
+                qx += x3[j] * _nibble_128(lo3, hi3, j, c43, NIBBLE_ASM)
         # The group's scales and zeros broadcast over the rows in the load itself (repeats
         # hit L1), to stay in the words' register layout (no shared-memory shuffle).
         g = (k0 // BLOCK_K) // GROUP_STEPS
@@ -342,8 +397,9 @@ def fit_block_k(block_k: int, group_size: int, has_g_idx: bool) -> int:
 
 def slice_rows(block_n: int, block_k: int, num_warps: int) -> int:
     """Word rows per slice of a one-row step: ``[rows, block_n]`` words give each thread eight
-    words of one row (two 16-byte loads), or the whole step when it is smaller."""
-    return max(1, min(block_k // 8, 32 * num_warps * 8 // block_n))
+    words of one row (two 16-byte loads), or the whole step when it is smaller; at least a
+    quarter of the step (the kernel takes 1, 2 or 4 slices)."""
+    return max(1, block_k // 32, min(block_k // 8, 32 * num_warps * 8 // block_n))
 
 
 def kernel_constexprs(x: torch.Tensor, n: int, k: int, group_size: int, has_g_idx: bool,
