@@ -95,7 +95,8 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     dense = torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
     fp8_w, fp8_s = quantize_fp8_per_channel(dense)
     groups = k // GROUP
-    qweight = pack_rows(torch.randint(0, 16, (k, n), device="cuda", generator=gen))
+    q = torch.randint(0, 16, (k, n), device="cuda", generator=gen)
+    qweight = pack_rows(q)
     scales = torch.full((groups, n), 0.002, device="cuda", dtype=torch.float16)
     zeros = torch.full((groups, n), 8.0, device="cuda", dtype=torch.float16)
 
@@ -125,6 +126,9 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     }
     result["fp8_rel_err"] = rel_err(fp8_module.fp8_gemv(x, fp8_w, fp8_s),
                                     x.float() @ (fp8_w.float() * fp8_s[:, None]).t())
+    result["int4_rel_err"] = rel_err(int4_module.int4_gemv(x, qweight, scales, zeros, GROUP),
+                                     x.float() @ ((q.float() - 8.0) * scales[0, 0].float()))
+    del q
     if args.sweep:
         for label, module, ws, call in (
                 ("fp8", fp8_module, fp8_ws, lambda w, c: fp8_module.fp8_gemv(x, w, fp8_s, c)),
