@@ -35,10 +35,10 @@ FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr
            "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "UPCAST_DOT": "constexpr"}
 INT4_SIG = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp16", "zeros_ptr": "*fp16",
             "g_idx_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-            "group_size": "i32", "k_split": "i32", "stride_xm": "i32"}
+            "k_split": "i32", "stride_xm": "i32"}
 # Arguments a launch with Llama-3-8B shapes specialises as divisible by 16.
 ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr",
-           "g_idx_ptr", "N", "K", "k_split", "stride_xm", "stride_wn", "group_size")
+           "g_idx_ptr", "N", "K", "k_split", "stride_xm", "stride_wn")
 
 
 def int4_constexprs(m: int, config: SkinnyConfig, has_g_idx: bool = False, split: int = 2,

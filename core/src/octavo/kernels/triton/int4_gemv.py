@@ -258,7 +258,6 @@ def _int4_gemv_kernel(
     M,
     N,
     K,
-    group_size,  # a multiple of BLOCK_K unless HAS_G_IDX
     k_split,  # inputs per split, a multiple of BLOCK_K
     stride_xm,
     HAS_G_IDX: tl.constexpr,
@@ -436,7 +435,7 @@ def _launch(x, qweight, scales, zeros, group_size, g_idx, config: SkinnyConfig) 
     grid = (triton.cdiv(n, config.block_n), split)
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
-        m, n, k, group_size, k_per_split(k, split, block_k), x.stride(0),
+        m, n, k, k_per_split(k, split, block_k), x.stride(0),
         **kernel_constexprs(x, n, k, group_size, g_idx is not None, config, split),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
