@@ -46,8 +46,11 @@ def count(name: str, fn, signature: dict, consts: dict, config: SkinnyConfig) ->
 
 def main() -> None:
     # The one-row default and the tuner's candidates (block_k as cut for groups of 128).
-    for config in dict.fromkeys([int4_gemv.default_config(4096, 4096, 1),
-                                 *int4_gemv.candidate_configs(1)]):
+    # (split-K changes only the epilogue: each loop shape once)
+    loops = {(c.block_n, c.block_k, c.num_warps, c.num_stages): c
+             for c in [int4_gemv.default_config(4096, 4096, 1),
+                       *int4_gemv.candidate_configs(1)]}
+    for config in loops.values():
         count("int4_gemv", _int4_gemv_kernel, {**check.INT4_SIG, "out_ptr": "*fp32"},
               check.int4_constexprs(1, config), config)
     count("fp8_gemv", _fp8_gemv_kernel, check.FP8_SIG,

@@ -374,8 +374,12 @@ def default_config(n: int, k: int, m: int) -> SkinnyConfig:
 def candidate_configs(m: int) -> list[SkinnyConfig]:
     """What the tuner times for rows bucket ``m`` (``block_k`` is cut to the group size)."""
     if m == 1:
+        # split_k=16: short K chains and ~6 or more programs per SM, for more bytes in flight
+        # than choose_split_k's two programs per SM give (the one-row loop now needs few
+        # registers)
         return [SkinnyConfig(64, 128), SkinnyConfig(128, 128, num_warps=8),
                 SkinnyConfig(256, 128), SkinnyConfig(512, 128, num_warps=8),
+                SkinnyConfig(128, 128, split_k=16), SkinnyConfig(64, 128, split_k=16),
                 SkinnyConfig(256, 64, num_warps=8), SkinnyConfig(256, 32),
                 SkinnyConfig(512, 32, num_warps=8), SkinnyConfig(32, 128),
                 SkinnyConfig(128, 64, num_stages=3)]
