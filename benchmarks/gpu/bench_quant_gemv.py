@@ -86,6 +86,7 @@ def copies_for(num_bytes: int) -> int:
 def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     from octavo.kernels.fp8 import quantize_fp8_per_channel, quantize_fp8_per_token
     from octavo.kernels.int4 import pack_rows
+    from octavo.kernels.skinny import m_bucket
     from octavo.kernels.triton import fp8_gemv as fp8_module
     from octavo.kernels.triton import int4_gemv as int4_module
     from octavo.kernels.triton.int4_gemm import int4_gemm
@@ -137,7 +138,9 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
             if label not in args.sweep_kernels.split(","):
                 continue
             best = None
-            for config in sweep_configs(m):
+            # the grid, then the kernel's own tuner candidates not in it (int4: split_k=16)
+            for config in dict.fromkeys([*sweep_configs(m),
+                                         *module.candidate_configs(m_bucket(m))]):
                 try:
                     us = time_per_call(lambda w, c=config, f=call: f(w, c), ws)
                 except Exception as exc:  # noqa: BLE001  (a tile too big for this GPU)
