@@ -86,6 +86,7 @@ def copies_for(num_bytes: int) -> int:
 def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     from octavo.kernels.fp8 import quantize_fp8_per_channel, quantize_fp8_per_token
     from octavo.kernels.int4 import pack_rows
+    from octavo.kernels.skinny import m_bucket
     from octavo.kernels.triton import fp8_gemv as fp8_module
     from octavo.kernels.triton import int4_gemv as int4_module
     from octavo.kernels.triton.int4_gemm import int4_gemm
@@ -95,7 +96,8 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     dense = torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
     fp8_w, fp8_s = quantize_fp8_per_channel(dense)
     groups = k // GROUP
-    qweight = pack_rows(torch.randint(0, 16, (k, n), device="cuda", generator=gen))
+    q = torch.randint(0, 16, (k, n), device="cuda", generator=gen)
+    qweight = pack_rows(q)
     scales = torch.full((groups, n), 0.002, device="cuda", dtype=torch.float16)
     zeros = torch.full((groups, n), 8.0, device="cuda", dtype=torch.float16)
 
@@ -125,6 +127,9 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     }
     result["fp8_rel_err"] = rel_err(fp8_module.fp8_gemv(x, fp8_w, fp8_s),
                                     x.float() @ (fp8_w.float() * fp8_s[:, None]).t())
+    result["int4_rel_err"] = rel_err(int4_module.int4_gemv(x, qweight, scales, zeros, GROUP),
+                                     x.float() @ ((q.float() - 8.0) * scales[0, 0].float()))
+    del q
     if args.sweep:
         for label, module, ws, call in (
                 ("fp8", fp8_module, fp8_ws, lambda w, c: fp8_module.fp8_gemv(x, w, fp8_s, c)),
@@ -133,7 +138,9 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
             if label not in args.sweep_kernels.split(","):
                 continue
             best = None
-            for config in sweep_configs(m):
+            # the grid, then the kernel's own tuner candidates not in it (int4: split_k=16)
+            for config in dict.fromkeys([*sweep_configs(m),
+                                         *module.candidate_configs(m_bucket(m))]):
                 try:
                     us = time_per_call(lambda w, c=config, f=call: f(w, c), ws)
                 except Exception as exc:  # noqa: BLE001  (a tile too big for this GPU)

@@ -1,37 +1,92 @@
 """Compile the skinny kernels for sm_90 (H100) without a GPU and report what their K loops do.
 
 Run as a script (``python tests/kernels/sm90_compile_check.py``) in a process without
-``TRITON_INTERPRET``: Triton's NVIDIA backend lowers each kernel to PTX with the argument
-specialisation a real launch gets (16-byte aligned pointers, sizes divisible by 16), and the
-script prints one JSON line per variant: the K loop's ``bar.sync`` count (shared-memory
-shuffles), its global loads, and whether the weight loads are 16-byte vectors.
-``test_skinny_sm90.py`` runs it in CI; on a GPU the same kernels are compiled by the launches.
+``TRITON_INTERPRET``: Triton's NVIDIA backend lowers each kernel with the argument
+specialisation a real launch gets (16-byte aligned pointers, sizes divisible by 16; the
+int4 kernel's compile-time arguments from ``int4_gemv.kernel_constexprs``), and the script
+prints one JSON line per variant: the K loop's ``bar.sync`` count (shared-memory shuffles),
+its global loads, whether the weight loads are 16-byte vectors, the kernel's local-memory
+instructions (register spills) and the SASS instructions of the loop (disassembled with
+Triton's bundled ``nvdisasm``). ``test_skinny_sm90.py`` runs it in CI; on a GPU the same
+kernels are compiled by the launches.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
+import torch
 import triton
 from octavo.kernels.triton.fp8_gemv import _fp8_gemv_kernel
-from octavo.kernels.triton.int4_gemv import _int4_gemv_kernel
+from octavo.kernels.triton.int4_gemv import _int4_gemv_kernel, kernel_constexprs
+from octavo.kernels.triton.skinny_gemm import SkinnyConfig
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
+NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
            "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "UPCAST_DOT": "constexpr"}
 INT4_SIG = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp16", "zeros_ptr": "*fp16",
             "g_idx_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-            "group_size": "i32", "k_split": "i32", "stride_xm": "i32",
-            "HAS_G_IDX": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-            "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "UPCAST_DOT": "constexpr"}
+            "k_split": "i32", "stride_xm": "i32"}
 # Arguments a launch with Llama-3-8B shapes specialises as divisible by 16.
 ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr",
-           "g_idx_ptr", "N", "K", "k_split", "stride_xm", "stride_wn", "group_size")
+           "g_idx_ptr", "N", "K", "k_split", "stride_xm", "stride_wn")
+
+
+def int4_constexprs(m: int, config: SkinnyConfig, has_g_idx: bool = False, split: int = 2,
+                    dtype: torch.dtype = torch.bfloat16) -> dict:
+    """What a launch of ``int4_gemv`` at N = K = 4096, group 128, with ``m`` rows compiles."""
+    x = torch.empty(m, 4096, dtype=dtype)  # on the CPU: only its dtype and alignment count
+    return kernel_constexprs(x, 4096, 4096, 128, has_g_idx, config, split)
+
+
+def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2):
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in ALIGNED if name in signature}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=TARGET,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass(kernel) -> str:
+    """The kernel's SASS (``nvdisasm`` of its cubin)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([str(NVDISASM), "-c", cubin.name], capture_output=True,
+                              text=True, check=True).stdout
+
+
+_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_opcodes(text: str) -> list[str]:
+    """The opcodes of the SASS instructions in ``text``, in order."""
+    return [m.group(1) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
+
+
+def sass_loop(text: str) -> str:
+    """The SASS of the first loop: from the label the first backward branch jumps to, to that
+    branch ("" when there is none)."""
+    lines = text.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        label = re.match(r"^(\.L\w+):", line)
+        if label:
+            labels[label.group(1)] = i
+        branch = re.search(r"\bBRA\s+`?\(?(\.L\w+)\)?", line)
+        if branch and labels.get(branch.group(1), i) < i:
+            return "\n".join(lines[labels[branch.group(1)]:i + 1])
+    return ""
 
 
 def loop_body(ptx: str) -> str:
@@ -41,15 +96,14 @@ def loop_body(ptx: str) -> str:
 
 
 def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name in ALIGNED if name in signature}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(source, target=TARGET,
-                            options={"num_warps": num_warps, "num_stages": 2})
+    kernel = compile_kernel(fn, signature, constexprs, num_warps)
     body = loop_body(kernel.asm["ptx"])
+    code = sass(kernel)
     return {"loop_barriers": body.count("bar.sync"),
             "loop_global_loads": len(re.findall(r"ld\.global", body)),
-            "loop_vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body))}
+            "loop_vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body)),
+            "local_memory_ops": sum(op in ("LDL", "STL") for op in sass_opcodes(code)),
+            "loop_sass": len(sass_opcodes(sass_loop(code)))}
 
 
 def main() -> None:
@@ -59,9 +113,8 @@ def main() -> None:
         print(json.dumps({"kernel": "fp8_gemv", **consts,
                           **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
         for has_g_idx in (False, True):
-            consts = {"HAS_G_IDX": has_g_idx, "BLOCK_M": block_m,
-                      "BLOCK_N": 128 if block_m == 1 else 64, "BLOCK_K": 128, "SPLIT_K": 2,
-                      "UPCAST_DOT": False}
+            config = SkinnyConfig(128 if block_m == 1 else 64, 128)
+            consts = int4_constexprs(block_m, config, has_g_idx)
             signature = {**INT4_SIG, "out_ptr": "*fp32"}  # split-K: float32 atomics
             print(json.dumps({"kernel": "int4_gemv", **consts,
                               **compile_variant(_int4_gemv_kernel, signature, consts, 4)}))

@@ -17,13 +17,14 @@ import pytest
 import torch
 from octavo.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_fp8_per_channel
 from octavo.kernels.gguf import GGUF_BLOCKS, gguf_matmul_reference
-from octavo.kernels.int4 import int4_linear, int4_linear_reference
+from octavo.kernels.int4 import dequantize_int4, int4_linear, int4_linear_reference
 from octavo.kernels.skinny import SMALL_M_MAX, m_bucket, use_small_m_kernel
 from octavo.kernels.triton import fp8_gemv as fp8_gemv_module
+from octavo.kernels.triton import int4_gemv as int4_gemv_module
+from octavo.kernels.triton import skinny_gemm as skinny_gemm_module
 from octavo.kernels.triton.fp8_gemv import fp8_gemv
 from octavo.kernels.triton.gguf_gemv import gguf_gemv
-from octavo.kernels.triton.int4_gemv import fit_block_k, int4_gemv
-from octavo.kernels.triton import skinny_gemm as skinny_gemm_module
+from octavo.kernels.triton.int4_gemv import fit_block_k, int4_gemv, slice_rows
 from octavo.kernels.triton.skinny_gemm import (
     CONFIG_DIR,
     SkinnyConfig,
@@ -122,6 +123,52 @@ def test_int4_gemv_one_group_over_all_inputs_and_steps_cut_to_groups(m):
         out = int4_gemv(*args, group_size, None, SkinnyConfig(block_n=16, block_k=128))
         expected = int4_linear_reference(*args, group_size)
         assert relative_error(out, expected) < TOLERANCES[torch.float32][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_int4_gemv_one_row_slices_partial_groups_and_unaligned_x(dtype):
+    """The one-row path's variants: a step loaded in two slices of eight word rows (block_n
+    128), a last group and step cut short (K = 200, groups of 32: no ``EVEN_K``), a block of
+    outputs past N (masked), and bfloat16 ``x`` that is not 4-byte aligned (loaded one by one
+    instead of in pairs)."""
+    assert slice_rows(128, 128, 4) == 8 and slice_rows(256, 128, 4) == 4
+    assert slice_rows(16, 32, 4) == 4  # a whole step smaller than a slice
+    for n, k, group_size, config in ((136, 256, 128, SkinnyConfig(128, 128, split_k=2)),
+                                     (40, 200, 32, SkinnyConfig(32, 128, split_k=1))):
+        qweight, scales, zeros, _ = int4_weight(n, k, group_size, sym=False, act_order=False)
+        storage = torch.randn(k + 1, generator=torch.Generator().manual_seed(3)).to(dtype)
+        for x in (storage[:k].view(1, k), storage[1:].view(1, k)):  # aligned, then not
+            args = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+            out = int4_gemv(*args, group_size, None, config)
+            expected = int4_linear_reference(args[0].float(), *args[1:], group_size)
+            assert relative_error(out, expected) < TOLERANCES[dtype][0]
+
+
+def test_int4_gemv_one_row_error_within_the_bound_of_the_128_offset():
+    """The one-row path sums ``x * (128 + q)`` in float32 and takes ``(128 + z) * sum(x)`` off
+    once per step: partial sums up to 143 * sum|x| where the result is |q - z| * sum|x|. Worst
+    case (recursive summation, unit roundoff u = 2^-24, chains of at most ``block_k + 2``
+    terms for the products and for sum(x), then ``K / 8`` more additions of partial results):
+
+        |error[n]| <= u * (2 * 143 * (block_k + 2) + 15 * (K / 8 + 8)) * sum_k |x[k] * s[k, n]|
+
+    checked against a float64 reference on bfloat16-valued float32 inputs (exact products).
+    The observed error is far below it: ~2^-22 of the same sum (a float32 matmul of the
+    dequantized weight: ~2^-20), asserted below 2^-19."""
+    n, k, group_size, block_k = 64, 512, 128, 128
+    qweight, scales, zeros, _ = int4_weight(n, k, group_size, sym=False, act_order=False)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).bfloat16().float()
+    x[0, :7] *= 50  # a few large activations, as in real layers
+    out = int4_gemv(*[t.to(DEVICE) for t in (x, qweight, scales, zeros)], group_size, None,
+                    SkinnyConfig(64, block_k, split_k=2)).cpu().double()
+    weight = dequantize_int4(qweight, scales, zeros, group_size, None, torch.float64)
+    expected = x.double() @ weight.T
+    group_scales = scales.double().repeat_interleave(group_size, dim=0)  # [K, N]
+    magnitude = (x.double().abs().T * group_scales).sum(dim=0)  # sum_k |x[k] * s[k, n]|
+    bound = 2.0**-24 * (2 * 143 * (block_k + 2) + 15 * (k / 8 + 8)) * magnitude
+    error = (out[0] - expected[0]).abs()
+    assert (error <= bound).all(), (error / bound).max()
+    assert (error <= 2.0**-19 * magnitude).all(), (error / magnitude).max()
 
 
 def test_split_k_fills_the_target_programs_and_keeps_two_steps():
@@ -241,6 +288,49 @@ def test_int4_gemv_llama3_8b_shapes_on_gpu(n, k, m, act_order):
     out = int4_gemv(*args, 128, g)
     expected = int4_linear_reference(args[0].float(), *args[1:], 128, g)
     assert relative_error(out, expected) < GPU_RELATIVE_ERROR
+
+
+# One-row int4 outputs against the float32 reference: ~2.5 ulps of the largest output.
+ONE_ROW_RELATIVE_ERROR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
+@pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act-order"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_int4_gemv_one_row_every_config_llama3_8b_shapes_on_gpu(n, k, act_order, dtype):
+    """The one-row paths at the 8B shapes, group 128: natural order (inline-PTX nibble
+    unpacking) with every launch config the tuner may choose, act-order with the default."""
+    qweight, scales, zeros, g_idx = full_size_int4(n, k, act_order)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+    args = [t.cuda() for t in (x, qweight, scales, zeros)]
+    g = g_idx.cuda() if g_idx is not None else None
+    expected = int4_linear_reference(args[0].float(), *args[1:], 128, g)
+    configs = [int4_gemv_module.default_config(n, k, 1)]
+    if not act_order:
+        configs += int4_gemv_module.candidate_configs(1)
+    for config in dict.fromkeys(configs):
+        out = int4_gemv(*args, 128, g, config)
+        assert out.dtype == dtype
+        assert relative_error(out, expected) < ONE_ROW_RELATIVE_ERROR[dtype], config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_int4_gemv_one_row_inline_asm_equals_the_plain_triton_unpacking_on_gpu(dtype,
+                                                                               monkeypatch):
+    """The inline PTX makes the same floats as the interpreter's plain-Triton bit algebra, and
+    the sums run in the same order: bit-identical outputs (one program per output block, no
+    atomics)."""
+    qweight, scales, zeros, _ = full_size_int4(4096, 4096, False)
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(6)).to(dtype)
+    args = [t.cuda() for t in (x, qweight, scales, zeros)]
+    config = SkinnyConfig(128, 128, split_k=1)
+    with_asm = int4_gemv(*args, 128, None, config)
+    monkeypatch.setattr(int4_gemv_module, "interpreting", lambda: True)  # NIBBLE_ASM off
+    assert not int4_gemv_module.kernel_constexprs(args[0], 4096, 4096, 128, False, config,
+                                                  1)["NIBBLE_ASM"]
+    assert torch.equal(int4_gemv(*args, 128, None, config), with_asm)
 
 
 @pytest.mark.gpu

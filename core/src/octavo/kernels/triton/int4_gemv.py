@@ -15,8 +15,24 @@ scale and zero are applied once per output, after the sum:
 
     sum_k x[k] * W[n, k] = scales[g, n] * (sum_k x[k] * q[k, n] - zeros[g, n] * sum_k x[k])
 
-- one row: the nibbles are shifted out of the words in registers (``[block_k / 8, 8,
-  block_n]``) and summed against ``x`` elementwise;
+- one row, natural order: bound by instruction issue, not memory, before (an H100 SM issues
+  ~128 thread-instructions per clock against ~13 bytes of bandwidth: ~5 per int4 weight at
+  the memory rate; the old loop took ~5.5). Now about 2.4 per weight go to the weights: each
+  nibble becomes the float32 ``128 + q`` without a conversion (the word masked once per four
+  nibbles, ``w & 0x0F0F0F0F`` and ``(w >> 4) & 0x0F0F0F0F``, then one ``prmt`` per nibble
+  puts its byte at bits 16..23 of a float whose top byte is 0x43), and one FFMA sums
+  ``x[k] * (128 + q[k, n])``; the offset goes with the zero point once per output and step:
+
+      sum_k x[k] * (q - z) = sum_k x[k] * (128 + q) - (128 + z) * sum_k x[k]
+
+  The products are exact for bfloat16 and float16 ``x`` (8 or 11 significant bits times 8).
+  The cancellation costs about 7 of float32's 24 bits (partial sums reach ~143 * sum|x|
+  where the terms of the result are |q - z| * |x|): observed ~2^-22 of ``sum_k |x[k] *
+  s[k, n]|``, far below bfloat16 and float16 outputs' rounding (the worst-case bound is
+  checked in ``tests/kernels/test_triton_skinny_gemm.py``). A step's word rows are loaded as
+  slices of one word row per thread (``slice_rows``): ``x`` is loaded (bfloat16 in int32
+  pairs) and converted once per row and thread, the scale and zero once per output, step
+  and thread. SASS per weight of the K loop: ``benchmarks/gpu/sass_op_counts.py``;
 - 2 to 16 rows: ``tl.dot`` of the rows (a 16-row block) with the nibbles as 16-bit values
   (exact: 0..15);
 - act-order (``g_idx`` not the natural order): every input has its own group, so the tile is
@@ -36,7 +52,12 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.skinny import m_bucket
-from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
+from octavo.kernels.triton.cache_write import (
+    dot_fp32,
+    interpreting,
+    store_skinny_output,
+    upcast_dot,
+)
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyTuner,
@@ -46,6 +67,184 @@ from octavo.kernels.triton.skinny_gemm import (
 )
 
 TUNER = SkinnyTuner("int4_gemv")
+
+
+@triton.jit
+def _byte_128(masked, byte: tl.constexpr):
+    """Byte ``byte`` of ``masked`` (a value 0..15) at bits 16..19 under 0x43: ``128 + q``."""
+    return ((((masked >> (8 * byte)) & 0xFF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_pair(pair):
+    """float32 of the two bfloat16 in an int32 (low half first)."""
+    return ((pair << 16).to(tl.float32, bitcast=True),
+            (pair & -65536).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _load_x8(x_ptr, row, ok, X_BF16_PAIRS: tl.constexpr):
+    """``x[8 * row + j]`` for j < 8 as float32 (``[R, 1]`` each): bfloat16 ``x`` in four int32
+    loads of two, other dtypes one by one."""
+    if X_BF16_PAIRS:
+        pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row * 4
+        x0, x1 = _bf16_pair(tl.load(pairs, mask=ok, other=0))
+        x2, x3 = _bf16_pair(tl.load(pairs + 1, mask=ok, other=0))
+        x4, x5 = _bf16_pair(tl.load(pairs + 2, mask=ok, other=0))
+        x6, x7 = _bf16_pair(tl.load(pairs + 3, mask=ok, other=0))
+    else:
+        first = row * 8
+        x0 = tl.load(x_ptr + first, mask=ok, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + first + 1, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + first + 2, mask=ok, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + first + 3, mask=ok, other=0.0).to(tl.float32)
+        x4 = tl.load(x_ptr + first + 4, mask=ok, other=0.0).to(tl.float32)
+        x5 = tl.load(x_ptr + first + 5, mask=ok, other=0.0).to(tl.float32)
+        x6 = tl.load(x_ptr + first + 6, mask=ok, other=0.0).to(tl.float32)
+        x7 = tl.load(x_ptr + first + 7, mask=ok, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _prmt(src, c43, SELECTOR: tl.constexpr):
+    """``prmt.b32 d, src, c43, SELECTOR`` (bytes 0..3 of ``src``, 4..7 of ``c43``)."""
+    if SELECTOR == 0x4055:
+        d = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4055;", "=r,r,r", [src, c43],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    elif SELECTOR == 0x4155:
+        d = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4155;", "=r,r,r", [src, c43],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    elif SELECTOR == 0x4255:
+        d = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4255;", "=r,r,r", [src, c43],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        d = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x4355;", "=r,r,r", [src, c43],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return d
+
+
+@triton.jit
+def _nibble_128(lo, hi, j: tl.constexpr, c43, NIBBLE_ASM: tl.constexpr):
+    """float32 ``128 + q`` of nibble ``j`` of each word, from the word's masked low (``lo =
+    w & 0x0F0F0F0F``) or high (``hi = (w >> 4) & 0x0F0F0F0F``) nibbles.
+
+    ``NIBBLE_ASM``: one ``prmt`` (inline PTX) moves byte ``j // 2`` to byte 2 under byte 3
+    0x43 (``c43``'s low byte; selector 0x4k55: byte k of the source into byte 2, byte 4 =
+    0x43 into byte 3, byte 5 = 0 into bytes 0 and 1). ``0x43 0q 00 00`` is
+    ``128 * (1 + q * 2^16 / 2^23) = 128 + q`` exactly. Otherwise the same bits in plain Triton
+    (the interpreter runs no inline assembly)."""
+    if j % 2 == 0:
+        src = lo
+    else:
+        src = hi
+    if NIBBLE_ASM:
+        return _prmt(src, c43 + src * 0, 0x4055 + 0x100 * (j // 2)).to(tl.float32,
+                                                                      bitcast=True)
+    else:
+        return _byte_128(src, j // 2)
+
+
+@triton.jit
+def _x_of_slice(x_ptr, k0, s: tl.constexpr, k_end, offs_r, SLICE_ROWS: tl.constexpr,
+                EVEN_K: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
+    """The eight inputs of each word row of slice ``s`` of the step at ``k0``."""
+    rows = k0 // 8 + s * SLICE_ROWS + offs_r
+    row_ok = (rows[:, None] * 8 < k_end) | EVEN_K
+    return _load_x8(x_ptr, rows[:, None], row_ok, X_BF16_PAIRS)
+
+
+@triton.jit
+def _slice_words(qweight_ptr, k0, s: tl.constexpr, k_end, offs_r, offs_n, n_mask, N,
+                 SLICE_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Slice ``s`` of the step at ``k0``: ``[SLICE_ROWS, BLOCK_N]`` words (zeros past
+    ``k_end``)."""
+    rows = k0 // 8 + s * SLICE_ROWS + offs_r  # [R] word rows
+    if EVEN_K:  # whole steps: the step is in range or not
+        row_ok = rows[:, None] * 0 + k0 < k_end
+    else:  # K and k_end are multiples of 8
+        row_ok = rows[:, None] * 8 < k_end
+    # int32 offsets: the launch checks that the weight has fewer than 2^31 words
+    return tl.load(qweight_ptr + (rows[:, None] * N + offs_n[None, :]),
+                   mask=row_ok & n_mask[None, :], other=0)
+
+
+@triton.jit
+def _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS: tl.constexpr,
+                SLICES: tl.constexpr, EVEN_K: tl.constexpr):
+    """The step's 1, 2 or 4 slices (unused ones repeat the first: no load)."""
+    w0 = _slice_words(qweight_ptr, k0, 0, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS, EVEN_K)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if SLICES > 1:
+        w1 = _slice_words(qweight_ptr, k0, 1, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
+                          EVEN_K)
+    if SLICES > 2:
+        w2 = _slice_words(qweight_ptr, k0, 2, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
+                          EVEN_K)
+        w3 = _slice_words(qweight_ptr, k0, 3, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
+                          EVEN_K)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start, k_end,
+                           offs_n, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SLICE_ROWS: tl.constexpr, GROUP_STEPS: tl.constexpr,
+                           EVEN_K: tl.constexpr, X_BF16_PAIRS: tl.constexpr,
+                           NIBBLE_ASM: tl.constexpr):
+    """``[BLOCK_N]`` float32 sums of one row over ``k_start .. k_end`` (natural-order groups).
+
+    A step's ``BLOCK_K / 8`` word rows are loaded as 1, 2 or 4 ``[SLICE_ROWS, BLOCK_N]``
+    slices (sized so that a thread holds one word row of each). A thread sums its words of
+    all slices against ``x`` (nibble-major, so all of a step's loads are issued together at
+    its start) before the group's zero and scale are applied, once per output and step."""
+    SLICES: tl.constexpr = BLOCK_K // (8 * SLICE_ROWS)
+    # 0x43 that the compiler cannot see as a constant (k_end >= 0): kept in a register for
+    # prmt's second source, so that the selector stays an immediate
+    c43 = (k_end >> 31) | 0x43
+    offs_r = tl.arange(0, SLICE_ROWS)
+    acc = tl.zeros((SLICE_ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
+                                     SLICE_ROWS, SLICES, EVEN_K)
+        # Nibble-major over the slices: every slice's words are needed from the start, so
+        # ptxas issues all of a step's loads together (slice by slice, it sinks each
+        # slice's loads to just before its sums).
+        lo0 = c0 & 0x0F0F0F0F
+        hi0 = (c0 >> 4) & 0x0F0F0F0F
+        x0 = _x_of_slice(x_ptr, k0, 0, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+        xs = ((x0[0] + x0[1]) + (x0[2] + x0[3])) + ((x0[4] + x0[5]) + (x0[6] + x0[7]))
+        if SLICES > 1:
+            lo1 = c1 & 0x0F0F0F0F
+            hi1 = (c1 >> 4) & 0x0F0F0F0F
+            x1 = _x_of_slice(x_ptr, k0, 1, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+            xs += ((x1[0] + x1[1]) + (x1[2] + x1[3])) + ((x1[4] + x1[5]) + (x1[6] + x1[7]))
+        if SLICES > 2:
+            lo2 = c2 & 0x0F0F0F0F
+            hi2 = (c2 >> 4) & 0x0F0F0F0F
+            lo3 = c3 & 0x0F0F0F0F
+            hi3 = (c3 >> 4) & 0x0F0F0F0F
+            x2 = _x_of_slice(x_ptr, k0, 2, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+            x3 = _x_of_slice(x_ptr, k0, 3, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+            xs += ((x2[0] + x2[1]) + (x2[2] + x2[3])) + ((x2[4] + x2[5]) + (x2[6] + x2[7]))
+            xs += ((x3[0] + x3[1]) + (x3[2] + x3[3])) + ((x3[4] + x3[5]) + (x3[6] + x3[7]))
+        qx = tl.zeros((SLICE_ROWS, BLOCK_N), dtype=tl.float32)  # sum x * (128 + q)
+        for j in tl.static_range(8):
+            qx += x0[j] * _nibble_128(lo0, hi0, j, c43, NIBBLE_ASM)
+            if SLICES > 1:
+                qx += x1[j] * _nibble_128(lo1, hi1, j, c43, NIBBLE_ASM)
+            if SLICES > 2:
+                qx += x2[j] * _nibble_128(lo2, hi2, j, c43, NIBBLE_ASM)
+                qx += x3[j] * _nibble_128(lo3, hi3, j, c43, NIBBLE_ASM)
+        # The group's scales and zeros broadcast over the rows in the load itself (repeats
+        # hit L1), to stay in the words' register layout (no shared-memory shuffle).
+        g = (k0 // BLOCK_K) // GROUP_STEPS
+        sz = g * N + offs_n[None, :] + offs_r[:, None] * 0  # [R, BLOCK_N]
+        scale = tl.load(scales_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        zero = tl.load(zeros_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        acc += (qx - xs * (zero + 128.0)) * scale
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -59,7 +258,6 @@ def _int4_gemv_kernel(
     M,
     N,
     K,
-    group_size,  # a multiple of BLOCK_K unless HAS_G_IDX
     k_split,  # inputs per split, a multiple of BLOCK_K
     stride_xm,
     HAS_G_IDX: tl.constexpr,
@@ -68,18 +266,42 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,  # a multiple of 8
     SPLIT_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SLICE_ROWS: tl.constexpr,  # one-row natural order: word rows per slice of a step
+    GROUP_STEPS: tl.constexpr,  # natural order: steps per group (group_size / BLOCK_K)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no row masks in the one-row path
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no column masks
+    X_BF16_PAIRS: tl.constexpr,  # x is bfloat16 and 4-byte aligned: loaded in int32 pairs
+    NIBBLE_ASM: tl.constexpr,  # the nibble unpacking in inline PTX (not in the interpreter)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, BLOCK_K // 8)  # word rows of a step
-    nibble = tl.arange(0, 8)
-    shifts = nibble * 4
+    n_mask = (offs_n < N) | EVEN_N  # all true (no masks) when N % BLOCK_N == 0
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
+    if BLOCK_M == 1 and not HAS_G_IDX:
+        acc = _one_row_natural_order(
+            x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start, k_end, offs_n, n_mask,
+            BLOCK_N, BLOCK_K, SLICE_ROWS, GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
+    else:
+        acc = _by_steps(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k_start, k_end,
+                        stride_xm, offs_m, m_mask, offs_n, n_mask, HAS_G_IDX, BLOCK_M, BLOCK_N,
+                        BLOCK_K, GROUP_STEPS, UPCAST_DOT)
+    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K)
+
+
+@triton.jit
+def _by_steps(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k_start, k_end, stride_xm,
+              offs_m, m_mask, offs_n, n_mask, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_STEPS: tl.constexpr,
+              UPCAST_DOT: tl.constexpr):
+    """The other paths (act-order for one row; ``tl.dot`` for 2 to 16 rows): ``[BLOCK_N]`` or
+    ``[BLOCK_M, BLOCK_N]`` float32 sums over ``k_start .. k_end``."""
+    offs_w = tl.arange(0, BLOCK_K // 8)  # word rows of a step
+    nibble = tl.arange(0, 8)
+    shifts = nibble * 4
     if BLOCK_M == 1:
         # Per word row: sums over a word's eight inputs (in one thread) scaled by their group,
         # added across steps; reduced over the rows once at the end.
@@ -98,7 +320,7 @@ def _int4_gemv_kernel(
         k_mask = offs_k < k_end
         if HAS_G_IDX and BLOCK_M == 1:
             # Every input has its own group: gather its scale and zero per nibble, in the
-            # words' [W, BLOCK_N] layout (as the natural-order path below).
+            # words' [W, BLOCK_N] layout (no shared-memory shuffles in the loop).
             x_words = x_ptr + k0 + offs_w[:, None] * 8  # [W, 1]
             x_mask = row_mask[:, None]
             for j in tl.static_range(8):
@@ -124,42 +346,23 @@ def _int4_gemv_kernel(
             w2 = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)
             acc += dot_fp32(x, w2, UPCAST_DOT, "ieee")
         else:
-            g = k0 // group_size
-            if BLOCK_M == 1:
-                # Nibble by nibble in the words' [W, BLOCK_N] layout, x as [W, 1] columns:
-                # no register shuffles through shared memory inside the loop.
-                x_words = x_ptr + k0 + offs_w[:, None] * 8  # [W, 1]: inputs 8w .. 8w + 7
-                x_mask = row_mask[:, None]
-                qx = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-                xs = tl.zeros((BLOCK_K // 8, 1), dtype=tl.float32)
-                for j in tl.static_range(8):
-                    xj = tl.load(x_words + j, mask=x_mask, other=0.0).to(tl.float32)
-                    qx += ((words >> (4 * j)) & 0xF).to(tl.float32) * xj
-                    xs += xj
-                # The group's scales and zeros broadcast over the word rows in the load itself
-                # (repeats hit L1), again to stay in the words' layout.
-                sz = g * N + offs_n[None, :] + offs_w[:, None] * 0  # [W, BLOCK_N]
-                sz_mask = n_mask[None, :] & x_mask
-                scale = tl.load(scales_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
-                zero = tl.load(zeros_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
-                acc_rows += (qx - xs * zero) * scale
+            g = (k0 // BLOCK_K) // GROUP_STEPS
+            scale = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            offs_kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_kk[None, :],
+                        mask=m_mask[:, None] & (offs_kk < k_end)[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            if UPCAST_DOT:  # the interpreter casts int32 -> bfloat16 wrongly
+                q2 = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
             else:
-                scale = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                zero = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                offs_kk = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_kk[None, :],
-                            mask=m_mask[:, None] & (offs_kk < k_end)[None, :],
-                            other=0.0)  # [BLOCK_M, BLOCK_K]
-                if UPCAST_DOT:  # the interpreter casts int32 -> bfloat16 wrongly
-                    q2 = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
-                else:
-                    q2 = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(x.dtype)
-                qx = dot_fp32(x, q2, UPCAST_DOT, "ieee")  # [BLOCK_M, BLOCK_N]
-                xs = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
-                acc += (qx - xs[:, None] * zero[None, :]) * scale[None, :]
+                q2 = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(x.dtype)
+            qx = dot_fp32(x, q2, UPCAST_DOT, "ieee")  # [BLOCK_M, BLOCK_N]
+            xs = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
+            acc += (qx - xs[:, None] * zero[None, :]) * scale[None, :]
     if BLOCK_M == 1:
         acc = tl.sum(acc_rows, axis=0)
-    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K)
+    return acc
 
 
 def default_config(n: int, k: int, m: int) -> SkinnyConfig:
@@ -171,7 +374,12 @@ def default_config(n: int, k: int, m: int) -> SkinnyConfig:
 def candidate_configs(m: int) -> list[SkinnyConfig]:
     """What the tuner times for rows bucket ``m`` (``block_k`` is cut to the group size)."""
     if m == 1:
+        # split_k=16: short K chains and ~6 or more programs per SM, for more bytes in flight
+        # than choose_split_k's two programs per SM give (the one-row loop now needs few
+        # registers)
         return [SkinnyConfig(64, 128), SkinnyConfig(128, 128, num_warps=8),
+                SkinnyConfig(256, 128), SkinnyConfig(512, 128, num_warps=8),
+                SkinnyConfig(128, 128, split_k=16), SkinnyConfig(64, 128, split_k=16),
                 SkinnyConfig(256, 64, num_warps=8), SkinnyConfig(256, 32),
                 SkinnyConfig(512, 32, num_warps=8), SkinnyConfig(32, 128),
                 SkinnyConfig(128, 64, num_stages=3)]
@@ -190,6 +398,35 @@ def fit_block_k(block_k: int, group_size: int, has_g_idx: bool) -> int:
     return fitted
 
 
+def slice_rows(block_n: int, block_k: int, num_warps: int) -> int:
+    """Word rows per slice of a one-row step: ``[rows, block_n]`` words give each thread eight
+    words of one row (two 16-byte loads), or the whole step when it is smaller; at least a
+    quarter of the step (the kernel takes 1, 2 or 4 slices)."""
+    return max(1, block_k // 32, min(block_k // 8, 32 * num_warps * 8 // block_n))
+
+
+def kernel_constexprs(x: torch.Tensor, n: int, k: int, group_size: int, has_g_idx: bool,
+                      config: SkinnyConfig, split: int) -> dict:
+    """The compile-time arguments of ``_int4_gemv_kernel`` for a launch (also what
+    ``benchmarks/gpu/sass_op_counts.py`` and ``tests/kernels/sm90_compile_check.py`` compile)."""
+    m = x.shape[0]
+    block_k = fit_block_k(config.block_k, group_size, has_g_idx)
+    return {
+        "HAS_G_IDX": has_g_idx,
+        "BLOCK_M": 1 if m == 1 else 16,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": block_k,
+        "SPLIT_K": split,
+        "UPCAST_DOT": upcast_dot(x.dtype),
+        "SLICE_ROWS": slice_rows(config.block_n, block_k, config.num_warps),
+        "GROUP_STEPS": 1 if has_g_idx else max(1, group_size // block_k),
+        "EVEN_K": k % block_k == 0,
+        "EVEN_N": n % config.block_n == 0,
+        "X_BF16_PAIRS": x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0,
+        "NIBBLE_ASM": not interpreting(),
+    }
+
+
 def _launch(x, qweight, scales, zeros, group_size, g_idx, config: SkinnyConfig) -> torch.Tensor:
     m, k = x.shape
     n = qweight.shape[1]
@@ -202,10 +439,8 @@ def _launch(x, qweight, scales, zeros, group_size, g_idx, config: SkinnyConfig) 
     grid = (triton.cdiv(n, config.block_n), split)
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
-        m, n, k, group_size, k_per_split(k, split, block_k), x.stride(0),
-        HAS_G_IDX=g_idx is not None,
-        BLOCK_M=1 if m == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        SPLIT_K=split, UPCAST_DOT=upcast_dot(x.dtype),
+        m, n, k, k_per_split(k, split, block_k), x.stride(0),
+        **kernel_constexprs(x, n, k, group_size, g_idx is not None, config, split),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out if split == 1 else out.to(x.dtype)
@@ -230,6 +465,9 @@ def int4_gemv(
             f"[N={n}] weight")
     if g_idx is None and group_size % 8:
         raise ValueError(f"int4_gemv: group_size {group_size} is not a multiple of 8")
+    if qweight.numel() >= 2**31:
+        raise ValueError(f"int4_gemv: qweight {tuple(qweight.shape)} has 2^31 words or more; "
+                         "split the layer (the one-row path indexes words in int32)")
     x = x.contiguous()
     if config is None:
         bucket = m_bucket(m)
