@@ -332,7 +332,6 @@ def _fast_sample(runner, vocab: int) -> None:
     logit on one token the row's bitmask allows (the first set bit at or after a random word),
     so the greedy argmax follows the grammar like a random model would."""
     import numpy as np
-
     from octavo.worker import model_runner
 
     rng = np.random.default_rng(0)
