@@ -250,12 +250,14 @@ class StructuredOutputManager:
 
     def _advance(self, advances: list[tuple[str, _Constrained, list[int]]],
                  parallel: bool) -> dict[str, str]:
-        # With ``parallel`` (the grammar thread), rows with one answer token (the common decode
-        # step) go to llguidance's consume_token_par, which releases the GIL for the whole
-        # call: a Python loop of consume_token calls (which hold it) competes with the engine
-        # thread's Python for the GIL (docs/benchmarks.md, sixth round). Rows still passing the
-        # reasoning gate, or with several tokens, keep the loop (the gate filters them). On the
-        # engine thread nothing runs beside the accept: the loop has no thread hand-offs.
+        # With ``parallel`` (OCTAVO_GRAMMAR_ACCEPT=parallel, on the grammar thread only), rows
+        # with one answer token go to llguidance's consume_token_par, which releases the GIL
+        # for the whole call, where the loop's consume_token calls hold it against the engine
+        # thread's Python. Rows still passing the reasoning gate, or with several tokens, keep
+        # the loop (the gate filters their tokens). The loop is the default: one matcher
+        # after the other took 1.1 ms for 256 rows where the parallel call took 2-7 ms on
+        # busy cores (its thread hand-offs cost more than the work; docs/benchmarks.md,
+        # fourth and sixth rounds).
         errors: dict[str, str] = {}
         single: list[tuple[str, Any, int]] = []
         for request_id, entry, sampled_ids in advances:
