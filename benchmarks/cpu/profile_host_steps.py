@@ -14,7 +14,8 @@ Phases: ``schedule`` (Scheduler.schedule), ``update_states`` and ``prepare_input
 runner's per-request state and flat batch), ``forward``, ``sample`` (logits, sampler, the
 result's host copies), ``finalize`` (the runner output from the host copies),
 ``update_from_output`` (recording the step, building EngineCoreOutputs), ``grammar_fill`` /
-``grammar_accept`` (structured outputs), ``output_processing`` (the front end's per-step
+``grammar_accept`` (structured outputs), ``grammar_wait`` (the engine thread waiting for the
+grammar thread before a deferred sampling, async scheduling only), ``output_processing`` (the front end's per-step
 work) and ``other`` (the step's wall time less these).
 
 ``--clock cpu`` times with the engine thread's CPU time (``time.thread_time``) instead of wall
@@ -47,14 +48,30 @@ from pathlib import Path
 import torch
 
 _PHASES = ("schedule", "update_states", "prepare_inputs", "forward", "sample", "finalize",
-           "update_from_output", "grammar_fill", "grammar_accept", "output_processing")
+           "update_from_output", "grammar_fill", "grammar_accept", "grammar_wait",
+           "output_processing")
 
 
-def make_model(folder: Path) -> Path:
+def make_model(folder: Path, tokenizer_dir: str | None = None) -> Path:
+    """The tiny Llama; with ``tokenizer_dir``, its vocabulary sized to that tokenizer (SmolLM2's:
+    49,152 tokens that spell JSON, so a constrained step's grammar work is the real one)."""
     from octavo.testing.tiny_models import make_tiny_model
 
-    if not (folder / "config.json").exists():
+    if (folder / "config.json").exists():
+        return folder
+    if tokenizer_dir is None:
         make_tiny_model(folder, "llama", max_position_embeddings=4096)
+        return folder
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    make_tiny_model(folder, "llama", max_position_embeddings=4096,
+                    vocab_size=-(-len(tokenizer) // 64) * 64, bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -62,6 +79,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
                         help="a model folder (default: a tiny Llama made in the temp dir)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a saved tokenizer folder for the tiny Llama (its vocabulary sized "
+                             "to it), e.g. .bench-assets/smollm2-tokenizer "
+                             "(benchmarks/gpu/export_tokenizer.py)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--warmup-steps", type=int, default=40)
@@ -77,6 +98,13 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="OUT", default=None,
                         help="also record the timed windows with py-spy (--native; a .svg "
                              "flame graph, or raw/speedscope by the extension)")
+    parser.add_argument("--fast-sample", action="store_true",
+                        help="replace the LM head and the mask's application (tens to hundreds "
+                             "of ms of torch work per step for 256 rows of a 49k vocabulary "
+                             "on one core) by a pick of an allowed token per row from the "
+                             "bitmask (numpy, ~1 ms): the host's Python and the grammar "
+                             "thread then make up the step, as on a GPU host; tokens are "
+                             "not the model's")
     parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
                         help="freeze start-up's objects out of the garbage collector's sight "
                              "(octavo.engine_core.gc_heap), as octavo bench does")
@@ -87,7 +115,10 @@ def main() -> None:
     from octavo.sampling_params import StructuredOutputsParams
     from octavo.testing.json_schemas import SCHEMA_CASES
 
-    model = args.model or str(make_model(Path(tempfile.gettempdir()) / "octavo-host-llama"))
+    default_folder = ("octavo-host-llama" if args.tokenizer is None
+                      else f"octavo-host-llama-{Path(args.tokenizer).name}")
+    model = args.model or str(make_model(Path(tempfile.gettempdir()) / default_folder,
+                                         args.tokenizer))
     steps_needed = args.warmup_steps + args.steps * args.windows + 8
     max_model_len = args.prompt_len + steps_needed + 16
     llm = LLM(model, dtype="float32", max_num_seqs=args.num_requests,
@@ -135,6 +166,8 @@ def main() -> None:
 
         setattr(obj, name, wrapper)
 
+    if args.fast_sample:
+        _fast_sample(runner, vocab)
     timed(core.scheduler, "schedule", "schedule")
     timed(runner, "_update_states", "update_states")
     timed(runner, "_prepare_inputs", "prepare_inputs")
@@ -142,10 +175,12 @@ def main() -> None:
     timed(runner, "_sample", "sample")
     timed(core.scheduler, "update_from_output", "update_from_output")
     timed(engine.output_processor, "process_outputs", "output_processing")
+    chain: list[dict[str, float]] = []
     if args.structured:
         manager = core.structured_outputs
         timed(manager, "_fill", "grammar_fill")
         timed(manager, "_advance", "grammar_accept")
+        chain = _time_grammar_chain(core, phases, clock)
     _time_finalize(runner, phases, clock)
 
     # The cyclic garbage collector's pauses, per generation (gc.callbacks), in the windows.
@@ -203,7 +238,15 @@ def main() -> None:
     print("  garbage collector (inside the phases above): "
           + ", ".join(f"gen{g} {gc_count[g]} runs {gc_time[g] / num_steps * 1e6:.0f} µs/step"
                       for g in sorted(gc_count)))
+    chain_us = _chain_summary(chain) if chain else {}
+    if chain_us:
+        print("  grammar chain, median µs: " + ", ".join(
+            f"{k} {v:.0f}" for k, v in chain_us.items()))
     print(json.dumps({"profile": "host-steps", "structured": args.structured,
+                      "grammar_accept_mode": os.environ.get("OCTAVO_GRAMMAR_ACCEPT", ""),
+                      "grammar_switch_interval_us": os.environ.get(
+                          "OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", ""),
+                      "grammar_chain_us": {k: round(v) for k, v in chain_us.items()},
                       "async_scheduling": args.async_scheduling, "clock": args.clock,
                       "running": running,
                       "us_per_step": {k: round(v) for k, v in medians.items()},
@@ -211,6 +254,117 @@ def main() -> None:
                       "gc_us_per_step": {f"gen{g}": round(gc_time[g] / num_steps * 1e6)
                                          for g in sorted(gc_count)}}))
     llm.llm_engine.shutdown()
+
+
+def _time_grammar_chain(core, phases, clock) -> list[dict[str, float]]:
+    """Time the engine thread's wait for the grammar thread (accept + fill) before it
+    launches a deferred sampling (the future's ``result()``, called first: it is idempotent),
+    and record each step's chain on one clock (``time.perf_counter``): submitted, accept
+    start/end, fill start/end, wait start/end. Returns the list the records go to."""
+    manager = core.structured_outputs
+    chain: list[dict[str, float]] = []
+    current: dict[str, float] = {}
+    now = time.perf_counter
+
+    def wrap(obj, name, label):
+        original = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            current[label + "_start"] = now()
+            try:
+                return original(*a, **k)
+            finally:
+                current[label + "_end"] = now()
+
+        setattr(obj, name, wrapper)
+
+    submit = manager.accept_and_bitmask_async
+
+    def accept_and_bitmask_async(*a, **k):
+        current.clear()
+        current["submitted"] = now()
+        return submit(*a, **k)
+
+    manager.accept_and_bitmask_async = accept_and_bitmask_async
+    wrap(manager, "_advance", "accept")
+    wrap(manager, "_fill", "fill")
+    original = core._launch_deferred_sampling
+
+    def launch():
+        pending = core._grammar_step
+        if pending is not None:
+            start = clock()
+            current["wait_start"] = now()
+            pending.result()
+            current["wait_end"] = now()
+            phases["grammar_wait"] += clock() - start
+            if "submitted" in current:
+                chain.append(dict(current))
+        return original()
+
+    core._launch_deferred_sampling = launch
+    return chain
+
+
+def _chain_summary(chain: list[dict[str, float]]) -> dict[str, float]:
+    """Medians (µs) of the grammar chain's parts: ``start_delay`` (submitted -> the grammar
+    thread starts accepting: it waits for the GIL), ``accept``, ``fill``, ``done_delay``
+    (fill done -> the engine thread's wait returns, when it was already waiting), the
+    engine thread's ``wait`` and ``submit_to_wait`` (the engine thread's own work between)."""
+    parts = defaultdict(list)
+    for c in chain:
+        if not all(k in c for k in ("accept_start", "accept_end", "fill_start", "fill_end")):
+            continue
+        parts["start_delay"].append(c["accept_start"] - c["submitted"])
+        parts["accept"].append(c["accept_end"] - c["accept_start"])
+        parts["fill"].append(c["fill_end"] - c["fill_start"])
+        parts["chain"].append(c["fill_end"] - c["submitted"])
+        parts["submit_to_wait"].append(c["wait_start"] - c["submitted"])
+        parts["wait"].append(c["wait_end"] - c["wait_start"])
+        if c["wait_start"] < c["fill_end"]:
+            parts["done_delay"].append(c["wait_end"] - c["fill_end"])
+    return {k: statistics.median(v) * 1e6 for k, v in parts.items()} | {
+        "steps_waited_for_fill": len(parts["done_delay"]), "steps": len(parts["wait"])}
+
+
+def _fast_sample(runner, vocab: int) -> None:
+    """``--fast-sample``: logits of zeros (no LM head) and, for constrained rows, a large
+    logit on one token the row's bitmask allows (the first set bit at or after a random word),
+    so the greedy argmax follows the grammar like a random model would."""
+    import numpy as np
+    from octavo.worker import model_runner
+
+    rng = np.random.default_rng(0)
+    # One buffer of zeros kept (a fresh 50 MB tensor per step costs its page faults); the
+    # logits the last pick set are zeroed again.
+    buffer = torch.zeros(0, vocab)
+    picked: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def compute_logits(hidden):
+        nonlocal buffer
+        if buffer.shape[0] < hidden.shape[0]:
+            buffer = torch.zeros(hidden.shape[0], vocab)
+        while picked:
+            rows, tokens = picked.pop()
+            buffer[rows, tokens] = 0.0
+        return buffer[: hidden.shape[0]]
+
+    def pick_allowed(logits, row_ids, bitmask):
+        words = bitmask.numpy().view(np.uint32)  # [k, words]
+        k, num_words = words.shape
+        start = rng.integers(0, num_words, size=k)
+        order = (start[:, None] + np.arange(num_words)[None, :]) % num_words
+        rolled = np.take_along_axis(words, order, axis=1)
+        first = (rolled != 0).argmax(axis=1)
+        word_index = order[np.arange(k), first]
+        word = words[np.arange(k), word_index].astype(np.int64)
+        bit = np.log2(word & -word).astype(np.int64)
+        tokens = torch.from_numpy(word_index * 32 + bit)
+        logits[row_ids, tokens] = 1e9
+        picked.append((row_ids, tokens))
+
+    runner.model.compute_logits = compute_logits
+    model_runner.mask_by_bitmask = pick_allowed
 
 
 def _time_finalize(runner, phases, clock) -> None:

@@ -10,7 +10,7 @@
 #                                    [quant-configs]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
-#                                    [bench-serve-multi]
+#                                    [bench-serve-multi] [bench-structured-gil]
 #                                    [spec-tests] [bench-spec] [bench-spec-draft]
 #                                    [bench-spec-eagle3]
 #                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
@@ -236,6 +236,23 @@ for stage in "${stages[@]}"; do
         --max-num-seqs 256 --async-engine --structured json \
         2>"$OUT/bench-structured.err" | tee "$OUT/bench-structured.log"
       tail -3 "$OUT/bench-structured.err"
+      ;;
+    bench-structured-gil)
+      # bench-structured's command six times, alternating the grammar thread's settings:
+      # before the sixth round (loop:0 = OCTAVO_GRAMMAR_ACCEPT=loop with Python's 5 ms GIL
+      # switch interval), the default (loop:200 = a 200 µs switch interval while the grammar
+      # thread works) and the parallel accept (parallel:200), one lease (~9 min).
+      [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
+        --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      for cfg in loop:0 loop:200 parallel:200 loop:0 loop:200 parallel:200; do
+        echo "== OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:}" \
+          | tee -a "$OUT/bench-structured-gil.log"
+        OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:} \
+          octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
+          --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+          --max-num-seqs 256 --async-engine --structured json \
+          2>>"$OUT/bench-structured-gil.err" | tee -a "$OUT/bench-structured-gil.log" | tail -4
+      done
       ;;
     profile-structured)
       # Where a constrained step's time goes: per-phase step profile (benchmarks/gpu/

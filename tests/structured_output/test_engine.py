@@ -188,6 +188,39 @@ def test_async_scheduling_defers_only_the_sampling(tiny_llama: Path) -> None:
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("accept, interval_us", [("parallel", "200"), ("loop", "0")])
+def test_the_grammar_threads_settings_change_no_output(
+        tiny_llama: Path, llm, monkeypatch, accept: str, interval_us: str) -> None:
+    """Under async scheduling the grammar thread accepts in parallel or in a loop, with the
+    GIL switch interval shortened while it works or not: the same greedy outputs as one step
+    at a time, and the interval is Python's own again once the step's masks are in."""
+    import sys
+
+    params = [constrained(["json", "regex", "choice", "grammar", "json"][i])
+              for i in range(len(PROMPTS))]
+    want = [o.outputs[0].token_ids for o in run(llm, params)]
+    monkeypatch.setenv("OCTAVO_GRAMMAR_ACCEPT", accept)
+    monkeypatch.setenv("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", interval_us)
+    default = sys.getswitchinterval()
+    other = make_llm(tiny_llama, async_scheduling=True)
+    manager = other.llm_engine.engine_core.structured_outputs
+    seen = []
+    original = manager._advance
+
+    def spy(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # the grammar thread
+            seen.append(sys.getswitchinterval())
+        return original(*args, **kwargs)
+
+    manager._advance = spy
+    got = [o.outputs[0].token_ids for o in run(other, params)]
+    assert got == want
+    expected = default if interval_us == "0" else 200e-6  # CPython keeps whole µs
+    assert seen and all(abs(interval - expected) < 2e-6 for interval in seen)
+    assert sys.getswitchinterval() == default
+    assert_no_leaks(other)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_token_the_grammar_refuses_ends_only_its_request(
         tiny_llama: Path, monkeypatch, async_scheduling: bool) -> None:

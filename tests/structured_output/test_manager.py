@@ -122,3 +122,51 @@ def test_accept_step_advances_every_row_and_names_the_refused(manager, tokenizer
             tokenizer.convert_tokens_to_ids(d) for d in "0123456789"}
     assert manager.accept_step({request_id: [one] for request_id in list(requests)[1:]}) == {}
     assert all(allowed(manager, r) == {tokenizer.eos_token_id} for r in list(requests)[1:])
+
+
+def test_the_grammar_threads_parallel_accept_equals_the_loop(tokenizer, monkeypatch) -> None:
+    """The grammar thread's accept (llguidance's consume_token_par, GIL released) and the
+    one-after-the-other loop leave every matcher in the same state and name the same refused
+    rows: a refused token, a matcher whose grammar already ended (skipped), several tokens in
+    one row (the loop), a request without a matcher."""
+    one, two, letter_z = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "12z")
+    results = {}
+    for mode in ("parallel", "loop"):
+        monkeypatch.setenv("OCTAVO_GRAMMAR_ACCEPT", mode)
+        m = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), 400)
+        try:
+            requests = {f"d{i}": StructuredOutputsParams(regex=r"[0-9]{2}") for i in range(40)}
+            compile_all(m, requests)
+            assert m.accept_step({"d1": [one, two]}) == {}  # d1's grammar has ended
+            sampled = {request_id: [one] for request_id in requests}
+            sampled["d0"] = [letter_z]  # refused
+            sampled["d2"] = [one, two]  # two tokens: the loop, in either mode
+            sampled["gone"] = [one]  # no matcher: skipped
+            done = m.accept_and_bitmask_async(sampled, list(requests)).result()
+            masks = allowed_rows_of(done.bitmask)
+            results[mode] = (sorted(done.errors), masks)
+        finally:
+            m.shutdown()
+    assert results["parallel"] == results["loop"]
+    errors, masks = results["parallel"]
+    assert errors == ["d0"]
+    digits = {tokenizer.convert_tokens_to_ids(d) for d in "0123456789"}
+    assert masks[1] == masks[2] == {tokenizer.eos_token_id}
+    assert all(mask == digits for mask in masks[3:])
+
+
+def allowed_rows_of(bitmask) -> list[set[int]]:
+    words = np.frombuffer(bitmask.data, dtype="<u4").reshape(-1, bitmask.num_words)
+    return [{w * 32 + b for w, word in enumerate(row) for b in range(32) if word >> b & 1}
+            for row in words]
+
+
+@pytest.mark.parametrize("name, value", [("OCTAVO_GRAMMAR_ACCEPT", "threads"),
+                                         ("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", "-5"),
+                                         ("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", "fast")])
+def test_a_bad_grammar_setting_says_what_it_takes(monkeypatch, name, value) -> None:
+    from octavo import envs
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        envs.grammar_accept() if name.endswith("ACCEPT") else envs.grammar_switch_interval_s()

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 from collections import deque
 from dataclasses import dataclass
 
+from octavo import envs
 from octavo.config import EngineConfig
 from octavo.executor import Executor, PendingOutput, create_executor
 from octavo.kv_cache.hashing import block_hasher
@@ -97,6 +99,10 @@ class EngineCore:
         # tokens accepted, the masks filled).
         self._deferred_rows: list[str] | None = None
         self._grammar_step: concurrent.futures.Future[AcceptedStep] | None = None
+        # The GIL switch interval while the grammar thread works beside this one, and the one
+        # to restore after (see _start_grammar_window).
+        self._grammar_switch_interval = envs.grammar_switch_interval_s()
+        self._saved_switch_interval: float | None = None
         self.max_in_flight = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
         # Constrained requests (structured outputs) whose grammar is being compiled.
         self._awaiting_grammar: dict[str, Request] = {}
@@ -232,7 +238,10 @@ class EngineCore:
         if self._grammar_step is None:
             return {}
         pending, self._grammar_step = self._grammar_step, None
-        accepted = pending.result()
+        try:
+            accepted = pending.result()
+        finally:
+            self._end_grammar_window()
         self.executor.sample_tokens(accepted.bitmask)
         return accepted.errors
 
@@ -241,6 +250,25 @@ class EngineCore:
         self._deferred_rows = None
         if pending is not None:
             concurrent.futures.wait([pending])  # the matchers are used until it is done
+        self._end_grammar_window()
+
+    def _start_grammar_window(self) -> None:
+        """Shorten the GIL switch interval while the grammar thread works beside this thread.
+        Both run Python: the grammar thread to start (and finish) its step, this one to record
+        the step, send the outputs and schedule. CPython hands the GIL to a waiting thread
+        only after the holder ran ``sys.getswitchinterval()`` (5 ms) unless the holder blocks,
+        so with the default the grammar thread started only once this thread waited for it:
+        its work and this thread's ran one after the other (docs/benchmarks.md, sixth
+        round)."""
+        if self._grammar_switch_interval is None or self._saved_switch_interval is not None:
+            return
+        self._saved_switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(self._grammar_switch_interval)
+
+    def _end_grammar_window(self) -> None:
+        if self._saved_switch_interval is not None:
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
 
     # ---- structured outputs ----------------------------------------------------------------
 
@@ -316,6 +344,7 @@ class EngineCore:
         path of the next sampling, the recording is not."""
         manager = self.structured_outputs
         if deferred_rows is not None:
+            self._start_grammar_window()
             self._grammar_step = manager.accept_and_bitmask_async(
                 self._constrained_tokens(runner_output), deferred_rows)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

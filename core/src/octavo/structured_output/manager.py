@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from octavo import envs
 from octavo.messages import GrammarBitmask
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.grammar import grammar_text, parser_limits
@@ -114,6 +115,7 @@ class StructuredOutputManager:
         self._tokenizer: Any = None
         self._executor: Any = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._accept_parallel = envs.grammar_accept() == "parallel"
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -205,7 +207,7 @@ class StructuredOutputManager:
         """``accept`` for every request of a step: the matcher's error of each request that
         sampled a token its grammar refuses (those requests must end); requests without a
         matcher are skipped."""
-        return self._advance(self._advances(sampled))
+        return self._advance(self._advances(sampled), parallel=False)
 
     def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
         """The token bitmask of ``request_ids`` (one row each, in order). A request without a
@@ -229,7 +231,8 @@ class StructuredOutputManager:
         entries = self._row_matchers(request_ids)
         request_ids = list(request_ids)
         return self._filler.submit(
-            lambda: AcceptedStep(self._advance(advances), self._fill(request_ids, entries)))
+            lambda: AcceptedStep(self._advance(advances, parallel=self._accept_parallel),
+                                 self._fill(request_ids, entries)))
 
     def _advances(
         self, sampled: Mapping[str, Sequence[int]]
@@ -245,18 +248,36 @@ class StructuredOutputManager:
         assert self._gate is not None
         return self._gate.advance(entry.gate_state, token_ids)
 
-    def _advance(self, advances: list[tuple[str, _Constrained, list[int]]]) -> dict[str, str]:
-        # One matcher after the other: llguidance's consume_token_par measured 3-5x slower for
-        # one token per row (5.4 ms against 1.0-1.4 ms for 256 rows on a 16-core host; its
-        # thread hand-offs cost more than the work), and these tokens are on the critical
-        # path of the next step's sampling (docs/benchmarks.md).
+    def _advance(self, advances: list[tuple[str, _Constrained, list[int]]],
+                 parallel: bool) -> dict[str, str]:
+        # With ``parallel`` (OCTAVO_GRAMMAR_ACCEPT=parallel, on the grammar thread only), rows
+        # with one answer token go to llguidance's consume_token_par, which releases the GIL
+        # for the whole call, where the loop's consume_token calls hold it against the engine
+        # thread's Python. Rows still passing the reasoning gate, or with several tokens, keep
+        # the loop (the gate filters their tokens). The loop is the default: one matcher
+        # after the other took 1.1 ms for 256 rows where the parallel call took 2-7 ms on
+        # busy cores (its thread hand-offs cost more than the work; docs/benchmarks.md,
+        # fourth and sixth rounds).
         errors: dict[str, str] = {}
+        single: list[tuple[str, Any, int]] = []
         for request_id, entry, sampled_ids in advances:
+            plain = entry.gate_state is None or entry.gate_state.phase is Phase.ANSWERING
+            if parallel and plain and len(sampled_ids) == 1:
+                if not entry.matcher.is_stopped():
+                    single.append((request_id, entry.matcher, sampled_ids[0]))
+                continue
             token_ids = self._answer_tokens(entry, sampled_ids)
             if token_ids:
                 error = _consume(entry.matcher, token_ids)
                 if error is not None:
                     errors[request_id] = error
+        if single:
+            accepted = self._mask_executor().consume_token_par(
+                [(matcher, token_id) for _, matcher, token_id in single])
+            for (request_id, matcher, token_id), ok in zip(single, accepted, strict=True):
+                if not ok:
+                    errors[request_id] = (matcher.get_error()
+                                          or f"token {token_id} is not allowed by the grammar")
         return errors
 
     def _row_matchers(self, request_ids: list[str]) -> list[tuple[_Constrained, int]]:
