@@ -241,10 +241,11 @@ for stage in "${stages[@]}"; do
       # bench-structured's command six times, alternating the grammar thread's settings:
       # before the sixth round (loop:0 = OCTAVO_GRAMMAR_ACCEPT=loop with Python's 5 ms GIL
       # switch interval), the default (loop:200 = a 200 µs switch interval while the grammar
-      # thread works) and the parallel accept (parallel:200), one lease (~9 min).
+      # thread works) and the parallel accept (parallel:200), one lease (~9 min; GIL_CONFIGS
+      # overrides the list).
       [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
-      for cfg in loop:0 loop:200 parallel:200 loop:0 loop:200 parallel:200; do
+      for cfg in ${GIL_CONFIGS:-loop:0 loop:200 parallel:200 loop:0 loop:200 parallel:200}; do
         echo "== OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:}" \
           | tee -a "$OUT/bench-structured-gil.log"
         OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:} \
