@@ -88,7 +88,8 @@ def configure_threads(cpu_threads: int | None, world_size: int, local_rank: int)
         bound = list(kernels.bind_threads_op(list(plan.cpus), own_process))
     pinned = [cpu for cpu in bound if cpu >= 0]
     step_cpu = None
-    if (bound and bound[0] < 0 and plan.num_threads > 1 and hasattr(os, "sched_setaffinity")
+    if (bound and bound[0] < 0 and any(cpu >= 0 for cpu in bound[1:])
+            and hasattr(os, "sched_setaffinity")
             and os.environ.get("OCTAVO_CPU_PIN_STEPS", "1").strip() != "0"):
         step_cpu = plan.cpus[0]
     logger.info("cpu threads: %d (from %s)%s%s", plan.num_threads, plan.source,
