@@ -6,6 +6,7 @@ import os
 import threading
 
 import pytest
+import torch
 from octavo_cpu.threads import plan_threads, step_pinning
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"),
@@ -45,3 +46,26 @@ def test_step_pinning_restores_the_mask_on_errors_and_none_does_nothing():
     assert os.sched_getaffinity(0) == before
     with step_pinning(None):
         assert os.sched_getaffinity(0) == before
+
+
+@needs_affinity
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity")
+                    else True, reason="needs two cores")
+def test_the_user_process_pins_its_calling_thread_during_steps_only(monkeypatch):
+    """In the user's process (not an engine or worker process of its own) the worker threads
+    are pinned for good and the calling thread gets a step CPU; OCTAVO_CPU_PIN_STEPS=0: none."""
+    from octavo_cpu.kernels import load_kernels
+    from octavo_cpu.threads import allowed_cpus, configure_threads
+
+    if load_kernels() is None:
+        pytest.skip("no C++ kernels here (their tests say why)")
+    threads = torch.get_num_threads()
+    before = os.sched_getaffinity(0)
+    try:
+        plan = configure_threads(2, world_size=1, local_rank=0)
+        assert plan.step_cpu == allowed_cpus()[0]
+        assert os.sched_getaffinity(0) == before  # the calling thread itself stays free
+        monkeypatch.setenv("OCTAVO_CPU_PIN_STEPS", "0")
+        assert configure_threads(2, world_size=1, local_rank=0).step_cpu is None
+    finally:
+        torch.set_num_threads(threads)
