@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import os
 import random
 import shutil
 import subprocess
@@ -450,3 +451,53 @@ def test_sources_ship_in_the_wheel(tmp_path):
         if path.suffix in (".cpp", ".h"):
             assert f"octavo_cpu/csrc/{path.name}" in names
     assert all(f"octavo_cpu/csrc/{name}" in names for name in SOURCES)
+
+
+# A decode batch of the default model's heads (9 query, 3 KV, head dim 64): one head tile per
+# sequence (all KV heads at once), with contexts over several chunks and block boundaries.
+DECODE_BATCH = [(c, 1) for c in (0, 15, 16, 63, 64, 130, 200, 381)] + [(40, 3)]
+
+
+@pytest.mark.parametrize("part_size", [0, 64])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_decode_batch_head_tiles_match_reference(kernels, isa, dtype, part_size):
+    check_kernels(kernels, DECODE_BATCH, dtype=dtype, num_heads=9, num_kv_heads=3, head_dim=64,
+                  block_size=16, isa=isa, part_size=part_size,
+                  what=f"{isa} {dtype} head tiles, parts of {part_size}")
+
+
+_HEAD_TILE_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_cpu_kernels import DECODE_BATCH, MIXED, make_step
+from octavo_cpu.kernels import load_kernels
+torch.set_num_threads(1)
+kernels = load_kernels()
+outs = []
+for seqs, heads, kv_heads, part in ((DECODE_BATCH, 9, 3, 0), (DECODE_BATCH, 9, 3, 64),
+                                    (MIXED, 8, 2, 0)):
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, cache, meta = make_step(seqs, num_heads=heads, num_kv_heads=kv_heads,
+                                         head_dim=64, block_size=16, dtype=dtype)
+        kernels.write_kv_cache(k, v, cache, meta.slot_mapping)
+        outs.append(kernels.paged_attention(q, cache, meta, 0.125, part_size=part))
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_head_tiles_give_the_same_bits_as_one_tile_per_kv_head(tmp_path):
+    """Each row is summed in the same order with head tiles (the default) and without
+    (``OCTAVO_CPU_ATTENTION_HEAD_TILES=0``, read once per process: two subprocesses)."""
+    script = tmp_path / "run.py"
+    script.write_text(_HEAD_TILE_SCRIPT.format(tests=str(Path(__file__).parent)))
+    results = []
+    for setting in ("1", "0"):
+        out = tmp_path / f"out{setting}.pt"
+        env = dict(os.environ, OCTAVO_CPU_ATTENTION_HEAD_TILES=setting)
+        subprocess.run([sys.executable, str(script), str(out)], env=env, check=True,
+                       timeout=300)
+        results.append(torch.load(out))
+    assert len(results[0]) == len(results[1]) == 6
+    for on, off in zip(*results):
+        assert torch.equal(on, off)

@@ -14,6 +14,14 @@ core's process of ``octavo serve``/``AsyncLLM``, an ``mp`` worker): in the user'
 (``LLM``) it stays free, since threads and processes it starts later would inherit its mask.
 Nothing is pinned when there are fewer cores than threads, or without the C++ kernels.
 
+Left free, the calling thread still has to run on its own core while it computes: waking it
+from a parallel region's barrier, Linux's wake-affine heuristic tends to place it on the core
+of the thread that woke it, i.e. beside a pinned OpenMP thread, and the two then share one core
+(every region waits for a time slice) while the other core idles. So in the user's process the
+calling thread is pinned to the first planned core for the duration of each step only
+(``step_pinning``, the worker wraps its steps in it) and its own mask is restored after; two
+``sched_setaffinity`` calls a step. ``OCTAVO_CPU_PIN_STEPS=0`` turns this off (comparisons).
+
 The API server's process computes nothing: ``octavo serve`` gives its torch one thread
 (``octavo.cli.serve``), so it does not compete with the engine core for the cores.
 """
@@ -42,6 +50,9 @@ class ThreadPlan:
     source: str
     # The CPUs thread t is pinned to (empty: not pinned).
     cpus: tuple[int, ...]
+    # The CPU the calling thread is pinned to during each step only (None: not done, as it is
+    # pinned for good, nothing is pinned, or OCTAVO_CPU_PIN_STEPS=0).
+    step_cpu: int | None = None
 
 
 def allowed_cpus() -> list[int]:
@@ -76,6 +87,37 @@ def configure_threads(cpu_threads: int | None, world_size: int, local_rank: int)
         own_process = multiprocessing.current_process().name != "MainProcess"
         bound = list(kernels.bind_threads_op(list(plan.cpus), own_process))
     pinned = [cpu for cpu in bound if cpu >= 0]
-    logger.info("cpu threads: %d (from %s)%s", plan.num_threads, plan.source,
-                f", pinned to CPUs {pinned}" if pinned else ", not pinned")
-    return plan
+    step_cpu = None
+    if (bound and bound[0] < 0 and any(cpu >= 0 for cpu in bound[1:])
+            and hasattr(os, "sched_setaffinity")
+            and os.environ.get("OCTAVO_CPU_PIN_STEPS", "1").strip() != "0"):
+        step_cpu = plan.cpus[0]
+    logger.info("cpu threads: %d (from %s)%s%s", plan.num_threads, plan.source,
+                f", pinned to CPUs {pinned}" if pinned else ", not pinned",
+                f" (the calling thread to CPU {step_cpu} during steps)"
+                if step_cpu is not None else "")
+    return ThreadPlan(plan.num_threads, plan.source, plan.cpus, step_cpu)
+
+
+class step_pinning:  # noqa: N801 (used as a context manager, like contextlib's)
+    """Pins the calling thread to ``cpu`` inside the ``with`` block, then restores its mask
+    (``cpu`` None: does nothing). Linux applies a mask to the calling thread alone."""
+
+    __slots__ = ("cpu", "_saved")
+
+    def __init__(self, cpu: int | None) -> None:
+        self.cpu = cpu
+        self._saved: set[int] | None = None
+
+    def __enter__(self) -> None:
+        if self.cpu is None:
+            return
+        saved = os.sched_getaffinity(0)
+        if saved != {self.cpu}:
+            os.sched_setaffinity(0, {self.cpu})
+            self._saved = saved
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            os.sched_setaffinity(0, self._saved)
+            self._saved = None

@@ -8,7 +8,8 @@
 //   scores S = Q K^T              [rows, chunk]   (float32 accumulation)
 //   online softmax (running max m, running sum l, output rescaled by exp(m_old - m_new))
 //   O += P V                      [rows, head_dim]
-// Row r of a tile is token r / group, query head kv_head * group + r % group; token t sees key
+// Row r of a tile is token r / group, query head kv_head * group + r % group (head tiles:
+// the same within each KV head's rows, common.h); token t sees key
 // positions < context_len + t + 1 (causal) and, with a sliding window W, > context_len + t - W.
 // No chunk reaches past the tile's last visible key nor starts before its first (so no cache
 // slot at or past seq_len, and no block before the window, is ever loaded). Keys a row may not
@@ -57,6 +58,8 @@ struct Workspace {
   const void** vptr;  // [kChunk] address of each value row
   const void** next_kptr;  // the same for the next chunk (being prefetched)
   const void** next_vptr;
+  const void** head_kptr;  // one KV head's key rows of the chunk (head tiles)
+  const void** head_vptr;
 };
 
 inline Workspace carve(float* base, int max_rows, int head_dim) {
@@ -74,7 +77,9 @@ inline Workspace carve(float* base, int max_rows, int head_dim) {
   ws.kptr = reinterpret_cast<const void**>(p); p += align16(2 * kChunk);
   ws.vptr = reinterpret_cast<const void**>(p); p += align16(2 * kChunk);
   ws.next_kptr = reinterpret_cast<const void**>(p); p += align16(2 * kChunk);
-  ws.next_vptr = reinterpret_cast<const void**>(p);
+  ws.next_vptr = reinterpret_cast<const void**>(p); p += align16(2 * kChunk);
+  ws.head_kptr = reinterpret_cast<const void**>(p); p += align16(2 * kChunk);
+  ws.head_vptr = reinterpret_cast<const void**>(p);
   return ws;
 }
 
@@ -171,10 +176,12 @@ OCTAVO_INLINE int qk_steps(int n, int head_dim, int step_keys) {
   return (n / step_keys + n % step_keys) * (head_dim / kWidth);
 }
 
+// pace_heads: KV heads of the tile still to run over this chunk, this one included (the
+// prefetch of the next chunk is spread over all of them).
 template <typename KT>
 inline void qk_chunk(const float* q, int rows, int head_dim, const KT* const* keys, int n,
-                     float* s, Prefetcher& pf) {
-  pf.pace(qk_steps(n, head_dim, kKeyBlock));
+                     float* s, Prefetcher& pf, int pace_heads) {
+  pf.pace(qk_steps(n, head_dim, kKeyBlock) * pace_heads);
   int r = 0;
   for (; r + kRowBlockQK <= rows; r += kRowBlockQK) {
     if (r == 0) {
@@ -266,8 +273,8 @@ inline void qk_rows_bf16(const bf16_t* q, int head_dim, const bf16_t* const* key
 }
 
 inline void qk_chunk_bf16(const bf16_t* q, int rows, int head_dim, const bf16_t* const* keys,
-                          int n, float* s, Prefetcher& pf) {
-  pf.pace(qk_steps(n, head_dim, kKeyBlock));  // two steps per 32 elements: as many as above
+                          int n, float* s, Prefetcher& pf, int pace_heads) {
+  pf.pace(qk_steps(n, head_dim, kKeyBlock) * pace_heads);  // two steps per 32 elements: as many as above
   int r = 0;
   for (; r + kRowBlockQK <= rows; r += kRowBlockQK) {
     if (r == 0) {
@@ -385,11 +392,11 @@ inline void pv_rows(const float* p, const VT* const* values, int n, float* o, in
 
 template <typename VT>
 inline void pv_chunk(const float* p, int rows, const int* visible, const VT* const* values,
-                     float* o, int head_dim, Prefetcher& pf) {
+                     float* o, int head_dim, Prefetcher& pf, int pace_heads) {
   // Steps of the first row block: its longest visible run times the head_dim blocks.
   const int full_blocks = head_dim / (kVecBlockPV * kWidth);
   const int tail_blocks = head_dim % (kVecBlockPV * kWidth) / kWidth;
-  pf.pace(visible[imin(rows, kRowBlockPV) - 1] * (full_blocks + tail_blocks));
+  pf.pace(visible[imin(rows, kRowBlockPV) - 1] * (full_blocks + tail_blocks) * pace_heads);
   int r = 0;
   for (; r + kRowBlockPV <= rows; r += kRowBlockPV) {
     int n = 0;  // probabilities past the block's longest visible run are all 0
@@ -457,13 +464,51 @@ OCTAVO_INLINE void row_pointers(const AttentionArgs& a, const int32_t* table, co
 
 // ---- one work item -------------------------------------------------------------------------
 
+// The rows of a tile: rows_per_head rows (token-major, then query head of the group) for each
+// of its heads (one, or every KV head for a head tile), head-major.
+struct TileRows {
+  int group;
+  int tokens;
+  int first_head;     // first KV head of the tile
+  int heads;          // KV heads of the tile
+  int rows_per_head;  // tokens * group
+  int rows;           // rows_per_head * heads
+
+  // Token (offset within the tile) and query head of row r.
+  OCTAVO_INLINE int token(int r) const { return (r % rows_per_head) / group; }
+  OCTAVO_INLINE int query_head(int r) const {
+    return (first_head + r / rows_per_head) * group + (r % rows_per_head) % group;
+  }
+};
+
+OCTAVO_INLINE TileRows tile_rows(const AttentionArgs& a, const Tile& tile) {
+  TileRows t;
+  t.group = a.num_heads / a.num_kv_heads;
+  t.tokens = tile.query_end - tile.query_begin;
+  t.first_head = tile.kv_head < 0 ? 0 : tile.kv_head;
+  t.heads = tile.kv_head < 0 ? a.num_kv_heads : 1;
+  t.rows_per_head = t.tokens * t.group;
+  t.rows = t.rows_per_head * t.heads;
+  return t;
+}
+
+// One head's rows of a chunk: the key (or value) row of KV head `head` at each position, from
+// the addresses of the positions' whole token rows.
+template <typename T>
+OCTAVO_INLINE void head_rows(const void* const* token_rows, int n, int64_t head_offset,
+                             const void** out) {
+  for (int j = 0; j < n; ++j) out[j] = static_cast<const T*>(token_rows[j]) + head_offset;
+}
+
 template <typename T>
 void run_item(const AttentionArgs& a, const Tile& tile, const WorkItem& item, Workspace& ws,
               float* part_out) {
-  const int group = a.num_heads / a.num_kv_heads;
+  const TileRows tr = tile_rows(a, tile);
+  const int group = tr.group;
   const int head_dim = a.head_dim;
-  const int tokens = tile.query_end - tile.query_begin;
-  const int rows = tokens * group;
+  const int rows = tr.rows;
+  const int rows_h = tr.rows_per_head;
+  const bool head_tile = tile.kv_head < 0;
   const int first_token = a.query_start_loc[tile.seq];  // flat index of its first new token
   const int query_len = a.query_start_loc[tile.seq + 1] - first_token;
   const int context_len = a.seq_lens[tile.seq] - query_len;
@@ -475,19 +520,17 @@ void run_item(const AttentionArgs& a, const Tile& tile, const WorkItem& item, Wo
   constexpr bool kBf16Dot = false;
 #endif
 
-  // Q rows of the tile, token-major.
-  for (int t = 0; t < tokens; ++t) {
-    const T* src_token = query + int64_t(first_token + tile.query_begin + t) * a.query_stride_token;
-    for (int g = 0; g < group; ++g) {
-      const int r = t * group + g;
-      const T* src = src_token + int64_t(tile.kv_head * group + g) * a.query_stride_head;
-      if constexpr (kBf16Dot) {
-        bf16_t* dst = reinterpret_cast<bf16_t*>(ws.q) + int64_t(r) * head_dim;
-        for (int d = 0; d < head_dim; ++d) dst[d] = src[d];
-      } else {
-        float* dst = ws.q + int64_t(r) * head_dim;
-        for (int d = 0; d < head_dim; d += kWidth) vstore(dst + d, vload(src + d));
-      }
+  // Q rows of the tile.
+  for (int r = 0; r < rows; ++r) {
+    const T* src = query + int64_t(first_token + tile.query_begin + tr.token(r)) *
+                               a.query_stride_token +
+                   int64_t(tr.query_head(r)) * a.query_stride_head;
+    if constexpr (kBf16Dot) {
+      bf16_t* dst = reinterpret_cast<bf16_t*>(ws.q) + int64_t(r) * head_dim;
+      for (int d = 0; d < head_dim; ++d) dst[d] = src[d];
+    } else {
+      float* dst = ws.q + int64_t(r) * head_dim;
+      for (int d = 0; d < head_dim; d += kWidth) vstore(dst + d, vload(src + d));
     }
   }
   for (int r = 0; r < rows; ++r) {
@@ -500,10 +543,12 @@ void run_item(const AttentionArgs& a, const Tile& tile, const WorkItem& item, Wo
   const int32_t* table = a.block_tables + int64_t(tile.seq) * a.block_table_stride;
   const T* keys = static_cast<const T*>(a.kv_cache);
   const T* values = keys + a.kv_half;
-  const int64_t head_offset = int64_t(tile.kv_head) * head_dim;
-  const int lines_per_row = int((int64_t(head_dim) * sizeof(T) + 63) / 64);
-  const bool convert_keys = !kBf16Dot && rows >= kConvertRows;
-  const bool convert_values = rows >= kConvertRows;
+  // A head tile keeps the addresses of whole token rows (head 0) and prefetches them whole.
+  const int64_t head_offset = int64_t(tr.first_head) * head_dim;
+  const int64_t row_elems = head_tile ? int64_t(a.num_kv_heads) * head_dim : head_dim;
+  const int lines_per_row = int((row_elems * int64_t(sizeof(T)) + 63) / 64);
+  const bool convert_keys = !kBf16Dot && rows_h >= kConvertRows;
+  const bool convert_values = rows_h >= kConvertRows;
 
   // The first chunk is asked for at once; each later one while the previous one computes.
   const int first_n = imin(kChunk, item.kv_end - item.kv_begin);
@@ -518,39 +563,54 @@ void run_item(const AttentionArgs& a, const Tile& tile, const WorkItem& item, Wo
                     ws.next_vptr);
     Prefetcher next_k{ws.next_kptr, next_n, lines_per_row};
     Prefetcher next_v{ws.next_vptr, next_n, lines_per_row};
-    for (int r = 0; r < rows; ++r) {
+    for (int r = 0; r < rows_h; ++r) {  // the same for every head of the tile
       const int query_pos = context_len + tile.query_begin + r / group;
       ws.visible[r] = imax(0, imin(n, query_pos + 1 - c0));
       ws.first[r] = a.sliding_window > 0 ? imax(0, query_pos - a.sliding_window + 1 - c0) : 0;
     }
 
+    for (int h = 0; h < tr.heads; ++h) {
+      const int64_t r0 = int64_t(h) * rows_h;
+      const void** kp = ws.kptr;
+      const void** vp = ws.vptr;
+      if (head_tile) {
+        head_rows<T>(ws.kptr, n, int64_t(h) * head_dim, ws.head_kptr);
+        head_rows<T>(ws.vptr, n, int64_t(h) * head_dim, ws.head_vptr);
+        kp = ws.head_kptr;
+        vp = ws.head_vptr;
+      }
+      float* s = ws.s + r0 * kChunk;
+      float* o = ws.o + r0 * head_dim;
+      const int pace_heads = tr.heads - h;
+
 #ifdef OCTAVO_BF16_DOT
-    if constexpr (kBf16Dot) {
-      qk_chunk_bf16(reinterpret_cast<const bf16_t*>(ws.q), rows, head_dim,
-                    reinterpret_cast<const bf16_t* const*>(ws.kptr), n, ws.s, next_k);
-    } else
+      if constexpr (kBf16Dot) {
+        qk_chunk_bf16(reinterpret_cast<const bf16_t*>(ws.q) + r0 * head_dim, rows_h, head_dim,
+                      reinterpret_cast<const bf16_t* const*>(kp), n, s, next_k, pace_heads);
+      } else
 #endif
-    if (convert_keys) {
-      convert_rows<T>(ws.kptr, n, head_dim, ws.kconv);
-      qk_chunk<float>(ws.q, rows, head_dim, reinterpret_cast<const float* const*>(ws.kptr), n,
-                      ws.s, next_k);
-    } else {
-      qk_chunk<T>(ws.q, rows, head_dim, reinterpret_cast<const T* const*>(ws.kptr), n, ws.s,
-                  next_k);
+      if (convert_keys) {
+        convert_rows<T>(kp, n, head_dim, ws.kconv);
+        qk_chunk<float>(ws.q + r0 * head_dim, rows_h, head_dim,
+                        reinterpret_cast<const float* const*>(kp), n, s, next_k, pace_heads);
+      } else {
+        qk_chunk<T>(ws.q + r0 * head_dim, rows_h, head_dim, reinterpret_cast<const T* const*>(kp),
+                    n, s, next_k, pace_heads);
+      }
+
+      softmax_chunk(s, rows_h, n, ws.first, ws.visible, a.scale, a.soft_cap, ws.m + r0,
+                    ws.l + r0, o, head_dim);
+
+      if (convert_values) {
+        convert_rows<T>(vp, n, head_dim, ws.vconv);
+        pv_chunk<float>(s, rows_h, ws.visible, reinterpret_cast<const float* const*>(vp), o,
+                        head_dim, next_v, pace_heads);
+      } else {
+        pv_chunk<T>(s, rows_h, ws.visible, reinterpret_cast<const T* const*>(vp), o, head_dim,
+                    next_v, pace_heads);
+      }
     }
     next_k.finish();
-
-    softmax_chunk(ws.s, rows, n, ws.first, ws.visible, a.scale, a.soft_cap, ws.m, ws.l, ws.o,
-                  head_dim);
-
-    if (convert_values) {
-      convert_rows<T>(ws.vptr, n, head_dim, ws.vconv);
-      pv_chunk<float>(ws.s, rows, ws.visible, reinterpret_cast<const float* const*>(ws.vptr),
-                      ws.o, head_dim, next_v);
-    } else {
-      pv_chunk<T>(ws.s, rows, ws.visible, reinterpret_cast<const T* const*>(ws.vptr), ws.o,
-                  head_dim, next_v);
-    }
     next_v.finish();
     const void** swap_k = ws.kptr;
     ws.kptr = ws.next_kptr;
@@ -574,9 +634,8 @@ void run_item(const AttentionArgs& a, const Tile& tile, const WorkItem& item, Wo
   }
   T* out = static_cast<T*>(a.out);
   for (int r = 0; r < rows; ++r) {
-    const int t = r / group;
-    T* dst = out + (int64_t(first_token + tile.query_begin + t) * a.num_heads +
-                    tile.kv_head * group + r % group) * head_dim;
+    T* dst = out + (int64_t(first_token + tile.query_begin + tr.token(r)) * a.num_heads +
+                    tr.query_head(r)) * head_dim;
     const Vec inv = vset(1.0f / ws.l[r]);
     const float* orow = ws.o + int64_t(r) * head_dim;
     for (int d = 0; d < head_dim; d += kWidth) vstore(dst + d, vmul(vload(orow + d), inv));
@@ -587,9 +646,9 @@ void run_item(const AttentionArgs& a, const Tile& tile, const WorkItem& item, Wo
 template <typename T>
 void combine_parts(const AttentionArgs& a, const Tile& tile, const float* part_scratch,
                    Workspace& ws) {
-  const int group = a.num_heads / a.num_kv_heads;
+  const TileRows tr = tile_rows(a, tile);
   const int head_dim = a.head_dim;
-  const int rows = (tile.query_end - tile.query_begin) * group;
+  const int rows = tr.rows;
   const int64_t part_floats = part_scratch_floats(rows, head_dim);
   const float* base = part_scratch + tile.part_scratch;
   const int first_token = a.query_start_loc[tile.seq];
@@ -614,8 +673,8 @@ void combine_parts(const AttentionArgs& a, const Tile& tile, const float* part_s
       for (int d = 0; d < head_dim; d += kWidth)
         vstore(acc + d, vfma(vw, vload(orow + d), vload(acc + d)));
     }
-    T* dst = out + (int64_t(first_token + tile.query_begin + r / group) * a.num_heads +
-                    tile.kv_head * group + r % group) * head_dim;
+    T* dst = out + (int64_t(first_token + tile.query_begin + tr.token(r)) * a.num_heads +
+                    tr.query_head(r)) * head_dim;
     const Vec inv = vset(1.0f / total);
     for (int d = 0; d < head_dim; d += kWidth) vstore(dst + d, vmul(vload(acc + d), inv));
   }
@@ -625,7 +684,6 @@ template <typename T>
 void run_all(const AttentionArgs& a, const Tile* tiles, int num_tiles, const WorkItem* items,
              int num_items, int max_rows, float* scratch, float* part_scratch, int num_threads) {
   const int64_t per_thread = thread_scratch_floats(max_rows, a.head_dim);
-  const int group = a.num_heads / a.num_kv_heads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
   {
     Workspace ws = carve(scratch + omp_get_thread_num() * per_thread, max_rows, a.head_dim);
@@ -635,7 +693,7 @@ void run_all(const AttentionArgs& a, const Tile* tiles, int num_tiles, const Wor
       const Tile& tile = tiles[item.tile];
       float* part_out = nullptr;
       if (tile.num_parts > 1) {
-        const int rows = (tile.query_end - tile.query_begin) * group;
+        const int rows = tile_rows(a, tile).rows;
         part_out = part_scratch + tile.part_scratch +
                    item.part * part_scratch_floats(rows, a.head_dim);
       }

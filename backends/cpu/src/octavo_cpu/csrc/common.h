@@ -61,6 +61,10 @@ struct AttentionArgs {
 
 // A run of consecutive query tokens of one sequence against one KV head: the rows of a tile
 // are (token, query head of the group) pairs, token-major. Its keys may be split into parts.
+// kv_head < 0: a head tile, against every KV head of the sequence at once (a decode step's few
+// rows): its rows are those of each KV head in turn, head-major, and each chunk of the cache is
+// read as whole token rows (all KV heads of a position are contiguous), not one head's slice
+// of every row.
 struct Tile {
   int seq;
   int kv_head;
@@ -88,7 +92,8 @@ inline int64_t thread_scratch_floats(int max_rows, int head_dim) {
          + align(int64_t(max_rows) * head_dim)  // running output
          + 4 * align(max_rows)  // running max, running sum, visible keys, first visible key
          + 2 * align(int64_t(kChunk) * head_dim)  // a chunk's keys and values, float32 rows
-         + 4 * align(2 * kChunk);  // key and value row pointers, this chunk and the next
+         + 6 * align(2 * kChunk);  // key and value row pointers: this chunk, the next, and
+                                   // one KV head's rows of this chunk (head tiles)
 }
 
 // Floats one part of a split tile leaves for the combine pass: output rows, max, sum.

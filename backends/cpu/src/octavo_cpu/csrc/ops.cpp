@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -34,6 +35,16 @@ constexpr int kMinPartSize = 256;
 // thread would save (a batch-1 decode over a few hundred positions), and far more when
 // another process holds the other core.
 constexpr int64_t kMinParallelWork = 2048;
+
+// Head tiles (common.h) for sequences with few new tokens; OCTAVO_CPU_ATTENTION_HEAD_TILES=0
+// turns them off (one tile per KV head, as for prefill), for comparisons. Read once.
+bool head_tiles_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("OCTAVO_CPU_ATTENTION_HEAD_TILES");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
 
 enum class Isa { kNone, kAvx2, kAvx512, kAvx512Bf16 };
 
@@ -223,12 +234,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   a.sliding_window = int(sliding_window);
   a.soft_cap = float(soft_cap);
 
-  // Tiles: every sequence's new tokens in runs of up to tokens_per_tile, times the KV heads.
+  // Tiles: every sequence's new tokens in runs of up to tokens_per_tile, times the KV heads;
+  // or, for a sequence with few new tokens, one head tile (common.h) for all the KV heads.
+  const bool head_tiles = head_tiles_enabled();
   const int group = a.num_heads / a.num_kv_heads;
   const int tokens_per_tile = std::max(1, kRowsPerTile / group);
   const int64_t table_width = block_tables.dim() == 2 ? block_tables.size(1) : 0;
   std::vector<Tile> tiles;
-  int64_t total_keys = 0;
+  int64_t total_keys = 0;       // (key, KV head) pairs
+  int64_t total_tile_keys = 0;  // keys of the tiles (each head tile counted once)
   int max_rows = 1;
   for (int s = 0; s < num_seqs; ++s) {
     const int q_begin = a.query_start_loc[s], q_end = a.query_start_loc[s + 1];
@@ -251,6 +265,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "octavo_cpu: sequence ", s, " block ",
                   b, " is ", table[b], ", outside the cache's ", num_blocks, " blocks");
     }
+    if (head_tiles && a.num_kv_heads > 1 && int64_t(query_len) * a.num_heads <= kRowsPerTile) {
+      // A few new tokens (a decode step): one tile for all the KV heads.
+      const int kv_begin =
+          a.sliding_window > 0 ? std::max(0, context_len - a.sliding_window + 1) : 0;
+      max_rows = std::max(max_rows, query_len * a.num_heads);
+      tiles.push_back(Tile{s, -1, 0, query_len, kv_begin, seq_len, 1, 0});
+      total_keys += int64_t(seq_len - kv_begin) * a.num_kv_heads;
+      total_tile_keys += seq_len - kv_begin;
+      continue;
+    }
     for (int i0 = 0; i0 < query_len; i0 += tokens_per_tile) {
       const int i1 = std::min(query_len, i0 + tokens_per_tile);
       max_rows = std::max(max_rows, (i1 - i0) * group);
@@ -259,6 +283,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       for (int h = 0; h < a.num_kv_heads; ++h) {
         tiles.push_back(Tile{s, h, i0, i1, kv_begin, context_len + i1, 1, 0});
         total_keys += context_len + i1 - kv_begin;
+        total_tile_keys += context_len + i1 - kv_begin;
       }
     }
   }
@@ -278,7 +303,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   if (part_size > 0) {
     part = part_size;
   } else if (num_threads > 1 && int64_t(tiles.size()) < 4 * num_threads) {
-    part = std::max<int64_t>(kMinPartSize, total_keys / (4 * num_threads));
+    part = std::max<int64_t>(kMinPartSize, total_tile_keys / (4 * num_threads));
   }
   part = (part + kChunk - 1) / kChunk * kChunk;
   std::vector<WorkItem> items;
@@ -286,7 +311,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   int64_t part_floats = 0;
   for (int t = 0; t < int(tiles.size()); ++t) {
     Tile& tile = tiles[t];
-    const int rows = (tile.query_end - tile.query_begin) * group;
+    const int rows = (tile.query_end - tile.query_begin) * group *
+                     (tile.kv_head < 0 ? a.num_kv_heads : 1);
     const int num_keys = tile.kv_end - tile.kv_begin;
     if (part > 0 && num_keys > part) {
       tile.num_parts = int((num_keys + part - 1) / part);
