@@ -9,7 +9,7 @@
 | ``OCTAVO_CPU_KVCACHE_SPACE`` | KV-cache size in GiB on the CPU backend when ``--cpu-kv-cache-space`` is not given (default 4) |
 | ``OCTAVO_CPU_GGUF_KERNELS`` | ``0`` keeps the CPU backend's C++ GGUF kernels from the ``gguf`` quantization method (its torch path runs; default ``1``); ``--quantization none`` dequantizes a GGUF file while loading |
 | ``OCTAVO_API_KEY`` | the API key of ``octavo serve`` when ``--api-key`` is not given (kept out of ``ps``) |
-| ``OCTAVO_GRAMMAR_ACCEPT`` | how the grammar thread advances the matchers of a step's constrained rows: ``loop`` (default: one ``consume_token`` after the other, holding the GIL) or ``parallel`` (llguidance's ``consume_token_par``, the GIL released) |
+| ``OCTAVO_GRAMMAR_ACCEPT`` | how the grammar thread advances the matchers of a step's constrained rows: ``parallel`` (default: llguidance's ``consume_token_par``, the GIL released; measured best on the H100) or ``loop`` (one ``consume_token`` after the other, holding the GIL) |
 | ``OCTAVO_GRAMMAR_SWITCH_INTERVAL_US`` | the GIL switch interval (``sys.setswitchinterval``) while the grammar thread works beside the engine thread, in µs (default 200; ``0`` leaves Python's 5,000 alone) |
 | ``OCTAVO_ALLOW_RUNTIME_LORA_UPDATING`` | ``1`` adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` to ``octavo serve`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) |
 """
@@ -86,9 +86,9 @@ def cpu_fused_layers() -> bool:
 
 
 def grammar_accept() -> str:
-    """``OCTAVO_GRAMMAR_ACCEPT``: ``loop`` (default) or ``parallel``, how the grammar thread
+    """``OCTAVO_GRAMMAR_ACCEPT``: ``parallel`` (default) or ``loop``, how the grammar thread
     advances a step's matchers (``octavo.structured_output.manager``)."""
-    raw = os.environ.get("OCTAVO_GRAMMAR_ACCEPT", "loop").strip().lower()
+    raw = os.environ.get("OCTAVO_GRAMMAR_ACCEPT", "parallel").strip().lower()
     if raw not in ("parallel", "loop"):
         raise ValueError(f"OCTAVO_GRAMMAR_ACCEPT must be 'parallel' or 'loop', got {raw!r}")
     return raw
