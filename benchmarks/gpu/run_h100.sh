@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-b1] [profile-8b]
-#                                    [w1-timeline]
+#                                    [w1-timeline] [w1-timeline-async] [w1-timeline-cold]
 #                                    [profile-sync]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
@@ -188,6 +188,23 @@ for stage in "${stages[@]}"; do
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       python3 benchmarks/gpu/w1_timeline.py --model $MODEL 2>"$OUT/w1-timeline.err" \
         | tee "$OUT/w1-timeline.log" | tail -14
+      ;;
+    w1-timeline-async)
+      # The same W1 run through AsyncLLM (engine core in its own process), each step timed as
+      # its message reaches the front end; both processes' CPU time per step (~1 min).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      python3 benchmarks/gpu/w1_timeline.py --model $MODEL --async-engine \
+        2>"$OUT/w1-timeline-async.err" | tee "$OUT/w1-timeline-async.log" | tail -14
+      ;;
+    w1-timeline-cold)
+      # w1-timeline and w1-timeline-async without the warm-up run, as `octavo bench throughput`
+      # measures: the first-call costs of a fresh process land in the timed run (~2 min).
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      python3 benchmarks/gpu/w1_timeline.py --model $MODEL --no-warmup --print-steps 24 \
+        2>"$OUT/w1-timeline-cold.err" | tee "$OUT/w1-timeline-cold.log" | tail -38
+      python3 benchmarks/gpu/w1_timeline.py --model $MODEL --async-engine --no-warmup \
+        --print-steps 24 2>"$OUT/w1-timeline-async-cold.err" \
+        | tee "$OUT/w1-timeline-async-cold.log" | tail -38
       ;;
     profile-sync)
       # As profile, one step at a time (no async scheduling).
