@@ -11,6 +11,9 @@
 | ``OCTAVO_API_KEY`` | the API key of ``octavo serve`` when ``--api-key`` is not given (kept out of ``ps``) |
 | ``OCTAVO_GRAMMAR_ACCEPT`` | how the grammar thread advances the matchers of a step's constrained rows: ``parallel`` (default: llguidance's ``consume_token_par``, the GIL released; measured best on the H100) or ``loop`` (one ``consume_token`` after the other, holding the GIL) |
 | ``OCTAVO_GRAMMAR_SWITCH_INTERVAL_US`` | the GIL switch interval (``sys.setswitchinterval``) while the grammar thread works beside the engine thread, in µs (default 200; ``0`` leaves Python's 5,000 alone) |
+| ``OCTAVO_SKINNY_CONFIG_TABLES`` | ``0`` ignores the per-GPU launch-config tables of the small-M Triton kernels (``octavo.kernels.triton.skinny_gemm``): configs are then timed at start-up (default ``1``) |
+| ``OCTAVO_CPU_PIN_STEPS`` | ``0`` leaves the CPU backend's calling thread unpinned during steps (``octavo_cpu.threads``; default ``1``: pinned to its core while a step computes) |
+| ``OCTAVO_CPU_ATTENTION_HEAD_TILES`` | ``0`` turns off the CPU decode attention's head tiles (all KV heads of a sequence in one tile; read by the C++ kernels once per process; default ``1``) |
 | ``OCTAVO_ALLOW_RUNTIME_LORA_UPDATING`` | ``1`` adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` to ``octavo serve`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) |
 """
 
@@ -107,3 +110,16 @@ def grammar_switch_interval_s() -> float | None:
         raise ValueError(f"OCTAVO_GRAMMAR_SWITCH_INTERVAL_US must be a number of µs >= 0, "
                          f"got {raw!r}")
     return value * 1e-6 if value > 0 else None
+
+
+def skinny_config_tables() -> bool:
+    """``OCTAVO_SKINNY_CONFIG_TABLES``: whether the small-M Triton kernels take their launch
+    configs from the GPU's table when it has one (default yes; ``0``/``false``: timed)."""
+    return os.environ.get("OCTAVO_SKINNY_CONFIG_TABLES", "1").strip() not in ("0", "false",
+                                                                               "False")
+
+
+def cpu_pin_steps() -> bool:
+    """``OCTAVO_CPU_PIN_STEPS``: whether the CPU worker pins the calling thread to its core
+    while a step computes (default yes; ``0``/``false``: left alone)."""
+    return os.environ.get("OCTAVO_CPU_PIN_STEPS", "1").strip() not in ("0", "false", "False")

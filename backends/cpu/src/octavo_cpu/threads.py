@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from octavo import envs
 
 from octavo_cpu.kernels import load_kernels
 
@@ -90,7 +91,7 @@ def configure_threads(cpu_threads: int | None, world_size: int, local_rank: int)
     step_cpu = None
     if (bound and bound[0] < 0 and any(cpu >= 0 for cpu in bound[1:])
             and hasattr(os, "sched_setaffinity")
-            and os.environ.get("OCTAVO_CPU_PIN_STEPS", "1").strip() != "0"):
+            and envs.cpu_pin_steps()):
         step_cpu = plan.cpus[0]
     logger.info("cpu threads: %d (from %s)%s%s", plan.num_threads, plan.source,
                 f", pinned to CPUs {pinned}" if pinned else ", not pinned",

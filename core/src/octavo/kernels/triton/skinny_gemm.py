@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 import triton
 
+from octavo import envs
 from octavo.kernels.triton.cache_write import interpreting
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def read_config_table(path: Path) -> dict[str, dict[str, SkinnyConfig]]:
 
 @functools.cache
 def _device_table(device_index: int) -> dict[str, dict[str, SkinnyConfig]]:
-    if os.environ.get("OCTAVO_SKINNY_CONFIG_TABLES", "1") == "0":
+    if not envs.skinny_config_tables():
         return {}
     path = config_table_path(torch.cuda.get_device_name(device_index))
     if not path.is_file():
