@@ -61,12 +61,6 @@ class Timeline:
         return sum(int(g[0]) for g in self.groups.values())
 
 
-def workload_vocab(tokenizer, model_config) -> int:
-    """The token-id range ``octavo bench throughput`` draws W1's prompts from: the same seed
-    then gives the same prompts and output lengths here as there."""
-    return min(len(tokenizer), model_config.vocab_size)
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` (all its threads), from /proc."""
     with open(f"/proc/{pid}/stat") as f:
@@ -75,11 +69,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 def main() -> None:
+    from octavo.cli.bench import token_range
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--input-len", default="100:1024", help="LO:HI prompt tokens (W1's)")
-    parser.add_argument("--output-len", default="100:1024", help="LO:HI output tokens (W1's)")
+    parser.add_argument("--input-len", type=token_range, default=(100, 1024), metavar="MIN:MAX",
+                        help="prompt tokens (default W1's)")
+    parser.add_argument("--output-len", type=token_range, default=(100, 1024),
+                        metavar="MIN:MAX", help="output tokens (default W1's)")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--print-steps", type=int, default=0, metavar="N",
                         help="also print the first N steps one by one")
@@ -92,13 +90,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from octavo import LLM, SamplingParams
-    from octavo.cli.bench import make_workload
+    from octavo.cli.bench import make_workload, workload_vocab_size
     from octavo.engine.output_processor import RequestOutputKind
     from octavo.engine_core.gc_heap import freeze_startup_objects
-
-    def span(text: str) -> tuple[int, int]:
-        low, high = text.split(":")
-        return int(low), int(high)
 
     def params(out_len: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
@@ -106,14 +100,13 @@ def main() -> None:
     engine_kwargs = dict(dtype="bfloat16", max_num_seqs=256, load_format=args.load_format,
                          async_scheduling=args.async_scheduling)
     if args.async_engine:
-        timeline, elapsed, total_out, cpu_note = run_async_engine(args, engine_kwargs, params,
-                                                                  span)
+        timeline, elapsed, total_out, cpu_note = run_async_engine(args, engine_kwargs, params)
         path = "AsyncLLM (engine core in its own process)"
     else:
         llm = LLM(args.model, **engine_kwargs)
         freeze_startup_objects()  # as octavo bench does
         engine = llm.llm_engine
-        vocab = workload_vocab(engine.tokenizer, engine.config.model_config)
+        vocab = workload_vocab_size(engine.tokenizer, engine.config.model_config)
 
         def add(workload, prefix: str) -> int:
             for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
@@ -126,8 +119,8 @@ def main() -> None:
             while engine.has_unfinished_requests():
                 engine.step()
 
-        total_out = add(make_workload(args.num_requests, span(args.input_len),
-                                      span(args.output_len), vocab, 0), "")
+        total_out = add(make_workload(args.num_requests, args.input_len,
+                                      args.output_len, vocab, 0), "")
         start = time.perf_counter()
         cpu_start = time.process_time()
         timeline = Timeline(start, args.print_steps)
@@ -161,14 +154,14 @@ def main() -> None:
                                  for n, g in groups.items()}}))
 
 
-def run_async_engine(args, engine_kwargs, params, span):
+def run_async_engine(args, engine_kwargs, params):
     """The same run through AsyncLLM: every per-step message the front end receives is
     timed (its arrival), with the step's scheduler snapshot it carries.
 
     Returns the timeline, the elapsed seconds (to the last request's final output), the
     output tokens and a note on both processes' CPU time per step.
     """
-    from octavo.cli.bench import make_workload
+    from octavo.cli.bench import make_workload, workload_vocab_size
     from octavo.cli.serve import front_end_threads
     from octavo.engine.arg_utils import EngineArgs
     from octavo.engine.async_llm import AsyncLLM
@@ -176,7 +169,7 @@ def run_async_engine(args, engine_kwargs, params, span):
 
     front_end_threads()  # as octavo bench throughput --async-engine and octavo serve
     engine = AsyncLLM(EngineArgs(model=args.model, **engine_kwargs))
-    vocab = workload_vocab(engine.tokenizer, engine.config.model_config)
+    vocab = workload_vocab_size(engine.tokenizer, engine.config.model_config)
 
     class StepClock:
         """A StatLogger: each call is one engine-core step's message."""
@@ -206,8 +199,8 @@ def run_async_engine(args, engine_kwargs, params, span):
         try:
             if args.warmup:
                 await run(make_workload(32, (16, 64), (16, 64), vocab, 1), "warm")
-            workload = make_workload(args.num_requests, span(args.input_len),
-                                     span(args.output_len), vocab, 0)
+            workload = make_workload(args.num_requests, args.input_len,
+                                     args.output_len, vocab, 0)
             core_pid = engine.core.pid
             core_cpu, front_cpu = cpu_seconds(core_pid), time.process_time()
             start = time.perf_counter()

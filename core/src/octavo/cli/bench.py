@@ -70,12 +70,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _range(text: str) -> tuple[int, int]:
+def token_range(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` (or ``N``) as an argparse type: a range of token counts."""
     low, _, high = text.partition(":")
     low_i, high_i = int(low), int(high or low)
     if low_i < 1 or high_i < low_i:
         raise argparse.ArgumentTypeError(f"expected MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
     return low_i, high_i
+
+
+def workload_vocab_size(tokenizer, model_config) -> int:
+    """The token ids random prompts are drawn from: ids both the tokenizer and the model's
+    embedding know (one place, so every benchmark gets the same prompts for a seed)."""
+    return min(len(tokenizer), model_config.vocab_size)
 
 
 def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
@@ -101,9 +108,9 @@ def add_parser(sub) -> None:
                           description=_THROUGHPUT_DESCRIPTION,
                           formatter_class=RawDescriptionHelpFormatter)
     tp.add_argument("--num-prompts", type=_positive_int, default=64, help="number of requests")
-    tp.add_argument("--input-len", type=_range, default=(64, 256), metavar="MIN:MAX",
+    tp.add_argument("--input-len", type=token_range, default=(64, 256), metavar="MIN:MAX",
                     help="prompt lengths, uniform in [MIN, MAX]; one number: MIN = MAX")
-    tp.add_argument("--output-len", type=_range, default=(64, 128), metavar="MIN:MAX",
+    tp.add_argument("--output-len", type=token_range, default=(64, 128), metavar="MIN:MAX",
                     help="output lengths, uniform in [MIN, MAX]; one number: MIN = MAX")
     tp.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
     tp.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -239,7 +246,7 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
-    vocab = min(len(tokenizer), model_config.vocab_size)
+    vocab = workload_vocab_size(tokenizer, model_config)
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, vocab,
                              args.workload_seed)
     then = ", then the same on HF transformers (--compare-hf)" if args.compare_hf else ""
@@ -392,7 +399,7 @@ def run_latency(args: argparse.Namespace) -> int:
     llm = LLM(**asdict(EngineArgs.from_cli_args(args)))
     freeze_startup_objects()  # this process is the benchmark's
     engine = llm.llm_engine
-    vocab = min(len(engine.tokenizer), engine.config.model_config.vocab_size)
+    vocab = workload_vocab_size(engine.tokenizer, engine.config.model_config)
     # A fresh random prompt per iteration, so no run is served from the prefix cache.
     workload = make_workload(args.num_iters_warmup + args.num_iters,
                              (args.input_len, args.input_len),

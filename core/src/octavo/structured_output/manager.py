@@ -250,14 +250,14 @@ class StructuredOutputManager:
 
     def _advance(self, advances: list[tuple[str, _Constrained, list[int]]],
                  parallel: bool) -> dict[str, str]:
-        # With ``parallel`` (OCTAVO_GRAMMAR_ACCEPT=parallel, on the grammar thread only), rows
-        # with one answer token go to llguidance's consume_token_par, which releases the GIL
-        # for the whole call, where the loop's consume_token calls hold it against the engine
-        # thread's Python. Rows still passing the reasoning gate, or with several tokens, keep
-        # the loop (the gate filters their tokens). The loop is the default: one matcher
-        # after the other took 1.1 ms for 256 rows where the parallel call took 2-7 ms on
-        # busy cores (its thread hand-offs cost more than the work; docs/benchmarks.md,
-        # fourth and sixth rounds).
+        # With ``parallel`` (OCTAVO_GRAMMAR_ACCEPT, the default; on the grammar thread only),
+        # rows with one answer token go to llguidance's consume_token_par, which releases the
+        # GIL for the whole call, where the loop's consume_token calls hold it against the
+        # engine thread's Python. Rows still passing the reasoning gate, or with several
+        # tokens, keep the loop (the gate filters their tokens). On the H100 the parallel call
+        # gave the best constrained throughput (0.56-0.62x of unconstrained against 0.45-0.54x
+        # with the loop), though on two busy cores it took 2-7 ms against the loop's 1.1 ms
+        # (docs/benchmarks.md, fourth and sixth rounds).
         errors: dict[str, str] = {}
         single: list[tuple[str, Any, int]] = []
         for request_id, entry, sampled_ids in advances:
