@@ -40,6 +40,9 @@ def main() -> None:
                         help="every request's output length (default: W1's 100-1024 draw)")
     parser.add_argument("--row-limit", type=int, default=15,
                         help="kernels listed in the profiler's table")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also run the window under cProfile and list the N functions of "
+                             "most own time (where the engine thread's CPU per step goes)")
     parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
                         help="freeze start-up's objects out of the garbage collector's sight "
                              "(octavo.engine_core.gc_heap), as octavo bench does")
@@ -80,11 +83,33 @@ def main() -> None:
 
     # (0) plain wall time per step: no timers, no profiler (both add host work)
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     for _ in range(args.steps):
         engine.step()
     torch.cuda.synchronize()
     plain_ms = (time.perf_counter() - start) / args.steps * 1000
+    # The engine thread's CPU time (everything runs on it in-process; with async scheduling
+    # a step is host-bound when this exceeds the GPU kernel time).
+    plain_cpu_ms = (time.thread_time() - start_cpu) / args.steps * 1000
+    print(f"plain window: {plain_ms:.3f} ms wall, {plain_cpu_ms:.3f} ms engine-thread CPU "
+          "per step")
+
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        stats_ = pstats.Stats(profiler, stream=text)
+        stats_.sort_stats("tottime").print_stats(args.cprofile)
+        stats_.sort_stats("cumulative").print_stats(args.cprofile)
+        print(text.getvalue())
 
     # (1) phase timers (synchronizing, so each phase's GPU work is attributed to it)
     runner = engine.engine_core.executor.worker.model_runner
@@ -167,6 +192,7 @@ def main() -> None:
         "profile": "decode-steps", "running": running, "steps": args.steps,
         "async_scheduling": engine.config.scheduler_config.async_scheduling,
         "plain_wall_ms_per_step": round(plain_ms, 3),
+        "plain_cpu_ms_per_step": round(plain_cpu_ms, 3),
         "wall_ms_per_step": round(wall_ms, 3), "gpu_ms_per_step": round(gpu_ms, 3),
         "phases_ms_per_step": {k: round(v / args.steps * 1000, 3) for k, v in phases.items()},
     }))

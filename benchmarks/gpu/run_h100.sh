@@ -4,7 +4,7 @@
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-b1] [profile-8b]
 #                                    [w1-timeline] [w1-timeline-async] [w1-timeline-cold]
-#                                    [profile-sync]
+#                                    [profile-sync] [profile-cprofile]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
 #                                    [quant-configs]
@@ -162,6 +162,17 @@ for stage in "${stages[@]}"; do
       python3 benchmarks/gpu/profile_steps.py --model $MODEL 2>&1 | tee "$OUT/profile.log" | tail -40
       python3 benchmarks/gpu/profile_steps.py --model $MODEL --num-requests 1 2>&1 \
         | tee "$OUT/profile-batch1.log" | tail -40
+      ;;
+    profile-cprofile)
+      # Where the engine thread's CPU goes in a steady decode step at ~229 running (in-process,
+      # async scheduling): its CPU time per step beside wall and GPU time, then 40 steps under
+      # cProfile (functions of most own time), unconstrained and JSON-constrained (~3 min; #15).
+      [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
+        --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      for flag in "" "--structured json"; do
+        python3 benchmarks/gpu/profile_steps.py --model $JSON_MODEL --cprofile 45 $flag 2>&1 \
+          | tee -a "$OUT/profile-cprofile.log" | grep -E "plain window|unprofiled|profiled:"
+      done
       ;;
     profile-b1)
       # Batch-1 decode kernels (which ones, how long, how many per step): 0.5B bf16, and the
