@@ -211,8 +211,8 @@ for stage in "${stages[@]}"; do
       # w1-timeline and w1-timeline-async without the warm-up run, as `octavo bench throughput`
       # measures: the first-call costs of a fresh process land in the timed run (~2 min).
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
-      python3 benchmarks/gpu/w1_timeline.py --model $MODEL --no-warmup --print-steps 24 \
-        2>"$OUT/w1-timeline-cold.err" | tee "$OUT/w1-timeline-cold.log" | tail -38
+      python3 benchmarks/gpu/w1_timeline.py --model $MODEL --no-warmup --print-steps 24 --list-compiles \
+        2>"$OUT/w1-timeline-cold.err" | tee "$OUT/w1-timeline-cold.log" | tail -60
       python3 benchmarks/gpu/w1_timeline.py --model $MODEL --async-engine --no-warmup \
         --print-steps 24 2>"$OUT/w1-timeline-async-cold.err" \
         | tee "$OUT/w1-timeline-async-cold.log" | tail -38

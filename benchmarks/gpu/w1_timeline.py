@@ -61,6 +61,33 @@ class Timeline:
         return sum(int(g[0]) for g in self.groups.values())
 
 
+class CompileLog:
+    """Every Triton kernel variant this process JIT-compiles (or loads from Triton's disk
+    cache: both go through the same path), through Triton's post-compile hook."""
+
+    def __init__(self) -> None:
+        from triton import knobs
+
+        self.events: list[tuple[float, str]] = []
+        self.timed_start = float("inf")
+        knobs.runtime.jit_post_compile_hook = self._hook
+
+    def _hook(self, *, repr: str, key, **_) -> None:
+        # The name and launch options, then the specialization key (each argument's type and
+        # what Triton specialized on: "D" = divisible by 16, 1 = the value one).
+        self.events.append((time.perf_counter(), f"{repr.split('(')[0]} {key}"))
+
+    def mark(self, start: float) -> None:
+        self.timed_start = start
+
+    def report(self) -> None:
+        before = sum(t < self.timed_start for t, _ in self.events)
+        during = [(t, r) for t, r in self.events if t >= self.timed_start]
+        print(f"Triton kernel variants: {before} before the timed run, {len(during)} during it")
+        for t, r in self.events:
+            print(f"  {t - self.timed_start:+8.3f} s  {r[:1500]}")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` (all its threads), from /proc."""
     with open(f"/proc/{pid}/stat") as f:
@@ -87,7 +114,11 @@ def main() -> None:
                         help="through AsyncLLM (engine core in its own process) instead")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="an untimed warm-up run of 32 short requests first (default on)")
+    parser.add_argument("--list-compiles", action="store_true",
+                        help="in-process only: list the Triton kernels this process compiled "
+                             "(or loaded from Triton's disk cache) during the timed run")
     args = parser.parse_args()
+    compiles = CompileLog() if args.list_compiles and not args.async_engine else None
 
     from octavo import LLM, SamplingParams
     from octavo.cli.bench import make_workload, workload_vocab_size
@@ -123,6 +154,8 @@ def main() -> None:
                                       args.output_len, vocab, 0), "")
         start = time.perf_counter()
         cpu_start = time.process_time()
+        if compiles is not None:
+            compiles.mark(start)
         timeline = Timeline(start, args.print_steps)
         while engine.has_unfinished_requests():
             engine.step()
@@ -148,6 +181,8 @@ def main() -> None:
     for i, (ms, running, waiting, batched) in enumerate(first_steps):
         print(f"step {i:>3}: {ms:8.2f} ms  running {running:>3}  waiting {waiting:>3}  "
               f"scheduled tokens {batched}")
+    if compiles is not None:
+        compiles.report()
     print(json.dumps({"bench": "w1_timeline", "engine": "async" if args.async_engine else "in-process",
                       "warmup": args.warmup, "elapsed_s": elapsed, "output_tokens": total_out,
                       "groups": {n: {"steps": g[0], "seconds": g[1], "decode_tokens": g[2]}

@@ -41,7 +41,17 @@ from octavo.kernels.triton.cache_write import (
 NEG_LARGE = tl.constexpr(-1.0e30)
 
 
-@triton.jit
+# Triton compiles a variant per specialization of the arguments (an int equal to 1 or divisible
+# by 16, a pointer 16-byte aligned). The per-step arguments below change with the batch (the
+# block table's width; the metadata vectors are slices of one copy, at offsets that follow the
+# number of sequences), so each new combination compiled a new variant mid-serving (~0.6 s on
+# an H100 each, two in W1's first steps). They are read once per program, where the
+# specialization buys nothing: one variant serves every step, the one start-up's profile run
+# compiles.
+@triton.jit(
+    do_not_specialize=["stride_bt_seq"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"],
+)
 def _prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
