@@ -4,7 +4,7 @@
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
 #                                    [latency] [latency-sync] [latency-mp] [profile] [profile-b1] [profile-8b]
 #                                    [w1-timeline] [w1-timeline-async] [w1-timeline-cold]
-#                                    [profile-sync] [profile-cprofile]
+#                                    [profile-sync] [profile-cprofile] [decode-attn-sweep]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
 #                                    [quant-configs]
@@ -173,6 +173,17 @@ for stage in "${stages[@]}"; do
         python3 benchmarks/gpu/profile_steps.py --model $JSON_MODEL --cprofile 45 $flag 2>&1 \
           | tee -a "$OUT/profile-cprofile.log" | grep -E "plain window|unprofiled|profiled:"
       done
+      ;;
+    decode-attn-sweep)
+      # The decode attention kernels at W1's steady state (229 sequences, contexts 200-2048,
+      # the 0.5B shape, graph-sized launches) over split policies and launch configs, then the
+      # 8B shape (~4 min).
+      (cd benchmarks/gpu && python3 bench_decode_attention.py 2>"$OUT/decode-attn-sweep.err" \
+        | tee "$OUT/decode-attn-sweep.log" | grep -v '^{"bench"' | tail -40)
+      # The Llama-3-8B shape (32 heads, 8 KV heads, head_dim 128) at W1's 226 running.
+      (cd benchmarks/gpu && python3 bench_decode_attention.py --num-seqs 226 --num-heads 32 \
+        --num-kv-heads 8 --head-dim 128 2>>"$OUT/decode-attn-sweep.err" \
+        | tee "$OUT/decode-attn-sweep-8b.log" | grep -v '^{"bench"' | tail -40)
       ;;
     profile-b1)
       # Batch-1 decode kernels (which ones, how long, how many per step): 0.5B bf16, and the

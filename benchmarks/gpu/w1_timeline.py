@@ -88,6 +88,21 @@ class CompileLog:
             print(f"  {t - self.timed_start:+8.3f} s  {r[:1500]}")
 
 
+def override_launch_config(items: list[str]) -> None:
+    """Make the CUDA backend build its attention with these TritonLaunchConfig fields."""
+    import functools
+
+    import octavo_cuda.attention as cuda_attention
+
+    fields = {}
+    for item in items:
+        name, value = item.split("=", 1)
+        fields[name] = None if value.lower() == "none" else int(value)
+    cuda_attention.TritonLaunchConfig = functools.partial(cuda_attention.TritonLaunchConfig,
+                                                          **fields)
+    print(f"TritonLaunchConfig overrides: {fields}")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` (all its threads), from /proc."""
     with open(f"/proc/{pid}/stat") as f:
@@ -117,8 +132,13 @@ def main() -> None:
     parser.add_argument("--list-compiles", action="store_true",
                         help="in-process only: list the Triton kernels this process compiled "
                              "(or loaded from Triton's disk cache) during the timed run")
+    parser.add_argument("--launch-config", action="append", default=[], metavar="FIELD=VALUE",
+                        help="in-process only: override a field of the CUDA backend's "
+                             "TritonLaunchConfig (an int, or 'none'), for A/B runs; repeatable")
     args = parser.parse_args()
     compiles = CompileLog() if args.list_compiles and not args.async_engine else None
+    if args.launch_config:
+        override_launch_config(args.launch_config)
 
     from octavo import LLM, SamplingParams
     from octavo.cli.bench import make_workload, workload_vocab_size

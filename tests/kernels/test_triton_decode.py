@@ -123,6 +123,40 @@ def test_decode_partitions_rule():
     assert decode_partitions(1, 8, 8192, 64, 512, None) == 16  # by length only
 
 
+def test_decode_wide_batch_split_rule():
+    # With wide_batch_span a wide batch is split into spans of that many keys: enough
+    # partitions to cover max_seq_len, each at least the span.
+    from octavo.kernels.triton.decode_attention import decode_split
+
+    assert decode_split(64, 8, 8192, 64, 512, 256, 512) == (16, 512)
+    assert decode_split(64, 8, 300, 64, 512, 256, 256) == (2, 256)
+    assert decode_split(64, 8, 8192, 64, 512, 256, None) == (1, 64)
+    assert decode_split(1, 8, 8192, 64, 512, 256, 512) == (32, 64)  # narrow: as before
+    # fill_programs: a batch that fills the GPU by itself (226 x 8 programs) is never split.
+    assert decode_split(229, 2, 32768, 64, 512, 256, 768, 1024) == (43, 768)
+    assert decode_split(226, 8, 32768, 64, 512, 256, 768, 1024) == (1, 64)
+    assert decode_partitions(64, 8, 8192, 64, 512, 256, 512) == 16
+
+
+@pytest.mark.parametrize("max_seq_len", [None, 4096], ids=["eager", "graph-bound"])
+def test_decode_wide_batch_split_by_span(max_seq_len):
+    # 5 sequences x 2 KV heads = 10 programs >= the threshold 4: split into spans of 32 keys
+    # (two key blocks of 16); a context of 1 key, one of exactly a span, one just past it.
+    seq_lens = [1, 32, 33, 190, 77]
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=4, num_kv_heads=2,
+                             head_dim=64, block_size=16)
+    run_and_compare(batch, torch.float32, max_seq_len=max_seq_len, block_n=16,
+                    partition_size=16, unsplit_min_programs=4, wide_batch_span=32)
+
+
+def test_decode_wide_batch_span_must_be_a_multiple_of_block_n():
+    batch = make_paged_batch([1, 1], [9, 12], num_heads=4, num_kv_heads=2, head_dim=64,
+                             block_size=8)
+    with pytest.raises(ValueError, match="wide_batch_span"):
+        run_and_compare(batch, torch.float32, block_n=16, unsplit_min_programs=1,
+                        wide_batch_span=24)
+
+
 @pytest.mark.parametrize("seq_lens", [[300], [700, 30, 1, 97]])
 def test_decode_short_contexts_under_a_graph_bound_spread(seq_lens, monkeypatch):
     """A captured graph passes max_model_len as the bound: a narrow batch of short contexts
@@ -179,10 +213,13 @@ def test_decode_full_shapes(head_dim, heads, dtype, graph_bound):
     )
     config = TritonLaunchConfig()
     # graph-bound: as a captured graph launches it (max_model_len as the bound, the
-    # backend's unsplit_min_programs), so short contexts spread over many partitions.
+    # backend's split policy), so short contexts spread over many partitions.
     run_and_compare(batch, dtype, max_seq_len=32768 if graph_bound else None,
                     block_n=config.decode_block_n,
                     partition_size=config.decode_partition_size,
                     unsplit_min_programs=config.decode_unsplit_min_programs if graph_bound
                     else None,
+                    # 9 sequences x 32 KV heads = 288 programs: split into spans when bound
+                    wide_batch_span=config.decode_wide_batch_span if graph_bound else None,
+                    fill_programs=config.decode_fill_programs,
                     num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)

@@ -53,6 +53,9 @@ ROCM_LAUNCH_CONFIG = TritonLaunchConfig(
     # CUs, and 512 with 256-key ones. The cost: contexts of 257..512 tokens now take the
     # second (reduce) launch. A multiple of decode_block_n, as the kernels require.
     decode_partition_size=256,
+    # Wide batches are not split into spans: that setting was measured on an H100 only
+    # (docs/benchmarks.md), and with 304 CUs the crossover is unknown.
+    decode_wide_batch_span=None,
     # 2 wavefronts = 128 threads, the thread count of NVIDIA's 4 warps. The 16 x 32 score
     # tile is two 16 x 16 MFMA blocks, one per wavefront; 4 wavefronts would leave half of
     # them without a block of their own, and fewer threads per program let more programs

@@ -58,6 +58,15 @@ class TritonLaunchConfig:
     # to make about this many programs (each sequence's spans cut from its own length;
     # octavo.kernels.triton.decode_attention). None: split by decode_partition_size only.
     decode_unsplit_min_programs: int | None = 256
+    # Keys per partition when a wide batch of fewer than decode_fill_programs programs is
+    # split after all: more programs in flight for the same bytes, plus the reduce kernel
+    # (H100, 229 sequences of a 0.5B model, 2 KV heads: 458 programs, 68.6-77.2 -> 63.6 us;
+    # bench_decode_attention.py). A multiple of decode_block_n; None: never.
+    decode_wide_batch_span: int | None = 768
+    # Batches of at least this many (sequence, KV head) programs are never split (H100: an
+    # 8B model's 226 sequences x 8 KV heads ran at 94 % of the KV-read floor unsplit, and
+    # slower in spans).
+    decode_fill_programs: int | None = 1024
     # Warps per decode program (both decode kernels).
     decode_num_warps: int = 4
     # Software-pipelining stages of the decode key loop.
@@ -88,6 +97,12 @@ class TritonLaunchConfig:
             raise ValueError(
                 "decode_unsplit_min_programs must be None or >= 1, "
                 f"got {self.decode_unsplit_min_programs}"
+            )
+        span = self.decode_wide_batch_span
+        if span is not None and (span < self.decode_block_n or span % self.decode_block_n):
+            raise ValueError(
+                f"decode_wide_batch_span ({span}) must be None or a positive multiple of "
+                f"decode_block_n ({self.decode_block_n})"
             )
         if self.fp32_dot_precision not in _DOT_PRECISIONS:
             raise ValueError(
@@ -154,6 +169,8 @@ class TritonAttentionImpl(AttentionImpl):
                 block_n=cfg.decode_block_n,
                 partition_size=cfg.decode_partition_size,
                 unsplit_min_programs=cfg.decode_unsplit_min_programs,
+                wide_batch_span=cfg.decode_wide_batch_span,
+                fill_programs=cfg.decode_fill_programs,
                 num_warps=cfg.decode_num_warps,
                 num_stages=cfg.decode_num_stages,
                 fp32_dot_precision=cfg.fp32_dot_precision,

@@ -57,11 +57,12 @@ _REDUCE_BLOCK = 32
 
 
 @triton.jit
-def _partition_span(seq_len, num_partitions, BLOCK_N: tl.constexpr):
+def _partition_span(seq_len, num_partitions, min_span, BLOCK_N: tl.constexpr):
     """Keys per partition of a ``seq_len``-key context cut into ``num_partitions`` spans: a
-    multiple of ``BLOCK_N`` (at least one), so spans start on key-block boundaries."""
+    multiple of ``BLOCK_N``, at least ``min_span`` (itself a multiple of ``BLOCK_N``), so spans
+    start on key-block boundaries."""
     span = tl.cdiv(tl.cdiv(seq_len, num_partitions), BLOCK_N) * BLOCK_N
-    return tl.maximum(span, BLOCK_N)
+    return tl.maximum(span, min_span)
 
 
 @triton.jit
@@ -92,6 +93,7 @@ def _decode_partition_kernel(
     stride_part_head,
     head_dim,
     num_partitions,  # the grid's third dimension
+    min_span,  # fewest keys per partition (a multiple of BLOCK_N)
     GROUP: tl.constexpr,  # query heads per KV head
     ROWS: tl.constexpr,  # power of two >= max(GROUP, 16)
     HEAD_DIM_PADDED: tl.constexpr,
@@ -110,7 +112,7 @@ def _decode_partition_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == token:  # no token this step
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    span = _partition_span(seq_len, num_partitions, BLOCK_N)
+    span = _partition_span(seq_len, num_partitions, min_span, BLOCK_N)
     part_start = partition * span
     if part_start >= seq_len:  # the reduce kernel only reads partitions < cdiv(seq_len, span)
         return
@@ -191,6 +193,7 @@ def _decode_reduce_kernel(
     stride_part_head,
     head_dim,
     num_partitions,  # as the partition kernel's
+    min_span,  # as the partition kernel's
     BLOCK_N: tl.constexpr,  # as the partition kernel's
     BLOCK_P: tl.constexpr,  # partitions per loop step
     HEAD_DIM_PADDED: tl.constexpr,
@@ -202,7 +205,7 @@ def _decode_reduce_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == token:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    span = _partition_span(seq_len, num_partitions, BLOCK_N)
+    span = _partition_span(seq_len, num_partitions, min_span, BLOCK_N)
     num_parts = tl.cdiv(seq_len, span)  # partitions written: [first_part, num_parts)
     first_part = 0
     if SLIDING:
@@ -238,19 +241,43 @@ def _decode_reduce_kernel(
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
-                      partition_size: int, unsplit_min_programs: int | None) -> int:
-    """Partitions per sequence of a decode launch (see the module docstring): 1 for a batch of
-    at least ``unsplit_min_programs`` (sequence, KV head) programs; else enough to keep spans
-    within ``partition_size`` keys and, for a small batch, to reach about
-    ``unsplit_min_programs`` programs, without a span under ``block_n`` keys. Shapes only."""
+                      partition_size: int, unsplit_min_programs: int | None,
+                      wide_batch_span: int | None = None,
+                      fill_programs: int | None = None) -> int:
+    """Partitions per sequence of a decode launch (see ``decode_split``). Shapes only."""
+    return decode_split(num_seqs, num_kv_heads, max_seq_len, block_n, partition_size,
+                        unsplit_min_programs, wide_batch_span, fill_programs)[0]
+
+
+def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
+                 partition_size: int, unsplit_min_programs: int | None,
+                 wide_batch_span: int | None = None,
+                 fill_programs: int | None = None) -> tuple[int, int]:
+    """``(num_partitions, min_span)`` of a decode launch, from the shapes only (so fixed
+    inside a captured graph): the partitions per sequence and the fewest keys one covers.
+
+    With ``p = num_seqs * num_kv_heads`` (sequence, KV head) programs:
+
+    - ``p >= unsplit_min_programs`` (a wide batch): not split (``(1, block_n)``), unless
+      ``wide_batch_span`` is set and ``p < fill_programs`` (when given): then each sequence
+      is cut into spans of ``wide_batch_span`` keys, enough partitions to cover
+      ``max_seq_len`` (those past a sequence's length exit at once) — more programs in flight
+      for the same bytes, where one program per (sequence, KV head) leaves the GPU's memory
+      system idle (measured: ~460 programs of a 0.5B model's W1 step);
+    - otherwise: enough partitions to keep spans within ``partition_size`` keys and, for a
+      small batch, to reach about ``unsplit_min_programs`` programs, without a span under
+      ``block_n`` keys.
+    """
     programs = num_seqs * num_kv_heads
     if unsplit_min_programs is not None and programs >= unsplit_min_programs:
-        return 1
+        if wide_batch_span is None or (fill_programs is not None and programs >= fill_programs):
+            return 1, block_n
+        return triton.cdiv(max_seq_len, wide_batch_span), wide_batch_span
     by_length = triton.cdiv(max_seq_len, partition_size)
     if unsplit_min_programs is None:
-        return by_length
+        return by_length, block_n
     to_fill = min(triton.cdiv(unsplit_min_programs, programs), triton.cdiv(max_seq_len, block_n))
-    return max(by_length, to_fill)
+    return max(by_length, to_fill), block_n
 
 
 def decode_attention(
@@ -270,6 +297,8 @@ def decode_attention(
     block_n: int = 64,
     partition_size: int = 512,
     unsplit_min_programs: int | None = None,
+    wide_batch_span: int | None = None,
+    fill_programs: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     fp32_dot_precision: str = "ieee",
@@ -283,9 +312,11 @@ def decode_attention(
     With ``unsplit_min_programs`` set, a batch of at least that many (sequence, KV head)
     programs is not split at all (one program per sequence and KV head, no reduce kernel),
     and a smaller one is split into enough partitions to make about that many programs
-    (``decode_partitions``). The partition count depends only on the shapes and
-    ``max_seq_len``, so it is fixed inside a captured graph; each sequence's span follows its
-    own length.
+    (``decode_split``). With ``wide_batch_span`` (a multiple of ``block_n``) such a wide batch
+    of fewer than ``fill_programs`` programs is split after all, into spans of that many keys
+    per sequence (plus the reduce kernel). The partition count depends only on
+    the shapes and ``max_seq_len``, so it is fixed inside a captured graph; each sequence's
+    span follows its own length.
     ``k_scale``/``v_scale`` are an fp8 cache's per-tensor scales (1 for other caches).
     """
     check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
@@ -299,8 +330,12 @@ def decode_attention(
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_seq_len == 0:
         return out
-    num_partitions = decode_partitions(num_seqs, num_kv_heads, max_seq_len, block_n,
-                                       partition_size, unsplit_min_programs)
+    if wide_batch_span is not None and (wide_batch_span < block_n or wide_batch_span % block_n):
+        raise ValueError(f"wide_batch_span ({wide_batch_span}) must be a positive multiple of "
+                         f"block_n ({block_n})")
+    num_partitions, min_span = decode_split(num_seqs, num_kv_heads, max_seq_len, block_n,
+                                            partition_size, unsplit_min_programs,
+                                            wide_batch_span, fill_programs)
     single = num_partitions == 1
     if single:  # the statistics buffers are never touched; pass small placeholders
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=query.device)
@@ -339,6 +374,7 @@ def decode_attention(
         stride_part_head,
         head_dim,
         num_partitions,
+        min_span,
         GROUP=group,
         ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM_PADDED=head_dim_padded,
@@ -368,6 +404,7 @@ def decode_attention(
         stride_part_head,
         head_dim,
         num_partitions,
+        min_span,
         BLOCK_N=block_n,
         BLOCK_P=min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions)),
         HEAD_DIM_PADDED=head_dim_padded,
