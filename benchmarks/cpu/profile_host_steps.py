@@ -212,6 +212,8 @@ def main() -> None:
 
         timed_inside(model_runner, "_grammar_rows", "grammar_apply", "sample")
         timed_inside(model_runner, "mask_by_bitmask", "grammar_apply", "sample")
+        if hasattr(runner, "grammar_masks"):  # the greedy path's masks to the device
+            timed_inside(runner.grammar_masks, "upload", "grammar_apply", "sample")
         chain = _time_grammar_chain(core, phases, clock)
     _time_finalize(runner, phases, clock)
 
@@ -410,6 +412,8 @@ def _fast_sample(runner, vocab: int) -> None:
         word = words[np.arange(k), word_index].astype(np.int64)
         bit = np.log2(word & -word).astype(np.int64)
         tokens = torch.from_numpy(word_index * 32 + bit)
+        if row_ids is None:  # every row, in order
+            row_ids = torch.arange(k)
         logits[row_ids, tokens] = 1e9
         picked.append((row_ids, tokens))
 
