@@ -367,18 +367,17 @@ class EngineCore:
 
     def _constrained_tokens(self, runner_output) -> dict[str, list[int]]:
         """The tokens a step sampled for constrained requests, as ``update_from_output`` will
-        record them: it drops only those of requests finished meanwhile (a request speculates
-        only without a grammar, so each row is its one sampled token). Copies: the grammar
-        thread reads them while the step is recorded."""
+        record them (a request speculates only without a grammar, so each row is its one
+        sampled token). Copies: the grammar thread reads them while the step is recorded.
+
+        ``update_from_output`` drops the tokens of requests finished meanwhile; none of those
+        holds a matcher here: every way a request ends removes its matcher first (abort, stop
+        string, refused token) or when its finishing step is recorded (``_record``)."""
         constrained = self.structured_outputs.constrained_ids
-        requests = self.scheduler.requests
-        sampled: dict[str, list[int]] = {}
-        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            if token_ids and req_id in constrained:
-                request = requests.get(req_id)
-                if request is not None and not request.status.is_finished:
-                    sampled[req_id] = token_ids.copy()
-        return sampled
+        return {req_id: token_ids.copy()
+                for req_id, token_ids in zip(runner_output.req_ids,
+                                             runner_output.sampled_token_ids)
+                if token_ids and req_id in constrained}
 
     def _end_refused(self, refused: dict[str, str]) -> list[EngineCoreOutput]:
         """End the requests whose sampled token the grammar thread found refused (those
