@@ -170,3 +170,28 @@ def test_a_bad_grammar_setting_says_what_it_takes(monkeypatch, name, value) -> N
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         envs.grammar_accept() if name.endswith("ACCEPT") else envs.grammar_switch_interval_s()
+
+
+def test_llguidance_writes_every_word_of_a_row(tokenizer) -> None:
+    """The manager fills masks into a zeroed buffer without setting the rows to "allow
+    everything" first: that holds only if the fill writes each row whole, whatever was there
+    (here: rows of all ones, and rows of zeros, give the same masks)."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+
+    llg_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=400,
+                                                 eos_token=tokenizer.eos_token_id)
+    grammars = [llguidance.LLMatcher.grammar_from_regex(r"[0-9]{2}"),
+                llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')]
+    matchers = [llguidance.LLMatcher(llg_tokenizer, g) for g in grammars]
+    executor = llguidance.LLExecutor(num_threads=2)
+    words = (400 + 31) // 32
+    filled = []
+    for start in (-1, 0):
+        rows = np.full((len(matchers), words), start, dtype=np.int32)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            executor, [(m, i) for i, m in enumerate(matchers)], rows)
+        filled.append(rows)
+    assert np.array_equal(filled[0], filled[1])
+    assert not (filled[1] == -1).all(axis=1).any()  # the masks constrain something

@@ -315,6 +315,8 @@ class EngineCore:
         constrained = manager.constrained_ids
         if not constrained:
             return rows, deferred
+        # Only with a reasoning parser may a constrained row need no mask (it thinks).
+        gated = manager.gates_reasoning
         requests = self.scheduler.requests
         for req_id in scheduler_output.num_scheduled_tokens:
             if req_id not in constrained:
@@ -326,10 +328,11 @@ class EngineCore:
             if placeholders == 0 or (request.num_computed_tokens + 1
                                      != len(request.all_token_ids) + placeholders):
                 continue
-            if not manager.needs_mask(req_id, token_in_flight=placeholders > 1):
+            if gated and not manager.needs_mask(req_id, token_in_flight=placeholders > 1):
                 continue  # thinking: its grammar starts after the reasoning
             rows.append(req_id)
-            deferred = deferred or placeholders > 1
+            if placeholders > 1:
+                deferred = True
         return rows, deferred
 
     def _record(self, scheduler_output: SchedulerOutput, runner_output,
@@ -364,18 +367,17 @@ class EngineCore:
 
     def _constrained_tokens(self, runner_output) -> dict[str, list[int]]:
         """The tokens a step sampled for constrained requests, as ``update_from_output`` will
-        record them: it drops only those of requests finished meanwhile (a request speculates
-        only without a grammar, so each row is its one sampled token)."""
+        record them (a request speculates only without a grammar, so each row is its one
+        sampled token). Copies: the grammar thread reads them while the step is recorded.
+
+        ``update_from_output`` drops the tokens of requests finished meanwhile; none of those
+        holds a matcher here: every way a request ends removes its matcher first (abort, stop
+        string, refused token) or when its finishing step is recorded (``_record``)."""
         constrained = self.structured_outputs.constrained_ids
-        requests = self.scheduler.requests
-        sampled: dict[str, list[int]] = {}
-        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            if not token_ids or req_id not in constrained:
-                continue
-            request = requests.get(req_id)
-            if request is not None and not request.status.is_finished:
-                sampled[req_id] = list(token_ids)
-        return sampled
+        return {req_id: token_ids.copy()
+                for req_id, token_ids in zip(runner_output.req_ids,
+                                             runner_output.sampled_token_ids)
+                if token_ids and req_id in constrained}
 
     def _end_refused(self, refused: dict[str, str]) -> list[EngineCoreOutput]:
         """End the requests whose sampled token the grammar thread found refused (those

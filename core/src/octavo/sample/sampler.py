@@ -24,6 +24,7 @@ Logprobs, when any row asks for them, come from the raw logits (see ``logprobs.p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -147,26 +148,42 @@ def apply_grammar_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> N
     mask_by_bitmask(logits, metadata.grammar_row_ids, metadata.grammar_bitmask)
 
 
-def mask_by_bitmask(logits: torch.Tensor, row_ids: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set the tokens of ``logits`` rows ``row_ids`` [k] that ``bitmask`` [k, words] (on the
-    logits' device) does not allow to ``-inf``, in place."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1])  # [k, vocab] bool
-    logits[row_ids] = logits[row_ids].masked_fill(~allowed, float("-inf"))
+def mask_by_bitmask(logits: torch.Tensor, row_ids: torch.Tensor | None,
+                    bitmask: torch.Tensor) -> None:
+    """Set the tokens of ``logits`` rows ``row_ids`` [k] (every row, in order, when None)
+    that ``bitmask`` [k, words] (on the logits' device) does not allow to ``-inf``, in place.
+    Three kernels for every row (bits, refused, fill), two more for some rows (gather and
+    scatter of those rows)."""
+    refused = _unpack(bitmask, logits.shape[1], allowed=False)  # [k, vocab] bool
+    if row_ids is None:
+        logits.masked_fill_(refused, float("-inf"))
+    else:
+        logits[row_ids] = logits[row_ids].masked_fill_(refused, float("-inf"))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[k, words]`` int32 bitmask -> ``[k, vocab_size]`` bool (True: allowed). Tokens past
     the bitmask's ``32 * words`` are not allowed."""
+    return _unpack(bitmask, vocab_size, allowed=True)
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int, allowed: bool) -> torch.Tensor:
+    """``unpack_bitmask`` (``allowed``) or its complement, each in two kernels."""
     k, words = bitmask.shape
     as_bytes = bitmask.contiguous().view(torch.uint8)  # [k, 4 * words], little-endian
-    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    bits = as_bytes.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)  # [k, 4w, 8]
-    allowed = bits.view(k, 32 * words).bool()
+    bits = as_bytes.unsqueeze(-1).bitwise_and(_bit_values(bitmask.device))  # [k, 4w, 8]
+    out = (bits.ne(0) if allowed else bits.eq(0)).view(k, 32 * words)
     if 32 * words >= vocab_size:
-        return allowed[:, :vocab_size]
-    padded = allowed.new_zeros(k, vocab_size)
-    padded[:, : 32 * words] = allowed
+        return out[:, :vocab_size]
+    padded = out.new_full((k, vocab_size), not allowed)
+    padded[:, : 32 * words] = out
     return padded
+
+
+@functools.lru_cache(maxsize=None)
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """[8] uint8: 1, 2, 4, ..., 128 on ``device`` (made once per device, not per step)."""
+    return torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
 
 
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

@@ -176,6 +176,12 @@ class StructuredOutputManager:
         ``is_constrained``, without a call per request in the per-step loops)."""
         return self._matchers.keys()
 
+    @property
+    def gates_reasoning(self) -> bool:
+        """Whether constraints start after a reasoning parser's thinking: only then may a
+        constrained request's row need no mask (``needs_mask``)."""
+        return self._reasoning_parser is not None
+
     def needs_mask(self, request_id: str, token_in_flight: bool) -> bool:
         """Whether ``request_id``'s next sampled token needs a mask: it is constrained and
         not thinking, or (``token_in_flight``: its previous token is not recorded yet) that
@@ -222,7 +228,8 @@ class StructuredOutputManager:
         """``accept_step(sampled)`` then ``bitmask(request_ids)`` on a background thread
         (llguidance releases the GIL while it fills masks), so the caller can go on with other
         work. No matcher may be used elsewhere until the future is done; removing requests is
-        fine."""
+        fine. The token lists of ``sampled`` are read on that thread: the caller must not
+        change them meanwhile."""
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="octavo-grammar-masks")
@@ -236,10 +243,10 @@ class StructuredOutputManager:
 
     def _advances(
         self, sampled: Mapping[str, Sequence[int]]
-    ) -> list[tuple[str, _Constrained, list[int]]]:
-        return [(request_id, self._matchers[request_id], list(token_ids))
-                for request_id, token_ids in sampled.items()
-                if token_ids and request_id in self._matchers]
+    ) -> list[tuple[str, _Constrained, Sequence[int]]]:
+        matchers = self._matchers
+        return [(request_id, entry, token_ids) for request_id, token_ids in sampled.items()
+                if token_ids and (entry := matchers.get(request_id)) is not None]
 
     def _answer_tokens(self, entry: _Constrained, token_ids: Sequence[int]) -> Sequence[int]:
         """The tokens ``entry``'s grammar consumes: those after its reasoning ended."""
@@ -248,7 +255,7 @@ class StructuredOutputManager:
         assert self._gate is not None
         return self._gate.advance(entry.gate_state, token_ids)
 
-    def _advance(self, advances: list[tuple[str, _Constrained, list[int]]],
+    def _advance(self, advances: list[tuple[str, _Constrained, Sequence[int]]],
                  parallel: bool) -> dict[str, str]:
         # With ``parallel`` (OCTAVO_GRAMMAR_ACCEPT, the default; on the grammar thread only),
         # rows with one answer token go to llguidance's consume_token_par, which releases the
@@ -259,29 +266,36 @@ class StructuredOutputManager:
         # with the loop), though on two busy cores it took 2-7 ms against the loop's 1.1 ms
         # (docs/benchmarks.md, fourth and sixth rounds).
         errors: dict[str, str] = {}
-        single: list[tuple[str, Any, int]] = []
+        # The rows for consume_token_par, and their request ids (same order).
+        pairs: list[tuple[Any, int]] = []
+        pair_ids: list[str] = []
         for request_id, entry, sampled_ids in advances:
-            plain = entry.gate_state is None or entry.gate_state.phase is Phase.ANSWERING
-            if parallel and plain and len(sampled_ids) == 1:
+            gate_state = entry.gate_state
+            if (parallel and len(sampled_ids) == 1
+                    and (gate_state is None or gate_state.phase is Phase.ANSWERING)):
                 if not entry.matcher.is_stopped():
-                    single.append((request_id, entry.matcher, sampled_ids[0]))
+                    pairs.append((entry.matcher, sampled_ids[0]))
+                    pair_ids.append(request_id)
                 continue
             token_ids = self._answer_tokens(entry, sampled_ids)
             if token_ids:
                 error = _consume(entry.matcher, token_ids)
                 if error is not None:
                     errors[request_id] = error
-        if single:
-            accepted = self._mask_executor().consume_token_par(
-                [(matcher, token_id) for _, matcher, token_id in single])
-            for (request_id, matcher, token_id), ok in zip(single, accepted, strict=True):
-                if not ok:
-                    errors[request_id] = (matcher.get_error()
-                                          or f"token {token_id} is not allowed by the grammar")
+        if pairs:
+            accepted = self._mask_executor().consume_token_par(pairs)
+            if not all(accepted):
+                for request_id, (matcher, token_id), ok in zip(pair_ids, pairs, accepted,
+                                                               strict=True):
+                    if not ok:
+                        errors[request_id] = (matcher.get_error() or
+                                              f"token {token_id} is not allowed by the grammar")
         return errors
 
     def _row_matchers(self, request_ids: list[str]) -> list[tuple[_Constrained, int]]:
-        return [(self._matchers[r], i) for i, r in enumerate(request_ids) if r in self._matchers]
+        matchers = self._matchers
+        return [(entry, row) for row, request_id in enumerate(request_ids)
+                if (entry := matchers.get(request_id)) is not None]
 
     def _fill(self, request_ids: list[str],
               entries: list[tuple[_Constrained, int]]) -> GrammarBitmask:
@@ -293,15 +307,24 @@ class StructuredOutputManager:
         # the runner: about 1.5 MB per step for 256 rows of a 49k vocabulary).
         data = bytearray(len(request_ids) * self.num_words * 4)
         rows = np.frombuffer(data, dtype=np.int32).reshape(len(request_ids), self.num_words)
-        rows.fill(-1)
-        # Phases are read here, after the tokens of the step before were accepted.
-        pairs = [(entry.matcher, row) for entry, row in entries
-                 if entry.gate_state is None or entry.gate_state.phase is not Phase.THINKING]
+        if self._reasoning_parser is None:
+            pairs = [(entry.matcher, row) for entry, row in entries]
+            may_think: list[int] = []
+        else:
+            # Phases are read here, after the tokens of the step before were accepted.
+            pairs = [(entry.matcher, row) for entry, row in entries
+                     if entry.gate_state is None or entry.gate_state.phase is not Phase.THINKING]
+            may_think = [row for entry, row in entries
+                         if entry.gate_state is not None
+                         and entry.gate_state.phase is Phase.MAY_THINK]
+        # llguidance writes whole rows: only the others are set to allow everything (one pass
+        # over 1.5 MB less per step when every row has a grammar's mask).
+        if len(pairs) < len(request_ids):
+            free = np.ones(len(request_ids), dtype=bool)
+            free[[row for _, row in pairs]] = False
+            rows[free] = -1
         if pairs:
             llg_numpy.fill_next_token_bitmask_par(self._mask_executor(), pairs, rows)
-        may_think = [row for entry, row in entries
-                     if entry.gate_state is not None
-                     and entry.gate_state.phase is Phase.MAY_THINK]
         if may_think:
             assert self._gate is not None and self._gate.start_token_id is not None
             word, bit = divmod(self._gate.start_token_id, 32)

@@ -48,6 +48,7 @@ from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, St
 from octavo.worker.block_table import BlockTable
 from octavo.worker.draft_model import DraftBatch, DraftModelProposer, DraftRequest
 from octavo.worker.eagle import Eagle3Proposer, EagleProposer
+from octavo.worker.grammar_masks import GrammarMaskUpload
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
 from octavo.worker.pipeline import StageIO
@@ -157,6 +158,8 @@ class ModelRunner:
             num_cols=-(-config.model_config.max_model_len // self.block_size),
         )
         self.sampler = Sampler(LogitsProcessorRegistry(pm))
+        # The greedy path's grammar masks, staged in pinned buffers kept across steps.
+        self.grammar_masks = GrammarMaskUpload(device, config.scheduler_config.max_num_seqs)
         # The last launched step; its sampled tokens may not be on the host yet.
         self._last_step: StepOutput | None = None
         # A launched step waiting for sample_tokens: its output, hidden states and inputs.
@@ -647,11 +650,10 @@ class ModelRunner:
             # The common greedy batch, structured outputs included: skip building sampling
             # metadata (per-row Python work that costs more than the masks themselves).
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            grammar = _grammar_rows(grammar_bitmask, states)
-            if grammar is not None:
-                row_ids = _long_tensor(grammar.row_ids)
-                mask_by_bitmask(logits, host_to_device(row_ids, logits.device),
-                                host_to_device(grammar.bitmask, logits.device))
+            if grammar_bitmask is not None:
+                masks = self.grammar_masks.upload(grammar_bitmask, [s.req_id for s in states])
+                if masks is not None:
+                    mask_by_bitmask(logits, masks.row_ids, masks.bitmask)
             sampled = logits.argmax(dim=-1)
         else:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])

@@ -1,0 +1,107 @@
+"""``GrammarMaskUpload``: the greedy path's grammar masks, from the engine core's buffer to the
+logits' device, by logits row; on a GPU through two pinned staging buffers used in turn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from octavo.messages import GrammarBitmask
+from octavo.sample.sampler import mask_by_bitmask, unpack_bitmask
+from octavo.worker.grammar_masks import GrammarMaskUpload
+
+VOCAB = 100
+WORDS = (VOCAB + 31) // 32
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def random_bitmask(req_ids: list[str], seed: int, readonly: bool = False) -> GrammarBitmask:
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(-(2**31), 2**31 - 1, size=(len(req_ids), WORDS), dtype=np.int32)
+    data = rows.astype("<i4").tobytes()
+    return GrammarBitmask(req_ids=list(req_ids), num_words=WORDS,
+                          data=data if readonly else bytearray(data))
+
+
+def rows_of(bitmask: GrammarBitmask) -> torch.Tensor:
+    """The bitmask's rows as an int32 tensor (a copy, on the host)."""
+    data = np.frombuffer(bitmask.data, dtype="<i4").reshape(len(bitmask.req_ids), WORDS)
+    return torch.from_numpy(data.copy())
+
+
+def reference_masked(logits: torch.Tensor, bitmask: GrammarBitmask,
+                     sampled_req_ids: list[str]) -> torch.Tensor:
+    """The logits each sampled request's row of ``bitmask`` leaves, one row at a time."""
+    out = logits.clone()
+    allowed = unpack_bitmask(rows_of(bitmask), logits.shape[1])
+    for i, req_id in enumerate(bitmask.req_ids):
+        if req_id in sampled_req_ids:
+            row = sampled_req_ids.index(req_id)
+            out[row] = out[row].masked_fill(~allowed[i], float("-inf"))
+    return out
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_the_rows_of_every_sampled_request_in_order_take_no_row_ids(readonly: bool) -> None:
+    ids = ["a", "b", "c"]
+    bitmask = random_bitmask(ids, seed=1, readonly=readonly)
+    masks = GrammarMaskUpload(torch.device("cpu"), max_rows=4).upload(bitmask, list(ids))
+    assert masks is not None and masks.row_ids is None
+    assert torch.equal(masks.bitmask, rows_of(bitmask))
+
+
+def test_rows_of_some_sampled_requests_name_their_logits_rows() -> None:
+    # "gone" finished while its step was in flight; "b" and "d" sample without a mask.
+    bitmask = random_bitmask(["c", "gone", "a"], seed=2)
+    sampled = ["a", "b", "c", "d"]
+    masks = GrammarMaskUpload(torch.device("cpu"), max_rows=4).upload(bitmask, sampled)
+    assert masks is not None and masks.row_ids is not None
+    assert masks.row_ids.tolist() == [2, 0]
+    assert torch.equal(masks.bitmask, rows_of(bitmask)[[0, 2]])
+
+
+def test_no_masks_when_none_of_the_requests_samples() -> None:
+    bitmask = random_bitmask(["x", "y"], seed=3)
+    assert GrammarMaskUpload(torch.device("cpu"), max_rows=4).upload(bitmask, ["a"]) is None
+
+
+@pytest.mark.parametrize("sampled", [["a", "b", "c"], ["c", "z", "a", "b"], ["b"]])
+def test_masked_logits_equal_the_row_by_row_reference(sampled: list[str]) -> None:
+    bitmask = random_bitmask(["a", "b", "c"], seed=4)
+    logits = torch.randn(len(sampled), VOCAB, generator=torch.Generator().manual_seed(4))
+    want = reference_masked(logits, bitmask, sampled)
+    masks = GrammarMaskUpload(torch.device("cpu"), max_rows=4).upload(bitmask, sampled)
+    assert masks is not None
+    mask_by_bitmask(logits, masks.row_ids, masks.bitmask)
+    assert torch.equal(logits, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_staged_masks_equal_the_host_rows_step_after_step() -> None:
+    """Steps in a row, some with every row and some with a subset, more rows than the
+    staging buffers were made for: each step's masked logits equal the CPU reference, also
+    after the engine core's buffer is reused and after two later steps reused the staging
+    buffer it went through."""
+    device = torch.device("cuda")
+    upload = GrammarMaskUpload(device, max_rows=3)
+    generator = torch.Generator().manual_seed(5)
+    steps = [(["a", "b", "c"], ["a", "b", "c"]), (["c", "a"], ["a", "b", "c", "d"]),
+             (["a", "b", "c", "d", "e"], ["a", "b", "c", "d", "e"]), (["e"], ["d", "e"]),
+             (["a", "b"], ["a", "b"])]
+    results = []
+    for seed, (ids, sampled) in enumerate(steps):
+        bitmask = random_bitmask(ids, seed=10 + seed)
+        logits = torch.randn(len(sampled), VOCAB, generator=generator)
+        want = reference_masked(logits, bitmask, sampled)
+        on_device = logits.to(device)
+        masks = upload.upload(bitmask, sampled)
+        assert masks is not None and masks.bitmask.device.type == "cuda"
+        assert (masks.row_ids is None) == (ids == sampled)
+        mask_by_bitmask(on_device, masks.row_ids, masks.bitmask)
+        bitmask.data[:] = bytes(len(bitmask.data))  # the engine core's buffer, reused
+        results.append((on_device, want))
+    torch.cuda.synchronize()
+    for on_device, want in results:
+        assert torch.equal(on_device.cpu(), want)
