@@ -36,7 +36,6 @@ import time
 from octavo.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.messages import (
-    CachedRequestData,
     EngineCoreOutput,
     ForkedRequestData,
     LogprobsLists,
@@ -229,9 +228,11 @@ class Scheduler:
                 self._schedule_waiting(out)
         copies, replaced = self.kv_cache_manager.take_block_copies()
         out.blocks_to_copy = copies
-        if replaced:
-            for data in out.scheduled_cached_reqs:
-                data.replaced_block_ids = replaced.get(data.req_id, [])
+        if replaced:  # the workers' own blocks change for the requests they already hold
+            cached = out.scheduled_cached_reqs
+            held = set(cached.req_ids)
+            cached.replaced_block_ids = {req_id: pairs for req_id, pairs in replaced.items()
+                                         if req_id in held}
         if out.is_empty:
             self.kv_cache_manager.cancel_empty_step()
         else:
@@ -274,7 +275,8 @@ class Scheduler:
         # steps (docs/benchmarks.md, "host work per step").
         plain = not (self.pipeline_parallel or self.num_lookahead_slots)
         fits = self.kv_cache_manager.fits_in_held_blocks
-        cached_reqs = out.scheduled_cached_reqs
+        cached_req_ids = out.scheduled_cached_reqs.req_ids
+        cached_num_computed = out.scheduled_cached_reqs.num_computed_tokens
         num_scheduled = out.num_scheduled_tokens
         while index < len(running) and budget > 0:
             request = running[index]
@@ -291,7 +293,8 @@ class Scheduler:
                 n = min(n, budget)
                 if fits(request, n):
                     computed = request.num_computed_tokens
-                    cached_reqs.append(CachedRequestData(request.request_id, [], computed))
+                    cached_req_ids.append(request.request_id)  # CachedRequestData.add, inline
+                    cached_num_computed.append(computed)
                     num_scheduled[request.request_id] = n
                     out.total_num_scheduled_tokens += n
                     request.num_computed_tokens = computed + n  # _advance, without drafts
@@ -375,10 +378,8 @@ class Scheduler:
             out.scheduled_new_reqs.append(self._new_request_data(request))
             request.num_tokens_sent_to_workers = request.num_tokens
         else:
-            out.scheduled_cached_reqs.append(CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens,
-                self._tokens_new_to_workers(request),
-            ))
+            out.scheduled_cached_reqs.add(request.request_id, request.num_computed_tokens,
+                                          new_block_ids, self._tokens_new_to_workers(request))
         out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens += num_new
         if drafts:

@@ -404,19 +404,24 @@ class ModelRunner:
                 tokens_from_scheduler=new.tokens_from_scheduler,
                 lora_request=new.lora_request,
             )
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            if cached.new_token_ids and (self.tokens_from_scheduler
-                                         or state.tokens_from_scheduler):
-                state.token_ids.extend(cached.new_token_ids)
-                state.output_token_ids.extend(cached.new_token_ids)
-            for index, block_id in cached.replaced_block_ids:
+        cached = so.scheduled_cached_reqs
+        requests = self.requests
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            requests[req_id].num_computed_tokens = num_computed
+        for req_id, token_ids in cached.new_token_ids.items():
+            state = requests[req_id]
+            if self.tokens_from_scheduler or state.tokens_from_scheduler:
+                state.token_ids.extend(token_ids)
+                state.output_token_ids.extend(token_ids)
+        for req_id, replaced in cached.replaced_block_ids.items():
+            state = requests[req_id]
+            for index, block_id in replaced:
                 state.block_ids[index] = block_id
                 self.block_table.replace(state.block_table_row, index, block_id)
-            if cached.new_block_ids:
-                state.block_ids.extend(cached.new_block_ids)
-                self.block_table.append(state.block_table_row, cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, block_ids in cached.new_block_ids.items():
+            state = requests[req_id]
+            state.block_ids.extend(block_ids)
+            self.block_table.append(state.block_table_row, block_ids)
         for fork in so.forked_reqs:
             parent = self.requests[fork.parent_req_id]
             self._forget(fork.req_id)
@@ -456,9 +461,7 @@ class ModelRunner:
             self.block_table.free_row(state.block_table_row)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
-        req_ids = [r.req_id for r in so.scheduled_new_reqs] + [
-            r.req_id for r in so.scheduled_cached_reqs
-        ]
+        req_ids = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         # Plain Python lists: a decode step adds one token per request, and per-request numpy
         # calls cost more than the arithmetic (this loop runs for every request every step).
         input_ids: list[int] = []
