@@ -768,8 +768,7 @@ class Scheduler:
             if (plain and len(sampled) == 1 and request.status is running
                     and request.beam_group is None):
                 request.num_output_placeholders -= 1
-                request.append_output_token(sampled[0])
-                finished = request.check_stop(max_model_len)
+                finished = request.append_token_and_check_stop(sampled[0], max_model_len)
                 num_cached = request.num_cached_tokens
                 outputs.append(EngineCoreOutput(
                     request_id=req_id,
