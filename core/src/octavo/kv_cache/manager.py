@@ -348,9 +348,10 @@ class KVCacheManager:
         if total_tokens > len(blocks) * block_size:
             return False
         num_full = total_tokens // block_size
-        if num_full and min(num_full, len(request.block_hashes)) > self._num_indexed.get(
-                request.request_id, 0):
-            return False
+        if num_full:  # a block to index: min(num_full, len(block_hashes)) > num_indexed
+            num_indexed = self._num_indexed.get(request.request_id, 0)
+            if num_full > num_indexed and len(request.block_hashes) > num_indexed:
+                return False
         # A write into a block shared with another request copies it first.
         return not (num_computed % block_size
                     and blocks[num_computed // block_size].ref_cnt > 1)

@@ -278,25 +278,30 @@ class Scheduler:
         cached_req_ids = out.scheduled_cached_reqs.req_ids
         cached_num_computed = out.scheduled_cached_reqs.num_computed_tokens
         num_scheduled = out.num_scheduled_tokens
+        max_model_len = self.max_model_len
+        # Tokens of the requests scheduled inline (added to the step's total at the end).
+        num_inline_tokens = 0
         while index < len(running) and budget > 0:
             request = running[index]
             if (plain and request.beam_group is None and not request.spec_token_ids
                     and not request.pending_forks and not request.new_to_workers):
                 placeholders = request.num_output_placeholders
+                computed = request.num_computed_tokens
                 end = len(request.all_token_ids) + placeholders  # num_tokens_with_placeholders
-                n = end - request.num_computed_tokens
+                n = end - computed
                 if n <= 0 or (placeholders and (  # request.reached_length_limit, inline
                         len(request.output_token_ids) + placeholders
-                        >= request.sampling_params.max_tokens or end >= self.max_model_len)):
+                        >= request.sampling_params.max_tokens or end >= max_model_len)):
                     index += 1  # nothing to run, or its last token is in flight
                     continue
-                n = min(n, budget)
+                if n > budget:
+                    n = budget
                 if fits(request, n):
-                    computed = request.num_computed_tokens
-                    cached_req_ids.append(request.request_id)  # CachedRequestData.add, inline
+                    req_id = request.request_id
+                    cached_req_ids.append(req_id)  # CachedRequestData.add, inline
                     cached_num_computed.append(computed)
-                    num_scheduled[request.request_id] = n
-                    out.total_num_scheduled_tokens += n
+                    num_scheduled[req_id] = n
+                    num_inline_tokens += n
                     request.num_computed_tokens = computed + n  # _advance, without drafts
                     if computed + n == end:
                         request.num_output_placeholders = placeholders + 1
@@ -340,6 +345,7 @@ class Scheduler:
                                                drafts.get(request.request_id))
                 budget -= n
             index += len(unit)
+        out.total_num_scheduled_tokens += num_inline_tokens
         for request in forked:
             self._insert_running(request)
         return preempted_any
