@@ -400,11 +400,12 @@ def test_inline_decode_path_gives_the_same_steps_as_the_general_path(
 
         def counted(request: Request, num_new: int) -> bool:
             nonlocal num_inline
-            result = inline and fits(request, num_new)
+            result = fits(request, num_new)
             num_inline += result
             return result
 
         monkeypatch.setattr(scheduler.kv_cache_manager, "fits_in_held_blocks", counted)
+        scheduler.inline_decode = inline
         runner = FakeRunner()
         requests = [make_request(f"r{i}", 3 + (i * 5) % 13, max_tokens=3 + i % 9, start=i % 4)
                     for i in range(14)]

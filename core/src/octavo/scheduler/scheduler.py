@@ -112,6 +112,9 @@ class Scheduler:
         self.num_preemptions_swap = 0
         # Tokens of the most recently scheduled step.
         self.num_batched_tokens = 0
+        # Schedule plain running requests inline (see _schedule_running); False: every
+        # request takes the general path (tests compare the two).
+        self.inline_decode = True
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -269,14 +272,19 @@ class Scheduler:
         forked: list[Request] = []
         running = self.running
         # The common running request (one sequence: no beams, drafts, forks waiting on it,
-        # pipeline stages or lookahead slots) whose step fits in the blocks it holds is
-        # scheduled inline: the general path below does the same with about four times the
-        # Python per request, and a decode needs a new block only once every block_size
-        # steps (docs/benchmarks.md, "host work per step").
-        plain = not (self.pipeline_parallel or self.num_lookahead_slots)
-        fits = self.kv_cache_manager.fits_in_held_blocks
-        cached_req_ids = out.scheduled_cached_reqs.req_ids
-        cached_num_computed = out.scheduled_cached_reqs.num_computed_tokens
+        # pipeline stages or lookahead slots) is scheduled inline: the general path below
+        # does the same with about four times the Python per request (docs/benchmarks.md,
+        # "host work per step"). Its step usually fits in the blocks it holds; when it needs
+        # a block (or a block to index, or a copy), allocate_slots is asked directly; only
+        # when the pool is short (or with a sliding window) does the general path run, which
+        # preempts.
+        plain = self.inline_decode and not (self.pipeline_parallel or self.num_lookahead_slots)
+        manager = self.kv_cache_manager
+        fits = manager.fits_in_held_blocks
+        allocate = manager.allocate_slots if manager.sliding_window is None else None
+        cached = out.scheduled_cached_reqs
+        cached_req_ids = cached.req_ids
+        cached_num_computed = cached.num_computed_tokens
         num_scheduled = out.num_scheduled_tokens
         max_model_len = self.max_model_len
         # Tokens of the requests scheduled inline (added to the step's total at the end).
@@ -296,10 +304,17 @@ class Scheduler:
                     continue
                 if n > budget:
                     n = budget
+                new_block_ids: list[int] | None = None
                 if fits(request, n):
+                    new_block_ids = []
+                elif allocate is not None:  # None: the pool is short (nothing was changed)
+                    new_block_ids = allocate(request, n)
+                if new_block_ids is not None:
                     req_id = request.request_id
                     cached_req_ids.append(req_id)  # CachedRequestData.add, inline
                     cached_num_computed.append(computed)
+                    if new_block_ids:
+                        cached.new_block_ids[req_id] = new_block_ids
                     num_scheduled[req_id] = n
                     num_inline_tokens += n
                     request.num_computed_tokens = computed + n  # _advance, without drafts
