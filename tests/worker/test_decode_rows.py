@@ -116,11 +116,14 @@ def test_decode_rows_drop_tokens_of_a_row_with_a_new_owner() -> None:
     rows = DecodeRows(2)
     rows.claim(0, [5, 6, 7])
     rows.claim(1, [9])
-    epochs = rows.epoch[np.array([0, 1])]
+    epochs, num_claims = rows.epoch[np.array([0, 1])], rows.num_claims
+    rows.append_sampled(np.array([0, 1]), epochs, num_claims, np.array([8, 3]))
+    assert rows.num_tokens[:2].tolist() == [4, 2] and rows.last_token[:2].tolist() == [8, 3]
+    epochs, num_claims = rows.epoch[np.array([0, 1])], rows.num_claims
     rows.claim(1, [1, 2])  # the request on row 1 was forgotten, a new one took the row
-    rows.append_sampled(np.array([0, 1]), epochs, np.array([8, 3]))
-    assert rows.num_tokens[:2].tolist() == [4, 2]
-    assert rows.last_token[:2].tolist() == [8, 2]
+    rows.append_sampled(np.array([0, 1]), epochs, num_claims, np.array([4, 3]))
+    assert rows.num_tokens[:2].tolist() == [5, 2]
+    assert rows.last_token[:2].tolist() == [4, 2]
     rows.claim(5, [4])  # grows
     assert rows.num_tokens[5] == 1 and rows.sampled_row[5] == -1 and len(rows.epoch) >= 6
 

@@ -32,12 +32,15 @@ class DecodeRows:
         self.last_token = np.zeros(num_rows, dtype=np.int64)
         self.sampled_row = np.full(num_rows, -1, dtype=np.int64)
         self.epoch = np.zeros(num_rows, dtype=np.int64)
+        # Rows claimed so far (when it has not changed, no row changed owner).
+        self.num_claims = 0
 
     def claim(self, row: int, token_ids: list[int]) -> None:
         """``row`` now belongs to a request holding ``token_ids``."""
         if row >= len(self.num_tokens):
             self._grow(row + 1)
         self.epoch[row] += 1
+        self.num_claims += 1
         self.sampled_row[row] = -1
         self.sync(row, token_ids)
 
@@ -46,11 +49,13 @@ class DecodeRows:
         self.num_tokens[row] = len(token_ids)
         self.last_token[row] = token_ids[-1] if token_ids else 0
 
-    def append_sampled(self, rows: np.ndarray, epochs: np.ndarray, tokens: np.ndarray) -> None:
+    def append_sampled(self, rows: np.ndarray, epochs: np.ndarray, num_claims: int,
+                       tokens: np.ndarray) -> None:
         """Token ``tokens[i]`` was appended to the request on ``rows[i]``, when that row's
-        owner is still the one of ``epochs[i]`` (rows are distinct)."""
-        same = self.epoch[rows] == epochs
-        if not same.all():
+        owner is still the one of ``epochs[i]``; ``epochs`` and ``num_claims`` were read
+        together, when the tokens were launched (rows are distinct)."""
+        if num_claims != self.num_claims:  # some row may have a new owner
+            same = self.epoch[rows] == epochs
             rows, tokens = rows[same], tokens[same]
         self.num_tokens[rows] += 1
         self.last_token[rows] = tokens

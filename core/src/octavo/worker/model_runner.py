@@ -774,7 +774,7 @@ class ModelRunner:
             appends = np.zeros(len(states), dtype=bool)
         elif self._scheduler_token_req_ids:
             appends = np.array([not s.tokens_from_scheduler for s in states], dtype=bool)
-        epochs = decode_rows.epoch[sample_rows]
+        epochs, num_claims = decode_rows.epoch[sample_rows], decode_rows.num_claims
         device_tensors: list[torch.Tensor] = [] if sampled is None else [sampled]
         if sampler_output is not None and sampler_output.logprobs is not None:
             lp = sampler_output.logprobs
@@ -791,14 +791,14 @@ class ModelRunner:
                     for state, token_id in zip(states, token_ids):
                         state.token_ids.append(token_id)
                         state.output_token_ids.append(token_id)
-                    decode_rows.append_sampled(sample_rows, epochs, tokens)
+                    decode_rows.append_sampled(sample_rows, epochs, num_claims, tokens)
                 else:
                     for state, token_id, append in zip(states, token_ids, appends):
                         if append:
                             state.token_ids.append(token_id)
                             state.output_token_ids.append(token_id)
                     decode_rows.append_sampled(sample_rows[appends], epochs[appends],
-                                               tokens[appends])
+                                               num_claims, tokens[appends])
                 if isinstance(step_rows, range):
                     output.sampled_token_ids = [[token_id] for token_id in token_ids]
                 else:
