@@ -420,3 +420,54 @@ def test_fits_in_held_blocks_is_exactly_an_allocation_that_changes_nothing() -> 
                 assert ids is not None
                 request.num_computed_tokens += 1
                 request.append_output_token(rng.randrange(50))
+
+
+def test_fits_in_held_blocks_remembered_room_agrees_with_a_fresh_check() -> None:
+    """fits_in_held_blocks remembers each request's room (``_decode_room``); across decode
+    steps, tokens whose hashes lag (a token in flight), forks of a decoding request, swaps
+    and frees, its answer must be the one a fresh check (nothing remembered) gives."""
+    import random
+
+    rng = random.Random(1)
+    manager = KVCacheManager(256, BS, enable_caching=True, num_host_blocks=64)
+    requests = [make_request(f"r{i}", [rng.randrange(50) for _ in range(3 + 2 * i)],
+                             max_tokens=200) for i in range(3)]
+    for request in requests:
+        run_prompt(manager, request)
+    num_checked = num_remembered = 0
+    for step in range(60):
+        for request in list(requests):
+            for num_new in (1, 2):
+                # A fresh check: nothing remembered (fits changes nothing else).
+                room = manager._decode_room.pop(request.request_id, None)
+                want = manager.fits_in_held_blocks(request, num_new)
+                manager._decode_room.pop(request.request_id, None)
+                if room is not None:
+                    manager._decode_room[request.request_id] = room
+                remembered = room is not None
+                got = manager.fits_in_held_blocks(request, num_new)
+                assert got == want, (step, request.request_id, num_new)
+                num_checked += 1
+                num_remembered += remembered
+            if not manager.fits_in_held_blocks(request, 1):
+                assert manager.allocate_slots(request, 1) is not None
+            request.num_computed_tokens += 1
+            if rng.random() < 0.7:  # else the token stays in flight a step (hashes lag)
+                request.append_output_token(rng.randrange(50))
+            while request.num_tokens < request.num_computed_tokens:
+                request.append_output_token(rng.randrange(50))
+        event = rng.random()
+        if event < 0.08 and len(requests) < 6:  # a fork shares every block, the last too
+            parent = rng.choice(requests)
+            child = parent.fork(f"{parent.request_id}.{step}")
+            manager.fork(parent, child)
+            requests.append(child)
+        elif event < 0.12:
+            request = rng.choice(requests)
+            if manager.can_swap_out([request]):
+                manager.swap_out(request)
+                manager.swap_in(request)
+        elif event < 0.15 and len(requests) > 2:
+            request = requests.pop(rng.randrange(len(requests)))
+            manager.free(request)
+    assert num_remembered > num_checked // 2  # the remembered room was used

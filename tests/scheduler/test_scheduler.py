@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.kv_cache.hashing import block_hasher
@@ -52,14 +54,13 @@ class FakeRunner:
             self.prompt_lens[new.req_id] = len(new.prompt_token_ids)
             if new.sampling_params.prompt_logprobs is not None:
                 self.wants_prompt_logprobs.add(new.req_id)
-        for cached in so.scheduled_cached_reqs:
-            assert self.num_computed[cached.req_id] == cached.num_computed_tokens
-            self.blocks[cached.req_id].extend(cached.new_block_ids)
+        cached = so.scheduled_cached_reqs
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            assert self.num_computed[req_id] == num_computed
+            self.blocks[req_id].extend(cached.new_block_ids.get(req_id, []))
         out = ModelRunnerOutput()
         written: set[int] = set()
-        for req_id in [r.req_id for r in so.scheduled_new_reqs] + [
-            r.req_id for r in so.scheduled_cached_reqs
-        ]:
+        for req_id in [r.req_id for r in so.scheduled_new_reqs] + cached.req_ids:
             start = self.num_computed[req_id]
             end = start + so.num_scheduled_tokens[req_id]
             tokens, blocks = self.tokens[req_id], self.blocks[req_id]
@@ -195,7 +196,7 @@ def test_prefill_and_decode_share_a_step() -> None:
     scheduler.add_request(make_request("b", 7, max_tokens=4, start=2))
     so, new = step(scheduler, runner)
     assert so.num_scheduled_tokens == {"a": 1, "b": 7}
-    assert [r.req_id for r in so.scheduled_cached_reqs] == ["a"]
+    assert so.scheduled_cached_reqs.req_ids == ["a"]
     assert [r.req_id for r in so.scheduled_new_reqs] == ["b"]
     assert set(new) == {"a", "b"}
 
@@ -399,11 +400,12 @@ def test_inline_decode_path_gives_the_same_steps_as_the_general_path(
 
         def counted(request: Request, num_new: int) -> bool:
             nonlocal num_inline
-            result = inline and fits(request, num_new)
+            result = fits(request, num_new)
             num_inline += result
             return result
 
         monkeypatch.setattr(scheduler.kv_cache_manager, "fits_in_held_blocks", counted)
+        scheduler.inline_decode = inline
         runner = FakeRunner()
         requests = [make_request(f"r{i}", 3 + (i * 5) % 13, max_tokens=3 + i % 9, start=i % 4)
                     for i in range(14)]
@@ -416,8 +418,7 @@ def test_inline_decode_path_gives_the_same_steps_as_the_general_path(
             so = scheduler.schedule()
             steps.append((
                 [(r.req_id, r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs],
-                [(r.req_id, r.new_block_ids, r.num_computed_tokens, r.new_token_ids,
-                  r.replaced_block_ids) for r in so.scheduled_cached_reqs],
+                dataclasses.asdict(so.scheduled_cached_reqs),
                 dict(so.num_scheduled_tokens), so.total_num_scheduled_tokens,
                 sorted(so.finished_req_ids)))
             for o in scheduler.update_from_output(so, runner.execute(so)):

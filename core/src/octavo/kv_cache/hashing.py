@@ -32,13 +32,16 @@ def hash_block_tokens(
 def extend_block_hashes(
     block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
     extra_keys: bytes = b"",
-) -> None:
-    """Append the hashes of every block of ``token_ids`` that became full (in place)."""
+) -> int:
+    """Append the hashes of every block of ``token_ids`` that became full (in place); returns
+    the number of tokens at which the next block becomes full (``Request`` calls it again only
+    then)."""
     num_full = len(token_ids) // block_size
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i > 0 else None
         block_hashes.append(hash_block_tokens(
             parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys))
+    return (len(block_hashes) + 1) * block_size
 
 
 def lora_extra_keys(lora_int_id: int) -> bytes:

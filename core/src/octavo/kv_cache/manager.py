@@ -87,6 +87,12 @@ class KVCacheManager:
         # A block is offered once it is full and its tokens are known (with async scheduling
         # a block's last token may still be in flight when the block is allocated).
         self._num_indexed: dict[str, int] = {}
+        # Per running request: the most tokens (computed + new) for which
+        # fits_in_held_blocks is known to hold without looking again: the room in its blocks,
+        # short of the next block to index, none of its blocks from the write position on
+        # shared. Dropped when it forks (its blocks become shared), is swapped out or freed;
+        # allocate_slots leaves it (its blocks and indexed blocks only grow: still true).
+        self._decode_room: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         # Blocks indexed by allocations of each step not yet known to have run, oldest step
         # first: their KV is written when the step runs. ``commit_step`` accepts the oldest
@@ -248,6 +254,7 @@ class KVCacheManager:
         placeholders where ``parent`` freed blocks outside the sliding window. Its next write
         into the last, partly filled block copies that block first (copy-on-write)."""
         assert child.request_id not in self._req_blocks, f"{child.request_id} already has blocks"
+        self._decode_room.pop(parent.request_id, None)  # its blocks become shared
         blocks = self._req_blocks.get(parent.request_id, [])
         num_freed = self._num_freed.get(parent.request_id, 0)
         self.block_pool.touch(blocks[num_freed:])
@@ -305,6 +312,7 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(request.request_id, [])
         blocks = blocks[self._num_freed.get(request.request_id, 0):]
         self._num_indexed.pop(request.request_id, None)
+        self._decode_room.pop(request.request_id, None)
         host_blocks = self.host_pool.get_new_blocks(len(blocks))
         self._req_host_blocks[request.request_id] = host_blocks
         self.block_pool.free_blocks(reversed(blocks))
@@ -336,24 +344,33 @@ class KVCacheManager:
         """Whether ``allocate_slots(request, num_new_tokens)`` would change nothing and return
         ``[]`` (no block to take, copy, index or free: the common decode step), so a caller may
         skip it; ``num_blocks_to_allocate`` is then 0. A cheap check, made for every running
-        request every step."""
-        if self.sliding_window is not None:
-            return False
-        blocks = self._req_blocks.get(request.request_id)
-        if not blocks:
-            return False
+        request every step (most of the time one lookup of the room it found last time)."""
         num_computed = request.num_computed_tokens
         total_tokens = num_computed + num_new_tokens
+        req_id = request.request_id
+        if total_tokens <= self._decode_room.get(req_id, -1):
+            return True
+        if self.sliding_window is not None:
+            return False
+        blocks = self._req_blocks.get(req_id)
+        if not blocks:
+            return False
         block_size = self.block_size
         if total_tokens > len(blocks) * block_size:
             return False
+        num_indexed = self._num_indexed.get(req_id, 0)
+        # A block to index: min(num_full, len(block_hashes)) > num_indexed.
         num_full = total_tokens // block_size
-        if num_full and min(num_full, len(request.block_hashes)) > self._num_indexed.get(
-                request.request_id, 0):
+        if num_full > num_indexed and len(request.block_hashes) > num_indexed:
             return False
         # A write into a block shared with another request copies it first.
-        return not (num_computed % block_size
-                    and blocks[num_computed // block_size].ref_cnt > 1)
+        first_written = num_computed // block_size
+        if num_computed % block_size and blocks[first_written].ref_cnt > 1:
+            return False
+        if all(block.ref_cnt == 1 for block in blocks[first_written:]):
+            self._decode_room[req_id] = min(len(blocks) * block_size,
+                                            (num_indexed + 1) * block_size - 1)
+        return True
 
     def _fits_without_change(self, request: Request, num_new_tokens: int,
                              num_lookahead_tokens: int = 0) -> bool:
@@ -374,6 +391,7 @@ class KVCacheManager:
         first; host blocks of a swapped request too)."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_indexed.pop(request.request_id, None)
+        self._decode_room.pop(request.request_id, None)
         num_freed = self._num_freed.pop(request.request_id, 0)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks[num_freed:]))

@@ -14,8 +14,10 @@ from octavo.sampling_params import SamplingParams
 RequestId = str
 # The prefix-cache key of one full KV block (see ``octavo.kv_cache.hashing``).
 BlockHash = NewType("BlockHash", bytes)
-# Appends the hashes of the blocks of ``token_ids`` that became full to ``block_hashes``.
-BlockHasher = Callable[[list[BlockHash], list[int]], None]
+# Appends the hashes of the blocks of ``token_ids`` that became full to ``block_hashes``;
+# returns the number of tokens at which the next block becomes full (calling it with fewer
+# adds nothing), or None (then it is called after every token).
+BlockHasher = Callable[[list[BlockHash], list[int]], int | None]
 
 
 class RequestStatus(enum.Enum):
@@ -114,8 +116,14 @@ class Request:
         self.spec_token_ids: list[int] = []
         self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []
+        # Tokens at which block_hasher may add a hash next (0: at every token).
+        self._num_tokens_next_hash = 0
         if block_hasher is not None:
-            block_hasher(self.block_hashes, self.all_token_ids)
+            self._num_tokens_next_hash = block_hasher(self.block_hashes, self.all_token_ids) or 0
+        # The sampled tokens that may stop it (EOS unless ignored, stop_token_ids): any other
+        # token stops it only by length (see append_token_and_check_stop).
+        self._stop_candidates = frozenset(sampling_params.stop_token_ids or ()).union(
+            () if sampling_params.ignore_eos else sampling_params.all_stop_token_ids)
 
     @property
     def max_tokens(self) -> int:
@@ -172,6 +180,7 @@ class Request:
                         lora_request=self.lora_request)
         child._block_hasher = self._block_hasher
         child.block_hashes = list(self.block_hashes)
+        child._num_tokens_next_hash = self._num_tokens_next_hash
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
@@ -182,9 +191,27 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        if self._block_hasher is not None:
-            self._block_hasher(self.block_hashes, self.all_token_ids)
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)
+        if self._block_hasher is not None and len(all_token_ids) >= self._num_tokens_next_hash:
+            self._num_tokens_next_hash = self._block_hasher(self.block_hashes, all_token_ids) or 0
+
+    def append_token_and_check_stop(self, token_id: int, max_model_len: int) -> bool:
+        """``append_output_token`` then ``check_stop``, in one call made for every running
+        request every step: a token that can stop it neither by id nor by length (the common
+        case) skips ``check_stop``."""
+        output_token_ids = self.output_token_ids
+        output_token_ids.append(token_id)
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)  # append_output_token, inline
+        num_tokens = len(all_token_ids)
+        if self._block_hasher is not None and num_tokens >= self._num_tokens_next_hash:
+            self._num_tokens_next_hash = self._block_hasher(self.block_hashes, all_token_ids) or 0
+        if (token_id not in self._stop_candidates
+                and len(output_token_ids) < self.sampling_params.max_tokens
+                and num_tokens < max_model_len):
+            return False
+        return self.check_stop(max_model_len)
 
     def check_stop(self, max_model_len: int) -> bool:
         """Update ``status`` after a new token; True when the request just finished."""

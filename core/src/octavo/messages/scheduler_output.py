@@ -40,22 +40,42 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request the worker already knows, continuing (decode or next prefill chunk)."""
+    """The requests the worker already knows, continuing (decode or next prefill chunk).
 
-    # Request id.
-    req_id: str
-    # Blocks added since the last step.
-    new_block_ids: list[int]
-    # Tokens in the cache before this step.
-    num_computed_tokens: int
-    # Tokens generated since the request was last scheduled. Only under pipeline parallelism,
-    # where no stage but the last sees the sampled tokens; otherwise every rank keeps the
-    # tokens it sampled itself and this stays empty (also for beams, whose tokens the
-    # scheduler chooses: see NewRequestData.tokens_from_scheduler).
-    new_token_ids: list[int] = field(default_factory=list)
-    # Blocks replaced by copy-on-write this step: (index in the request's block list, new
-    # block id). The copy itself is in SchedulerOutput.blocks_to_copy.
-    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+    One message of parallel lists for all of them (vLLM's shape), not an object per request: a
+    step of 256 decodes then costs two list appends per request to build, and the rare
+    per-request changes (new blocks, copies-on-write, tokens from the scheduler) are keyed by
+    request id, holding only the requests that have one.
+    """
+
+    # Request ids, in step order.
+    req_ids: list[str] = field(default_factory=list)
+    # Tokens in the cache before this step (parallel to req_ids).
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Blocks added since the last step, by request id (only requests that got some).
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Tokens generated since the request was last scheduled, by request id (only non-empty
+    # ones). Only under pipeline parallelism, where no stage but the last sees the sampled
+    # tokens, and for beams (whose tokens the scheduler chooses: see
+    # NewRequestData.tokens_from_scheduler); otherwise every rank keeps the tokens it sampled
+    # itself and this stays empty.
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Blocks replaced by copy-on-write this step, by request id: (index in the request's block
+    # list, new block id). The copy itself is in SchedulerOutput.blocks_to_copy.
+    replaced_block_ids: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, req_id: str, num_computed_tokens: int, new_block_ids: list[int] | None = None,
+            new_token_ids: list[int] | None = None) -> None:
+        """Append one request (its new blocks and tokens when it has some)."""
+        self.req_ids.append(req_id)
+        self.num_computed_tokens.append(num_computed_tokens)
+        if new_block_ids:
+            self.new_block_ids[req_id] = new_block_ids
+        if new_token_ids:
+            self.new_token_ids[req_id] = new_token_ids
 
 
 @dataclass(slots=True)
@@ -97,8 +117,8 @@ class SchedulerOutput:
 
     # Requests new to the worker.
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    # Requests the worker already holds.
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # Requests the worker already holds (one message for all of them).
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     # New tokens to run per request id (the step's order is new requests, then cached ones).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Sum of num_scheduled_tokens.
@@ -138,7 +158,10 @@ class SchedulerOutput:
     def num_computed_before(self, req_id: str) -> int:
         """Tokens a scheduled request had in the cache before this step (a linear search:
         for the rare per-request lookups, e.g. prompt logprobs)."""
-        for data in (*self.scheduled_new_reqs, *self.scheduled_cached_reqs, *self.forked_reqs):
+        for data in (*self.scheduled_new_reqs, *self.forked_reqs):
             if data.req_id == req_id:
                 return data.num_computed_tokens
+        cached = self.scheduled_cached_reqs
+        if req_id in cached.req_ids:
+            return cached.num_computed_tokens[cached.req_ids.index(req_id)]
         raise KeyError(f"request {req_id!r} is not in this step")

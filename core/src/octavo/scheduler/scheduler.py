@@ -36,7 +36,6 @@ import time
 from octavo.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.messages import (
-    CachedRequestData,
     EngineCoreOutput,
     ForkedRequestData,
     LogprobsLists,
@@ -113,6 +112,9 @@ class Scheduler:
         self.num_preemptions_swap = 0
         # Tokens of the most recently scheduled step.
         self.num_batched_tokens = 0
+        # Schedule plain running requests inline (see _schedule_running); False: every
+        # request takes the general path (tests compare the two).
+        self.inline_decode = True
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -229,9 +231,11 @@ class Scheduler:
                 self._schedule_waiting(out)
         copies, replaced = self.kv_cache_manager.take_block_copies()
         out.blocks_to_copy = copies
-        if replaced:
-            for data in out.scheduled_cached_reqs:
-                data.replaced_block_ids = replaced.get(data.req_id, [])
+        if replaced:  # the workers' own blocks change for the requests they already hold
+            cached = out.scheduled_cached_reqs
+            held = set(cached.req_ids)
+            cached.replaced_block_ids = {req_id: pairs for req_id, pairs in replaced.items()
+                                         if req_id in held}
         if out.is_empty:
             self.kv_cache_manager.cancel_empty_step()
         else:
@@ -268,32 +272,51 @@ class Scheduler:
         forked: list[Request] = []
         running = self.running
         # The common running request (one sequence: no beams, drafts, forks waiting on it,
-        # pipeline stages or lookahead slots) whose step fits in the blocks it holds is
-        # scheduled inline: the general path below does the same with about four times the
-        # Python per request, and a decode needs a new block only once every block_size
-        # steps (docs/benchmarks.md, "host work per step").
-        plain = not (self.pipeline_parallel or self.num_lookahead_slots)
-        fits = self.kv_cache_manager.fits_in_held_blocks
-        cached_reqs = out.scheduled_cached_reqs
+        # pipeline stages or lookahead slots) is scheduled inline: the general path below
+        # does the same with about four times the Python per request (docs/benchmarks.md,
+        # "host work per step"). Its step usually fits in the blocks it holds; when it needs
+        # a block (or a block to index, or a copy), allocate_slots is asked directly; only
+        # when the pool is short (or with a sliding window) does the general path run, which
+        # preempts.
+        plain = self.inline_decode and not (self.pipeline_parallel or self.num_lookahead_slots)
+        manager = self.kv_cache_manager
+        fits = manager.fits_in_held_blocks
+        allocate = manager.allocate_slots if manager.sliding_window is None else None
+        cached = out.scheduled_cached_reqs
+        cached_req_ids = cached.req_ids
+        cached_num_computed = cached.num_computed_tokens
         num_scheduled = out.num_scheduled_tokens
+        max_model_len = self.max_model_len
+        # Tokens of the requests scheduled inline (added to the step's total at the end).
+        num_inline_tokens = 0
         while index < len(running) and budget > 0:
             request = running[index]
             if (plain and request.beam_group is None and not request.spec_token_ids
                     and not request.pending_forks and not request.new_to_workers):
                 placeholders = request.num_output_placeholders
+                computed = request.num_computed_tokens
                 end = len(request.all_token_ids) + placeholders  # num_tokens_with_placeholders
-                n = end - request.num_computed_tokens
+                n = end - computed
                 if n <= 0 or (placeholders and (  # request.reached_length_limit, inline
                         len(request.output_token_ids) + placeholders
-                        >= request.sampling_params.max_tokens or end >= self.max_model_len)):
+                        >= request.sampling_params.max_tokens or end >= max_model_len)):
                     index += 1  # nothing to run, or its last token is in flight
                     continue
-                n = min(n, budget)
+                if n > budget:
+                    n = budget
+                new_block_ids: list[int] | None = None
                 if fits(request, n):
-                    computed = request.num_computed_tokens
-                    cached_reqs.append(CachedRequestData(request.request_id, [], computed))
-                    num_scheduled[request.request_id] = n
-                    out.total_num_scheduled_tokens += n
+                    new_block_ids = []
+                elif allocate is not None:  # None: the pool is short (nothing was changed)
+                    new_block_ids = allocate(request, n)
+                if new_block_ids is not None:
+                    req_id = request.request_id
+                    cached_req_ids.append(req_id)  # CachedRequestData.add, inline
+                    cached_num_computed.append(computed)
+                    if new_block_ids:
+                        cached.new_block_ids[req_id] = new_block_ids
+                    num_scheduled[req_id] = n
+                    num_inline_tokens += n
                     request.num_computed_tokens = computed + n  # _advance, without drafts
                     if computed + n == end:
                         request.num_output_placeholders = placeholders + 1
@@ -337,6 +360,7 @@ class Scheduler:
                                                drafts.get(request.request_id))
                 budget -= n
             index += len(unit)
+        out.total_num_scheduled_tokens += num_inline_tokens
         for request in forked:
             self._insert_running(request)
         return preempted_any
@@ -375,10 +399,8 @@ class Scheduler:
             out.scheduled_new_reqs.append(self._new_request_data(request))
             request.num_tokens_sent_to_workers = request.num_tokens
         else:
-            out.scheduled_cached_reqs.append(CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens,
-                self._tokens_new_to_workers(request),
-            ))
+            out.scheduled_cached_reqs.add(request.request_id, request.num_computed_tokens,
+                                          new_block_ids, self._tokens_new_to_workers(request))
         out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens += num_new
         if drafts:
@@ -767,8 +789,7 @@ class Scheduler:
             if (plain and len(sampled) == 1 and request.status is running
                     and request.beam_group is None):
                 request.num_output_placeholders -= 1
-                request.append_output_token(sampled[0])
-                finished = request.check_stop(max_model_len)
+                finished = request.append_token_and_check_stop(sampled[0], max_model_len)
                 num_cached = request.num_cached_tokens
                 outputs.append(EngineCoreOutput(
                     request_id=req_id,

@@ -71,6 +71,14 @@ class BlockTable:
             self._grow_cols(width)
         return self._table[np.asarray(rows, dtype=np.intp), :width]
 
+    def block_ids_at(self, rows: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        """Entry ``indices[i]`` of row ``rows[i]``, for every ``i`` (each within its row)."""
+        return self._table[rows, indices]
+
+    def max_num_blocks(self, rows: np.ndarray) -> int:
+        """The most block ids any of ``rows`` holds."""
+        return int(self._lengths[rows].max())
+
     def _grow_rows(self) -> None:
         old = len(self._lengths)
         self._table = np.concatenate([self._table, np.zeros_like(self._table)])

@@ -46,6 +46,7 @@ from octavo.spec_decode.rejection_sampler import rejection_sample, target_distri
 from octavo.transfer import DeviceToHostCopy, host_to_device
 from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
 from octavo.worker.block_table import BlockTable
+from octavo.worker.decode_rows import DecodeRows
 from octavo.worker.draft_model import DraftBatch, DraftModelProposer, DraftRequest
 from octavo.worker.eagle import Eagle3Proposer, EagleProposer
 from octavo.worker.grammar_masks import GrammarMaskUpload
@@ -90,9 +91,6 @@ class CachedRequestState:
     needs_token_history: bool = False
     # The scheduler chooses its tokens (a beam): what this worker samples is not appended.
     tokens_from_scheduler: bool = False
-    # Row of this request in the sampled-token tensor of the last step that sampled for it:
-    # its next input while that token is not in token_ids yet.
-    sampled_row: int = -1
     # Its LoRA adapter (None: the base model).
     lora_request: LoRARequest | None = None
 
@@ -113,6 +111,8 @@ class _StepInputs:
     req_ids: list[str]
     # Which requests sample (parallel to req_ids).
     samples: list[bool]
+    # The BlockTable rows of the requests that sample, in sample order (forks included).
+    sample_rows: np.ndarray
     # Prompt-logprob positions per request id: (flat indices, target token ids).
     prompt_logprob_positions: dict[str, tuple[list[int], list[int]]]
     # Speculative decoding: per sampling request (in sample order), the draft tokens it
@@ -157,6 +157,15 @@ class ModelRunner:
             num_rows=config.scheduler_config.max_num_seqs,
             num_cols=-(-config.model_config.max_model_len // self.block_size),
         )
+        # Per request (by its block-table row): what a pure-decode step's inputs are made of.
+        self.decode_rows = DecodeRows(config.scheduler_config.max_num_seqs)
+        # Build pure-decode steps from decode_rows (False: always the general loop; tests
+        # compare the two).
+        self.vectorised_decode = True
+        # Live requests that ask for prompt logprobs, and those whose tokens the scheduler
+        # chooses (beams): while there are any, every step takes the general loop.
+        self._prompt_logprob_req_ids: set[str] = set()
+        self._scheduler_token_req_ids: set[str] = set()
         self.sampler = Sampler(LogitsProcessorRegistry(pm))
         # The greedy path's grammar masks, staged in pinned buffers kept across steps.
         self.grammar_masks = GrammarMaskUpload(device, config.scheduler_config.max_num_seqs)
@@ -407,19 +416,26 @@ class ModelRunner:
                 tokens_from_scheduler=new.tokens_from_scheduler,
                 lora_request=new.lora_request,
             )
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            if cached.new_token_ids and (self.tokens_from_scheduler
-                                         or state.tokens_from_scheduler):
-                state.token_ids.extend(cached.new_token_ids)
-                state.output_token_ids.extend(cached.new_token_ids)
-            for index, block_id in cached.replaced_block_ids:
+            self._track(self.requests[new.req_id])
+        cached = so.scheduled_cached_reqs
+        requests = self.requests
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            requests[req_id].num_computed_tokens = num_computed
+        for req_id, token_ids in cached.new_token_ids.items():
+            state = requests[req_id]
+            if self.tokens_from_scheduler or state.tokens_from_scheduler:
+                state.token_ids.extend(token_ids)
+                state.output_token_ids.extend(token_ids)
+                self.decode_rows.sync(state.block_table_row, state.token_ids)
+        for req_id, replaced in cached.replaced_block_ids.items():
+            state = requests[req_id]
+            for index, block_id in replaced:
                 state.block_ids[index] = block_id
                 self.block_table.replace(state.block_table_row, index, block_id)
-            if cached.new_block_ids:
-                state.block_ids.extend(cached.new_block_ids)
-                self.block_table.append(state.block_table_row, cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, block_ids in cached.new_block_ids.items():
+            state = requests[req_id]
+            state.block_ids.extend(block_ids)
+            self.block_table.append(state.block_table_row, block_ids)
         for fork in so.forked_reqs:
             parent = self.requests[fork.parent_req_id]
             self._forget(fork.req_id)
@@ -438,6 +454,15 @@ class ModelRunner:
                 needs_token_history=params.needs_output_token_ids,
                 lora_request=parent.lora_request,
             )
+            self._track(self.requests[fork.req_id])
+
+    def _track(self, state: CachedRequestState) -> None:
+        """A request just added: its decode row, and whether it keeps steps general."""
+        self.decode_rows.claim(state.block_table_row, state.token_ids)
+        if state.sampling_params.prompt_logprobs is not None:
+            self._prompt_logprob_req_ids.add(state.req_id)
+        if state.tokens_from_scheduler:
+            self._scheduler_token_req_ids.add(state.req_id)
 
     def _prepare_lora(self, so: SchedulerOutput, req_ids: list[str]) -> bool:
         """Put the step's adapters in slots and set their rows; whether any row has one."""
@@ -457,11 +482,15 @@ class ModelRunner:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.block_table.free_row(state.block_table_row)
+            self._prompt_logprob_req_ids.discard(req_id)
+            self._scheduler_token_req_ids.discard(req_id)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
-        req_ids = [r.req_id for r in so.scheduled_new_reqs] + [
-            r.req_id for r in so.scheduled_cached_reqs
-        ]
+        if self._is_pure_decode(so):
+            inputs = self._prepare_decode_inputs(so)
+            if inputs is not None:
+                return inputs
+        req_ids = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         # Plain Python lists: a decode step adds one token per request, and per-request numpy
         # calls cost more than the arithmetic (this loop runs for every request every step).
         input_ids: list[int] = []
@@ -472,12 +501,14 @@ class ModelRunner:
         block_table_rows: list[int] = []
         max_num_blocks = 0
         sample_indices: list[int] = []
+        sample_rows: list[int] = []
         num_tokens_before_sample: list[int] = []
         samples: list[bool] = []
         prompt_positions: dict[str, tuple[list[int], list[int]]] = {}
         # Forks sample the logits of their parent's last row: (flat index, tokens) per parent.
         sample_of: dict[str, tuple[int, int]] = {}
-        # Inputs still on the device: (flat index, row in the last step's sampled tokens).
+        # Inputs still on the device: flat index, and the request's block-table row (its row
+        # in the last step's sampled tokens is in decode_rows).
         pending_flat: list[int] = []
         pending_rows: list[int] = []
         spec_tokens = so.scheduled_spec_decode_tokens
@@ -503,7 +534,7 @@ class ModelRunner:
                     input_ids.append(state.token_ids[start])
                 else:  # sampled by the step in flight: read it on the device
                     pending_flat.append(len(input_ids))
-                    pending_rows.append(state.sampled_row)
+                    pending_rows.append(state.block_table_row)
                     input_ids.append(0)
                     num_known += 1
                 positions.append(start)
@@ -519,6 +550,7 @@ class ModelRunner:
                 if does_sample:
                     sample_indices.append(flat_start)
                     num_tokens_before_sample.append(end)
+                    sample_rows.append(state.block_table_row)
                 continue
             drafts = spec_tokens.get(req_id, []) if spec_tokens else []
             if drafts:
@@ -535,7 +567,7 @@ class ModelRunner:
                     input_ids.append(state.token_ids[start])
                 else:  # sampled by the step in flight: read it on the device
                     pending_flat.append(len(input_ids))
-                    pending_rows.append(state.sampled_row)
+                    pending_rows.append(state.block_table_row)
                     input_ids.append(0)
                     num_known += 1
                 positions.append(start)
@@ -555,6 +587,7 @@ class ModelRunner:
                 sample_indices.extend(range(flat_start + num_new - 1 - len(drafts),
                                             flat_start + num_new))
                 num_tokens_before_sample.append(end - len(drafts))
+                sample_rows.append(state.block_table_row)
                 if spec_drafts is not None:
                     spec_drafts.append(drafts)
                 if so.forked_reqs:
@@ -572,35 +605,100 @@ class ModelRunner:
             samples.append(True)
             sample_indices.append(flat_index)
             num_tokens_before_sample.append(end)
+            sample_rows.append(requests[fork.req_id].block_table_row)
             if spec_drafts is not None:
                 spec_drafts.append([])
-        # One host-to-device copy for every per-token vector and index.
         num_tokens = len(input_ids)
-        num_pending = len(pending_flat)
-        flat_host = _long_tensor(
-            input_ids + positions + slots + pending_flat + pending_rows + sample_indices)
-        flat = host_to_device(flat_host, self.device)
+        sampled_rows = self.decode_rows.sampled_row[np.array(pending_rows, dtype=np.intp)]
+        flat_host = np.concatenate([
+            np.array(input_ids + positions + slots + pending_flat, dtype=np.int64), sampled_rows,
+            np.array(sample_indices, dtype=np.int64)])
+        token_ids, flat_positions, slot_mapping, flat_sample_indices = self._flat_to_device(
+            flat_host, num_tokens, len(pending_flat))
+        block_tables = self.block_table.gather(block_table_rows, max_num_blocks)
+        metadata = self._build_metadata(slot_mapping, query_start_loc, seq_lens, block_tables)
+        return _StepInputs(
+            input_ids=token_ids,
+            positions=flat_positions,
+            metadata=metadata,
+            sample_indices=flat_sample_indices,
+            num_tokens_before_sample=num_tokens_before_sample,
+            req_ids=req_ids,
+            samples=samples,
+            sample_rows=np.array(sample_rows, dtype=np.intp),
+            prompt_logprob_positions=prompt_positions,
+            spec_drafts=spec_drafts,
+        )
+
+    def _is_pure_decode(self, so: SchedulerOutput) -> bool:
+        """Whether every request of the step runs one token, with no new request, fork,
+        draft, prompt logprobs or scheduler-chosen tokens anywhere (a few O(1) checks)."""
+        return (self.vectorised_decode and not so.scheduled_new_reqs and not so.forked_reqs
+                and not so.scheduled_spec_decode_tokens and self.drafter is None
+                and not self.tokens_from_scheduler and not self._prompt_logprob_req_ids
+                and not self._scheduler_token_req_ids
+                and so.total_num_scheduled_tokens == len(so.scheduled_cached_reqs.req_ids))
+
+    def _prepare_decode_inputs(self, so: SchedulerOutput) -> _StepInputs | None:
+        """The inputs of a pure-decode step (``_is_pure_decode``), built from
+        ``decode_rows`` with vectorised operations: exactly what the general loop builds.
+        ``None`` when some request's input is neither its last token nor the one in flight
+        (a recomputed request one token short of its end): the general loop handles it."""
+        cached = so.scheduled_cached_reqs
+        req_ids = list(cached.req_ids)
+        requests = self.requests
+        rows = np.array([requests[req_id].block_table_row for req_id in req_ids], dtype=np.intp)
+        rows_state = self.decode_rows
+        # [num_reqs] each request's one position: its tokens in the cache before the step.
+        start = np.array(cached.num_computed_tokens, dtype=np.int64)
+        # 1: its input is its last token; 0 (or less): the step in flight is sampling it.
+        ahead = rows_state.num_tokens[rows] - start
+        if (ahead > 1).any():
+            return None
+        pending_flat = np.flatnonzero(ahead <= 0)
+        input_ids = rows_state.last_token[rows]
+        input_ids[pending_flat] = 0  # read on the device
+        bs = self.block_size
+        slots = self.block_table.block_ids_at(rows, start // bs).astype(np.int64) * bs + start % bs
+        num_reqs = len(req_ids)
+        flat_host = np.concatenate([input_ids, start, slots, pending_flat,
+                                    rows_state.sampled_row[rows[pending_flat]],
+                                    np.arange(num_reqs, dtype=np.int64)])
+        token_ids, positions, slot_mapping, sample_indices = self._flat_to_device(
+            flat_host, num_reqs, len(pending_flat))
+        seq_lens = (start + 1).tolist()
+        block_tables = self.block_table.gather(rows, self.block_table.max_num_blocks(rows))
+        metadata = self._build_metadata(slot_mapping, list(range(num_reqs + 1)), seq_lens,
+                                        block_tables, max_query_len=1)
+        return _StepInputs(
+            input_ids=token_ids,
+            positions=positions,
+            metadata=metadata,
+            sample_indices=sample_indices,
+            num_tokens_before_sample=list(seq_lens),
+            req_ids=req_ids,
+            samples=[True] * num_reqs,
+            sample_rows=rows,
+            prompt_logprob_positions={},
+            spec_drafts=None,
+        )
+
+    def _flat_to_device(self, flat_host: np.ndarray, num_tokens: int, num_pending: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One host-to-device copy of a step's per-token vectors and indices: ``flat_host``
+        (int64) holds the input ids, positions and slots (``num_tokens`` each), the flat
+        indices of the inputs still on the device and their rows in the last step's sampled
+        tokens (``num_pending`` each), then the sample indices. Returns the input ids (those
+        pending filled in on the device), positions, slot mapping and sample indices."""
+        flat = host_to_device(torch.from_numpy(flat_host), self.device)
         token_ids = flat[:num_tokens]
-        if pending_flat:
+        if num_pending:
             assert self._last_step is not None and self._last_step.sampled_token_ids is not None
             where = flat[3 * num_tokens : 3 * num_tokens + num_pending]
             rows = flat[3 * num_tokens + num_pending : 3 * num_tokens + 2 * num_pending]
             token_ids[where] = self._last_step.sampled_token_ids[rows]
-        block_tables = self.block_table.gather(block_table_rows, max_num_blocks)
-        metadata = self._build_metadata(
-            flat[2 * num_tokens : 3 * num_tokens], query_start_loc, seq_lens, block_tables
-        )
-        return _StepInputs(
-            input_ids=token_ids,
-            positions=flat[num_tokens : 2 * num_tokens],
-            metadata=metadata,
-            sample_indices=flat[3 * num_tokens + 2 * num_pending :],
-            num_tokens_before_sample=num_tokens_before_sample,
-            req_ids=req_ids,
-            samples=samples,
-            prompt_logprob_positions=prompt_positions,
-            spec_drafts=spec_drafts,
-        )
+        return (token_ids, flat[num_tokens : 2 * num_tokens], flat[2 * num_tokens : 3 * num_tokens],
+                flat[3 * num_tokens + 2 * num_pending :])
 
     def _build_metadata(
         self,
@@ -608,7 +706,9 @@ class ModelRunner:
         query_start_loc: list[int],
         seq_lens: list[int],
         block_tables: np.ndarray,
+        max_query_len: int | None = None,
     ) -> AttentionMetadata:
+        """The step's attention metadata (``max_query_len``: when the caller knows it)."""
         num_seqs = len(seq_lens)
         # query_start_loc and seq_lens travel in one copy.
         lengths = host_to_device(
@@ -621,7 +721,8 @@ class ModelRunner:
             query_start_loc=lengths[: num_seqs + 1],
             seq_lens=lengths[num_seqs + 1 :],
             block_tables=host_to_device(torch.from_numpy(block_tables), self.device),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_query_len=(max_query_len if max_query_len is not None else
+                           max(b - a for a, b in zip(query_start_loc, query_start_loc[1:]))),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=list(query_start_loc),
             seq_lens_cpu=list(seq_lens),
@@ -638,11 +739,15 @@ class ModelRunner:
         ``previous`` is the step launched before this one."""
         if previous is not None and previous.is_resolved:
             previous = None
-        output = ModelRunnerOutput(
-            req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]
-        )
-        step_rows = [i for i, does_sample in enumerate(inputs.samples) if does_sample]
-        states = [self.requests[inputs.req_ids[i]] for i in step_rows]
+        requests = self.requests
+        sample_rows = inputs.sample_rows
+        if len(sample_rows) == len(inputs.req_ids):  # every request samples (decode steps)
+            step_rows: list[int] | range = range(len(sample_rows))
+            states = [requests[req_id] for req_id in inputs.req_ids]
+        else:
+            step_rows = [i for i, does_sample in enumerate(inputs.samples) if does_sample]
+            states = [requests[inputs.req_ids[i]] for i in step_rows]
+        output = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[])
         sampler_output: SamplerOutput | None = None
         if not states:
             sampled = None
@@ -661,8 +766,17 @@ class ModelRunner:
             grammar = _grammar_rows(grammar_bitmask, states)
             sampler_output = self.sampler(logits, rows, grammar)
             sampled = sampler_output.sampled_token_ids
-        for row, state in enumerate(states):
-            state.sampled_row = row
+        decode_rows = self.decode_rows
+        decode_rows.sampled_row[sample_rows] = np.arange(len(states))
+        # Which sampling requests append what they sample (None: all; not the beams', whose
+        # tokens the scheduler chooses, nor any under pipeline parallelism), and who owns
+        # their rows now (a request may be forgotten before this step's tokens are read).
+        appends: np.ndarray | None = None
+        if self.tokens_from_scheduler:
+            appends = np.zeros(len(states), dtype=bool)
+        elif self._scheduler_token_req_ids:
+            appends = np.array([not s.tokens_from_scheduler for s in states], dtype=bool)
+        epochs, num_claims = decode_rows.epoch[sample_rows], decode_rows.num_claims
         device_tensors: list[torch.Tensor] = [] if sampled is None else [sampled]
         if sampler_output is not None and sampler_output.logprobs is not None:
             lp = sampler_output.logprobs
@@ -670,13 +784,29 @@ class ModelRunner:
         prompt_logprob_reqs = self._prompt_logprob_tensors(hidden, inputs, device_tensors)
 
         def finalize(host: list[torch.Tensor]) -> ModelRunnerOutput:
-            if sampled is not None:
+            if sampled is None:
+                output.sampled_token_ids = [[] for _ in inputs.req_ids]
+            else:
                 token_ids = host[0].tolist()
-                for i, state, token_id in zip(step_rows, states, token_ids):
-                    if not (self.tokens_from_scheduler or state.tokens_from_scheduler):
+                tokens = host[0].numpy()
+                if appends is None:
+                    for state, token_id in zip(states, token_ids):
                         state.token_ids.append(token_id)
                         state.output_token_ids.append(token_id)
-                    output.sampled_token_ids[i] = [token_id]
+                    decode_rows.append_sampled(sample_rows, epochs, num_claims, tokens)
+                else:
+                    for state, token_id, append in zip(states, token_ids, appends):
+                        if append:
+                            state.token_ids.append(token_id)
+                            state.output_token_ids.append(token_id)
+                    decode_rows.append_sampled(sample_rows[appends], epochs[appends],
+                                               num_claims, tokens[appends])
+                if isinstance(step_rows, range):
+                    output.sampled_token_ids = [[token_id] for token_id in token_ids]
+                else:
+                    output.sampled_token_ids = [[] for _ in inputs.req_ids]
+                    for i, token_id in zip(step_rows, token_ids):
+                        output.sampled_token_ids[i] = [token_id]
                 host = host[1:]
             if sampler_output is not None and sampler_output.logprobs is not None:
                 lp_host = LogprobsTensors(*host[:3])
@@ -766,6 +896,8 @@ class ModelRunner:
                 if not (self.tokens_from_scheduler or state.tokens_from_scheduler):
                     state.token_ids.extend(emitted)
                     state.output_token_ids.extend(emitted)
+                    if self.requests.get(state.req_id) is state:  # its row is still its own
+                        self.decode_rows.sync(state.block_table_row, state.token_ids)
                 output.sampled_token_ids[i] = emitted
                 num = state.sampling_params.logprobs
                 if lp_host is not None and num is not None:

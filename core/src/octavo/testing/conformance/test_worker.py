@@ -26,10 +26,10 @@ def new_request(req_id: str, prompt: list[int], block_ids: list[int]) -> NewRequ
                           num_computed_tokens=0)
 
 
-def step(new=(), cached=(), tokens=None, finished=()) -> SchedulerOutput:
+def step(new=(), cached=None, tokens=None, finished=()) -> SchedulerOutput:
     tokens = tokens or {}
     return SchedulerOutput(
-        scheduled_new_reqs=list(new), scheduled_cached_reqs=list(cached),
+        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or CachedRequestData(),
         num_scheduled_tokens=dict(tokens), total_num_scheduled_tokens=sum(tokens.values()),
         finished_req_ids=set(finished),
     )
@@ -74,10 +74,10 @@ def test_worker_lifecycle(octavo_pm, octavo_plan, octavo_tiny_model):
             new=[new_request("a", prompt_a, blocks_a), new_request("b", prompt_b, blocks_b)],
             tokens={"a": 7, "b": 12})),
         worker.execute_model(step(
-            cached=[CachedRequestData("a", [], 7), CachedRequestData("b", [], 12)],
+            cached=CachedRequestData(req_ids=["a", "b"], num_computed_tokens=[7, 12]),
             tokens={"a": 1, "b": 9})),
         worker.execute_model(step(
-            cached=[CachedRequestData("a", [], 8), CachedRequestData("b", [], 21)],
+            cached=CachedRequestData(req_ids=["a", "b"], num_computed_tokens=[8, 21]),
             tokens={"a": 1, "b": 1})),
     ]
     for out in outputs:
