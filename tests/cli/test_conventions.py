@@ -91,7 +91,7 @@ def test_ctrl_c_in_a_benchmark_is_one_line(tiny_llama):
         interrupt_after=b"engine ready", delay_s=0.5)
     assert status == 130, output
     assert "Traceback" not in output, output
-    assert output.replace("^C", "").splitlines()[-1].strip() == "interrupted", output[-2000:]
+    assert output.replace("^C", "").strip().splitlines()[-1].strip() == "interrupted", output[-2000:]
 
 
 def test_stdout_closed_by_its_reader_ends_quietly():
