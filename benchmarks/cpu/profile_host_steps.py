@@ -165,20 +165,9 @@ def main() -> None:
     phases: dict[str, float] = defaultdict(float)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
-    def timed(obj, name, label):
-        original = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            start = clock()
-            try:
-                return original(*a, **k)
-            finally:
-                phases[label] += clock() - start
-
-        setattr(obj, name, wrapper)
-
-    def timed_inside(obj, name, label, parent):
-        """``timed``, for a call made inside ``parent``'s phase: its time moves from there."""
+    def timed(obj, name, label, parent=None):
+        """Time ``obj.name`` under ``label``; for a call made inside ``parent``'s phase, its
+        time moves from there."""
         original = getattr(obj, name)
 
         def wrapper(*a, **k):
@@ -188,7 +177,8 @@ def main() -> None:
             finally:
                 spent = clock() - start
                 phases[label] += spent
-                phases[parent] -= spent
+                if parent is not None:
+                    phases[parent] -= spent
 
         setattr(obj, name, wrapper)
 
@@ -211,11 +201,11 @@ def main() -> None:
         timed(manager, "accept_and_bitmask_async", "grammar_rows")
         from octavo.worker import model_runner
 
-        timed_inside(model_runner, "_grammar_rows", "grammar_apply", "sample")
-        timed_inside(model_runner, "mask_by_bitmask",
-                     "fast_sample_pick" if args.fast_sample else "grammar_apply", "sample")
+        timed(model_runner, "_grammar_rows", "grammar_apply", "sample")
+        timed(model_runner, "mask_by_bitmask",
+              "fast_sample_pick" if args.fast_sample else "grammar_apply", "sample")
         if hasattr(runner, "grammar_masks"):  # the greedy path's masks to the device
-            timed_inside(runner.grammar_masks, "upload", "grammar_apply", "sample")
+            timed(runner.grammar_masks, "upload", "grammar_apply", "sample")
         chain = _time_grammar_chain(core, phases, clock)
     _time_finalize(runner, phases, clock)
 

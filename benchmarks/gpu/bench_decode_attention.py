@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention: no CUDA device found")
-    from bench_quant_gemv import copy_bandwidth
+    from bench_quant_gemv import copy_bandwidth, time_per_call
 
     from octavo.kernels.triton.decode_attention import decode_attention
 
@@ -74,23 +74,7 @@ def main() -> None:
                                 args.max_model_len, scale, **cfg)
 
     def time_us(cfg: dict) -> float:
-        run(**cfg)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                run(**cfg)
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(5):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / 20)
-        return sorted(times)[2]
+        return time_per_call(lambda _: run(**cfg), [None] * 20)
 
     default = dict(block_n=64, partition_size=512, unsplit_min_programs=256, num_warps=4,
                    num_stages=2)

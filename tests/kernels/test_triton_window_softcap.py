@@ -116,9 +116,14 @@ def test_decode_window_softcap(window, cap, partition_size):
 
 
 @pytest.mark.parametrize(("window", "cap"), OPTIONS, ids=OPTION_IDS)
-def test_decode_window_softcap_graph_bound(window, cap):
-    # A graph's bound (max_model_len) and a small batch: many partitions per sequence, spans
-    # from each sequence's own length, some spans wholly before the window.
+@pytest.mark.parametrize("split", [dict(unsplit_min_programs=128),
+                                   dict(unsplit_min_programs=4, wide_batch_span=16)],
+                         ids=["narrow", "wide-spans"])
+def test_decode_window_softcap_graph_bound(window, cap, split):
+    # A graph's bound (max_model_len). Narrow: a small batch cut into many partitions per
+    # sequence, spans from each sequence's own length. Wide spans: the same 12 programs as a
+    # wide batch (>= 4) split into spans of 16 keys. Either way some spans lie wholly before
+    # the window (they exit; the reduce kernel starts after them).
     seq_lens = [1, 3, 8, 25, 70, 41]
     batch = make_paged_batch(
         [1] * len(seq_lens), seq_lens, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
@@ -126,23 +131,7 @@ def test_decode_window_softcap_graph_bound(window, cap):
     )
     poison_outside_window(batch, window)
     out = run_decode(batch, window, cap, max_seq_len=2048, block_n=16, partition_size=512,
-                     unsplit_min_programs=128)
-    n = batch.num_real_tokens
-    assert_close(out[:n], expected_of(batch, window, cap)[:n], torch.float32)
-
-
-@pytest.mark.parametrize(("window", "cap"), OPTIONS, ids=OPTION_IDS)
-def test_decode_window_softcap_wide_batch_split(window, cap):
-    # A wide batch (12 programs >= 4) split into spans of 16 keys: spans wholly before the
-    # window exit, the reduce kernel starts after them.
-    seq_lens = [1, 3, 8, 25, 70, 41]
-    batch = make_paged_batch(
-        [1] * len(seq_lens), seq_lens, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
-        num_padding_tokens=2,
-    )
-    poison_outside_window(batch, window)
-    out = run_decode(batch, window, cap, max_seq_len=2048, block_n=16, partition_size=512,
-                     unsplit_min_programs=4, wide_batch_span=16)
+                     **split)
     n = batch.num_real_tokens
     assert_close(out[:n], expected_of(batch, window, cap)[:n], torch.float32)
 
