@@ -51,14 +51,14 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def test_waiting_cap_then_sigterm_lets_requests_finish(tiny_model) -> None:
-    server = ServerProcess(tiny_model, "--max-num-seqs", "1", "--max-waiting-requests", "1",
-                           "--shutdown-timeout", "60")
+def test_waiting_cap_then_sigterm_lets_requests_finish(long_context_model) -> None:
+    server = ServerProcess(long_context_model, "--max-num-seqs", "1",
+                           "--max-waiting-requests", "1", "--shutdown-timeout", "60")
     try:
-        # Long enough that the first request still runs when the third arrives: 150 tokens
-        # once finished first on a fast machine (the second then ran, nothing waited, and the
-        # third was admitted). 500 fills the tiny model's 512 positions.
-        max_tokens = 500
+        # Long enough that the first request still runs when the third arrives: 150 and then
+        # 500 tokens each once finished first on a faster engine (the second then ran, nothing
+        # waited, and the third was admitted). 4,000 take over a second.
+        max_tokens = 4000
         body = {"model": SERVED_NAME, "prompt": "Hello world", "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True}
         outs = [{}, {}]

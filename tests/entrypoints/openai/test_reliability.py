@@ -210,8 +210,8 @@ def test_a_malformed_frame_on_the_output_socket_is_dropped(server, http) -> None
 
 
 @pytest.fixture
-def capped(tiny_model):
-    server = ServerProcess(tiny_model, "--max-waiting-requests", "2", "--max-num-seqs", "1",
+def capped(long_context_model):
+    server = ServerProcess(long_context_model, "--max-waiting-requests", "2", "--max-num-seqs", "1",
                            "--shutdown-timeout", "0", "--vllm-metric-names", api_key=None,
                            env={"OCTAVO_API_KEY": "from-env"})
     server.api_key = "from-env"  # what clients must send
@@ -241,7 +241,7 @@ def test_capped_server(capped) -> None:
 
         # 7: a request still running when the shutdown timeout (0 s) ends, and one queued
         # behind it (max_num_seqs 1), each get an OpenAI error object.
-        long_body = completion(prompt=[5], max_tokens=500, temperature=0, ignore_eos=True)
+        long_body = completion(prompt=[5], max_tokens=4000, temperature=0, ignore_eos=True)
         results: dict[str, object] = {}
 
         def queued() -> None:
