@@ -133,16 +133,19 @@ def test_decode_wide_batch_split_rule():
     assert decode_split(64, 8, 8192, 64, 512, 256, None) == (1, 64)
     assert decode_split(1, 8, 8192, 64, 512, 256, 512) == (32, 64)  # narrow: as before
     # fill_programs: a batch that fills the GPU by itself (226 x 8 programs) is never split.
-    assert decode_split(229, 2, 32768, 64, 512, 256, 768, 1024) == (43, 768)
+    assert decode_split(229, 2, 32768, 64, 512, 256, 768, 1024) == (32, 768)  # at most 32
+    assert decode_split(229, 2, 16384, 64, 512, 256, 768, 1024) == (22, 768)
     assert decode_split(226, 8, 32768, 64, 512, 256, 768, 1024) == (1, 64)
     assert decode_partitions(64, 8, 8192, 64, 512, 256, 512) == 16
 
 
 @pytest.mark.parametrize("max_seq_len", [None, 4096], ids=["eager", "graph-bound"])
 def test_decode_wide_batch_split_by_span(max_seq_len):
-    # 5 sequences x 2 KV heads = 10 programs >= the threshold 4: split into spans of 32 keys
-    # (two key blocks of 16); a context of 1 key, one of exactly a span, one just past it.
-    seq_lens = [1, 32, 33, 190, 77]
+    # 6 sequences x 2 KV heads = 12 programs >= the threshold 4: split into spans of 32 keys
+    # (two key blocks of 16); a context of 1 key, one of exactly a span, one just past it. At
+    # the graph bound 4096 / 32 = 128 partitions are capped at 32: the 1,500-key context
+    # then gets spans of 48 keys.
+    seq_lens = [1, 32, 33, 190, 77, 1500]
     batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=4, num_kv_heads=2,
                              head_dim=64, block_size=16)
     run_and_compare(batch, torch.float32, max_seq_len=max_seq_len, block_n=16,

@@ -54,6 +54,10 @@ from octavo.kernels.triton.cache_write import (
 NEG_LARGE = tl.constexpr(-1.0e30)
 # Partitions combined per step of the reduce kernel's loop.
 _REDUCE_BLOCK = 32
+# Most partitions per sequence when a wide batch is split into spans: the partials' buffers
+# ([num_seqs, num_heads, partitions, head_dim] float32, per layer) stay bounded for long
+# max_model_len (a graph's bound); a context longer than this many spans gets longer spans.
+_WIDE_MAX_PARTITIONS = 32
 
 
 @triton.jit
@@ -261,7 +265,8 @@ def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: in
     - ``p >= unsplit_min_programs`` (a wide batch): not split (``(1, block_n)``), unless
       ``wide_batch_span`` is set and ``p < fill_programs`` (when given): then each sequence
       is cut into spans of ``wide_batch_span`` keys, enough partitions to cover
-      ``max_seq_len`` (those past a sequence's length exit at once) — more programs in flight
+      ``max_seq_len`` but at most 32 (a longer context gets longer spans; partitions past a
+      sequence's length exit at once) — more programs in flight
       for the same bytes, where one program per (sequence, KV head) leaves the GPU's memory
       system idle (measured: ~460 programs of a 0.5B model's W1 step);
     - otherwise: enough partitions to keep spans within ``partition_size`` keys and, for a
@@ -272,7 +277,8 @@ def decode_split(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: in
     if unsplit_min_programs is not None and programs >= unsplit_min_programs:
         if wide_batch_span is None or (fill_programs is not None and programs >= fill_programs):
             return 1, block_n
-        return triton.cdiv(max_seq_len, wide_batch_span), wide_batch_span
+        return min(triton.cdiv(max_seq_len, wide_batch_span), _WIDE_MAX_PARTITIONS), \
+            wide_batch_span
     by_length = triton.cdiv(max_seq_len, partition_size)
     if unsplit_min_programs is None:
         return by_length, block_n
