@@ -45,12 +45,43 @@ def measure_call(fn, calls: int = 100):
     return cpu_us, start.elapsed_time(end) * 1e3 / calls
 
 
+def lm_head() -> None:
+    """CPU µs per LM-head ``F.linear`` when M (sampled rows) takes a new value each call, as
+    in W1's decode steps, against one M repeated and M rounded up to a multiple of 16/64."""
+    results = []
+    for vocab, hidden in ((49152, 896), (151936, 896), (128256, 4096)):
+        w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        xs = {m: torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16) for m in range(1, 513)}
+        for label, rows in (("fixed 247", [247] * 100), ("new M each call", list(range(400, 300, -1))),
+                            ("new M, rounded to 16", [-(-m // 16) * 16 for m in range(300, 200, -1)]),
+                            ("new M, rounded to 64", [-(-m // 64) * 64 for m in range(200, 100, -1)]),
+                            ("prompt rows 1-100, new", list(range(100, 0, -1)))):
+            torch.cuda.synchronize()
+            start = time.thread_time()
+            t0 = time.perf_counter()
+            for m in rows:
+                F.linear(xs[m], w)
+            cpu_us = (time.thread_time() - start) / len(rows) * 1e6
+            wall_us = (time.perf_counter() - t0) / len(rows) * 1e6
+            torch.cuda.synchronize()
+            results.append({"vocab": vocab, "hidden": hidden, "case": label, "cpu_us": cpu_us})
+            print(f"lm head {vocab}x{hidden} {label:>24}: CPU {cpu_us:8.1f} us per call "
+                  f"(wall {wall_us:8.1f})", flush=True)
+    print(json.dumps({"bench": "lm_head_host", "results": results}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--lm-head", action="store_true",
+                        help="time the LM head's GEMM with a row count that changes every "
+                             "call (as the running batch drains) against a fixed one")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear_host: no CUDA device found")
+    if args.lm_head:
+        lm_head()
+        return
     results = []
     for library in ("default", "cublas", "cublaslt"):
         if library != "default":

@@ -52,6 +52,7 @@ from octavo.worker.eagle import Eagle3Proposer, EagleProposer
 from octavo.worker.grammar_masks import GrammarMaskUpload
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
+from octavo.worker.logits_rows import LogitsRowLadder
 from octavo.worker.pipeline import StageIO
 
 
@@ -176,6 +177,9 @@ class ModelRunner:
         # Replays captured steps where it can (set by the worker once the KV cache exists;
         # see Worker.make_graph_runner); None: every step runs eagerly.
         self.graph_runner: GraphRunner | None = None
+        # The LM head's row counts rounded up to a ladder warmed at start-up (set by GPU
+        # workers through use_logits_row_ladder; see octavo.worker.logits_rows); None: as is.
+        self.logits_rows: LogitsRowLadder | None = None
         # The adapters' device slots (--enable-lora), set by load_model.
         self.lora_manager: LoRAManager | None = None
         # Speculative decoding with a draft model (set by load_model): it runs over every
@@ -329,6 +333,21 @@ class ModelRunner:
                                          self.kv_cache_dtype)
         finally:
             self.kv_caches = saved
+
+    def use_logits_row_ladder(self, sizes: list[int]) -> None:
+        """Round the sampled rows' LM-head calls up to ``sizes`` (and beyond the largest, to
+        a multiple of 64), warming the head at each size now (after the KV cache exists)."""
+        self.logits_rows = LogitsRowLadder(sizes)
+        if self.stage_io is None or self.stage_io.is_last:
+            self.logits_rows.warm_up(self.model.compute_logits,
+                                     self.model_config.hf_config.hidden_size,
+                                     self.model_config.dtype, self.device)
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's float32 logits of ``hidden``'s rows (through the row ladder, if any)."""
+        if self.logits_rows is None:
+            return self.model.compute_logits(hidden)
+        return self.logits_rows.logits(self.model.compute_logits, hidden)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -754,14 +773,14 @@ class ModelRunner:
         elif all(s.greedy_after_grammar for s in states):
             # The common greedy batch, structured outputs included: skip building sampling
             # metadata (per-row Python work that costs more than the masks themselves).
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            logits = self._compute_logits(hidden[inputs.sample_indices])
             if grammar_bitmask is not None:
                 masks = self.grammar_masks.upload(grammar_bitmask, [s.req_id for s in states])
                 if masks is not None:
                     mask_by_bitmask(logits, masks.row_ids, masks.bitmask)
             sampled = logits.argmax(dim=-1)
         else:
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            logits = self._compute_logits(hidden[inputs.sample_indices])
             rows = self._sampling_rows(states, inputs.num_tokens_before_sample, previous)
             grammar = _grammar_rows(grammar_bitmask, states)
             sampler_output = self.sampler(logits, rows, grammar)
@@ -858,7 +877,7 @@ class ModelRunner:
                 rows.append(SamplingRow(state.sampling_params, state.prompt_token_ids,
                                         state.output_token_ids + draft[:j]))
             draft_of_row += draft + [-1]
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [rows, vocab]
+        logits = self._compute_logits(hidden[inputs.sample_indices])  # [rows, vocab]
         metadata = SamplingMetadata.from_rows(
             rows, logits.shape[1], logits.device, _grammar_rows(grammar_bitmask, states, row_of),
             self.sampler.logits_processors)

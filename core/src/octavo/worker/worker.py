@@ -99,6 +99,11 @@ class Worker:
         step eagerly (the default). Called by ``initialize_cache``."""
         return None
 
+    def logits_row_sizes(self) -> list[int] | None:
+        """Row counts to round the LM head's calls up to, each warmed once the KV cache
+        exists (``octavo.worker.logits_rows``); ``None``: no rounding (the default)."""
+        return None
+
     # ---- common logic ------------------------------------------------------------------
 
     def init_distributed(self) -> None:
@@ -218,10 +223,14 @@ class Worker:
         self.model_runner.initialize_host_cache(num_blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then let the backend capture what it can replay."""
+        """Allocate the KV cache, then let the backend capture what it can replay (and warm
+        the LM head's row counts, where the worker rounds them)."""
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.graph_runner = self.make_graph_runner()
+        sizes = self.logits_row_sizes()
+        if sizes:
+            self.model_runner.use_logits_row_ladder(sizes)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None
