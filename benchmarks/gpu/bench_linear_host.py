@@ -67,6 +67,24 @@ def lm_head() -> None:
             results.append({"vocab": vocab, "hidden": hidden, "case": label, "cpu_us": cpu_us})
             print(f"lm head {vocab}x{hidden} {label:>24}: CPU {cpu_us:8.1f} us per call "
                   f"(wall {wall_us:8.1f})", flush=True)
+    # The eager prompt steps' projections: a token count seen before vs a new one each call.
+    for name, n, k, bias in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+        x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
+        for label, rows in (("8,192 repeated", [8192] * 20),
+                            ("new count each call", list(range(8191, 8191 - 20 * 37, -37))),
+                            ("new count, rounded to 256", [m // 256 * 256 for m in
+                                                           range(7000, 7000 - 20 * 37, -37)])):
+            torch.cuda.synchronize()
+            start = time.thread_time()
+            for m in rows:
+                F.linear(x[:m], w, b)
+            cpu_us = (time.thread_time() - start) / len(rows) * 1e6
+            torch.cuda.synchronize()
+            results.append({"shape": name, "case": label, "cpu_us": cpu_us})
+            print(f"prompt-step {name:>9} N={n} K={k} {label:>26}: CPU {cpu_us:8.1f} us per call",
+                  flush=True)
     print(json.dumps({"bench": "lm_head_host", "results": results}))
 
 

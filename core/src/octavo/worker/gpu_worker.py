@@ -86,10 +86,11 @@ class GPUWorker(Worker):
             drafter.graph_runner.capture()
         return graphs
 
-    def logits_row_sizes(self) -> list[int]:
+    def row_ladder_sizes(self) -> list[int]:
         """The decode graphs' batch-size ladder (1, 2, 4, 8, multiples of 16 up to
         ``max_num_seqs``): GEMM libraries pick a kernel per new shape at a host cost of
-        0.2-6 ms for an LM head, and a step's sampled rows take a new count nearly every step."""
+        0.2-6 ms, and the LM head's rows (rows sampled) and an eager step's tokens take a new
+        count nearly every step."""
         from octavo.worker.cuda_graph import capture_sizes
 
         return capture_sizes(self.config.scheduler_config.max_num_seqs)

@@ -52,7 +52,7 @@ from octavo.worker.eagle import Eagle3Proposer, EagleProposer
 from octavo.worker.grammar_masks import GrammarMaskUpload
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
-from octavo.worker.logits_rows import LogitsRowLadder
+from octavo.worker.row_ladder import RowLadder, pad_step, padded_logits, warm_up_logits
 from octavo.worker.pipeline import StageIO
 
 
@@ -177,9 +177,11 @@ class ModelRunner:
         # Replays captured steps where it can (set by the worker once the KV cache exists;
         # see Worker.make_graph_runner); None: every step runs eagerly.
         self.graph_runner: GraphRunner | None = None
-        # The LM head's row counts rounded up to a ladder warmed at start-up (set by GPU
-        # workers through use_logits_row_ladder; see octavo.worker.logits_rows); None: as is.
-        self.logits_rows: LogitsRowLadder | None = None
+        # GEMM row counts rounded up to a ladder (set by GPU workers through use_row_ladder;
+        # see octavo.worker.row_ladder): the LM head's sampled rows, and the token count of
+        # eager steps when padding tokens are inert (pad_eager_steps). None: as they are.
+        self.row_ladder: RowLadder | None = None
+        self.pad_eager_steps = False
         # The adapters' device slots (--enable-lora), set by load_model.
         self.lora_manager: LoRAManager | None = None
         # Speculative decoding with a draft model (set by load_model): it runs over every
@@ -334,20 +336,36 @@ class ModelRunner:
         finally:
             self.kv_caches = saved
 
-    def use_logits_row_ladder(self, sizes: list[int]) -> None:
-        """Round the sampled rows' LM-head calls up to ``sizes`` (and beyond the largest, to
-        a multiple of 64), warming the head at each size now (after the KV cache exists)."""
-        self.logits_rows = LogitsRowLadder(sizes)
+    def use_row_ladder(self, sizes: list[int], pad_eager_steps: bool) -> None:
+        """Round the LM head's sampled rows up to ``sizes`` (geometrically past the largest),
+        warming the head at each size now (after the KV cache exists); with
+        ``pad_eager_steps`` (the attention kernels skip padding tokens, as CUDA graphs need)
+        also the token count of steps that run eagerly."""
+        self.row_ladder = RowLadder(sizes)
+        self.pad_eager_steps = pad_eager_steps
         if self.stage_io is None or self.stage_io.is_last:
-            self.logits_rows.warm_up(self.model.compute_logits,
-                                     self.model_config.hf_config.hidden_size,
-                                     self.model_config.dtype, self.device)
+            warm_up_logits(self.row_ladder, self.model.compute_logits,
+                           self.model_config.hf_config.hidden_size, self.model_config.dtype,
+                           self.device)
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's float32 logits of ``hidden``'s rows (through the row ladder, if any)."""
-        if self.logits_rows is None:
+        if self.row_ladder is None:
             return self.model.compute_logits(hidden)
-        return self.logits_rows.logits(self.model.compute_logits, hidden)
+        return padded_logits(self.row_ladder, self.model.compute_logits, hidden)
+
+    def _eager_forward(self, inputs: _StepInputs) -> torch.Tensor | None:
+        """``_forward`` of a step no graph runs; its token count padded up to the row ladder
+        where that is on and safe (not with LoRA, whose mapping is per real token, nor with a
+        draft model or pipeline stages, which read the step's tokens themselves)."""
+        if (not self.pad_eager_steps or self.row_ladder is None
+                or self.lora_manager is not None or self.drafter is not None
+                or self.stage_io is not None):
+            return self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
+        input_ids, positions, metadata = pad_step(self.row_ladder, inputs.input_ids,
+                                                  inputs.positions, inputs.metadata)
+        hidden = self._forward(input_ids, positions, metadata)
+        return hidden[: inputs.metadata.num_tokens]
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -378,7 +396,7 @@ class ModelRunner:
                 hidden = self.graph_runner.run(inputs.input_ids, inputs.positions,
                                                inputs.metadata)
             else:
-                hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
+                hidden = self._eager_forward(inputs)
         finally:
             if lora_step:
                 self.lora_manager.finish_step()
@@ -1098,7 +1116,7 @@ class ModelRunner:
         # In slices: a whole chunk's float32 logits (8192 positions x a 152k vocabulary: 5 GB,
         # twice with the log-softmax) would not fit the memory the profile run left aside.
         step = PROMPT_LOGPROBS_SLICE
-        parts = [compute_logprobs(self.model.compute_logits(hidden[indices[i:i + step]]),
+        parts = [compute_logprobs(self._compute_logits(hidden[indices[i:i + step]]),
                                   chosen[i:i + step], num)
                  for i in range(0, len(flat), step)]
         if len(parts) == 1:

@@ -99,9 +99,11 @@ class Worker:
         step eagerly (the default). Called by ``initialize_cache``."""
         return None
 
-    def logits_row_sizes(self) -> list[int] | None:
-        """Row counts to round the LM head's calls up to, each warmed once the KV cache
-        exists (``octavo.worker.logits_rows``); ``None``: no rounding (the default)."""
+    def row_ladder_sizes(self) -> list[int] | None:
+        """Row counts to round the step's GEMMs up to (``octavo.worker.row_ladder``: the LM
+        head's sampled rows, warmed once the KV cache exists, and, where the backend's
+        kernels treat padding tokens as inert, eager steps' token counts); ``None``: no
+        rounding (the default)."""
         return None
 
     # ---- common logic ------------------------------------------------------------------
@@ -224,13 +226,14 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then let the backend capture what it can replay (and warm
-        the LM head's row counts, where the worker rounds them)."""
+        the LM head's row counts, where the worker rounds GEMM rows)."""
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.graph_runner = self.make_graph_runner()
-        sizes = self.logits_row_sizes()
+        sizes = self.row_ladder_sizes()
         if sizes:
-            self.model_runner.use_logits_row_ladder(sizes)
+            self.model_runner.use_row_ladder(
+                sizes, pad_eager_steps=self.config.backend_capabilities.cuda_graphs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None
