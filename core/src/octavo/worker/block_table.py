@@ -75,6 +75,10 @@ class BlockTable:
         """Entry ``indices[i]`` of row ``rows[i]``, for every ``i`` (each within its row)."""
         return self._table[rows, indices]
 
+    def num_blocks(self, rows: np.ndarray) -> np.ndarray:
+        """How many block ids each of ``rows`` holds (int64, a copy)."""
+        return self._lengths[rows]
+
     def max_num_blocks(self, rows: np.ndarray) -> int:
         """The most block ids any of ``rows`` holds."""
         return int(self._lengths[rows].max())

@@ -528,15 +528,14 @@ class ModelRunner:
             if inputs is not None:
                 return inputs
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
-        # Plain Python lists: a decode step adds one token per request, and per-request numpy
-        # calls cost more than the arithmetic (this loop runs for every request every step).
+        # Per request, plain Python lists (per-request numpy calls cost more than the
+        # arithmetic: this loop runs for every request every step); per token, numpy after
+        # the loop: the input ids are one list (a prompt chunk adds a slice of its tokens in
+        # one C-level extend), positions and slots are computed from the per-request ranges.
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         block_table_rows: list[int] = []
-        max_num_blocks = 0
         sample_indices: list[int] = []
         sample_rows: list[int] = []
         num_tokens_before_sample: list[int] = []
@@ -552,7 +551,6 @@ class ModelRunner:
         # With a draft model every step samples through the speculative path (it proposes).
         spec_drafts: list[list[int]] | None = (
             [] if spec_tokens or self.drafter is not None else None)
-        bs = self.block_size
         requests = self.requests
         num_scheduled = so.num_scheduled_tokens
         forking = bool(so.forked_reqs)
@@ -561,7 +559,6 @@ class ModelRunner:
             start = state.num_computed_tokens
             num_new = num_scheduled[req_id]
             end = start + num_new
-            block_ids = state.block_ids
             num_known = len(state.token_ids)
             if (num_new == 1 and not spec_tokens and not forking and spec_drafts is None
                     and state.sampling_params.prompt_logprobs is None):
@@ -574,14 +571,10 @@ class ModelRunner:
                     pending_rows.append(state.block_table_row)
                     input_ids.append(0)
                     num_known += 1
-                positions.append(start)
-                slots.append(block_ids[start // bs] * bs + start % bs)
                 flat_start = query_start_loc[-1]
                 query_start_loc.append(flat_start + 1)
                 seq_lens.append(end)
                 block_table_rows.append(state.block_table_row)
-                if len(block_ids) > max_num_blocks:
-                    max_num_blocks = len(block_ids)
                 does_sample = end == num_known
                 samples.append(does_sample)
                 if does_sample:
@@ -596,8 +589,6 @@ class ModelRunner:
                     f"{req_id}: drafts must follow its last token")
                 input_ids.append(state.token_ids[start])
                 input_ids.extend(drafts)
-                positions.extend(range(start, end))
-                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
                 num_known = end
             elif num_new == 1:
                 if start < num_known:
@@ -607,17 +598,13 @@ class ModelRunner:
                     pending_rows.append(state.block_table_row)
                     input_ids.append(0)
                     num_known += 1
-                positions.append(start)
-                slots.append(block_ids[start // bs] * bs + start % bs)
             else:
+                assert end <= num_known, f"{req_id}: a chunk past its known tokens"
                 input_ids.extend(state.token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             flat_start = query_start_loc[-1]
             query_start_loc.append(flat_start + num_new)
             seq_lens.append(end)
             block_table_rows.append(state.block_table_row)
-            max_num_blocks = max(max_num_blocks, len(block_ids))
             does_sample = end == num_known
             samples.append(does_sample)
             if does_sample:
@@ -633,7 +620,7 @@ class ModelRunner:
                 # Position p predicts prompt token p + 1.
                 last = min(end, state.num_prompt_tokens - 1)
                 if start < last:
-                    flat = [flat_start + p - start for p in range(start, last)]
+                    flat = list(range(flat_start, flat_start + last - start))
                     targets = state.token_ids[start + 1 : last + 1]
                     prompt_positions[req_id] = (flat, targets)
         for fork in so.forked_reqs:
@@ -646,13 +633,16 @@ class ModelRunner:
             if spec_drafts is not None:
                 spec_drafts.append([])
         num_tokens = len(input_ids)
+        rows = np.array(block_table_rows, dtype=np.intp)
+        positions, slots, num_blocks = self._positions_and_slots(rows, query_start_loc, seq_lens)
         sampled_rows = self.decode_rows.sampled_row[np.array(pending_rows, dtype=np.intp)]
         flat_host = np.concatenate([
-            np.array(input_ids + positions + slots + pending_flat, dtype=np.int64), sampled_rows,
+            np.fromiter(input_ids, dtype=np.int64, count=num_tokens), positions, slots,
+            np.array(pending_flat, dtype=np.int64), sampled_rows,
             np.array(sample_indices, dtype=np.int64)])
         token_ids, flat_positions, slot_mapping, flat_sample_indices = self._flat_to_device(
             flat_host, num_tokens, len(pending_flat))
-        block_tables = self.block_table.gather(block_table_rows, max_num_blocks)
+        block_tables = self.block_table.gather(rows, int(num_blocks.max()))
         metadata = self._build_metadata(slot_mapping, query_start_loc, seq_lens, block_tables)
         return _StepInputs(
             input_ids=token_ids,
@@ -666,6 +656,31 @@ class ModelRunner:
             prompt_logprob_positions=prompt_positions,
             spec_drafts=spec_drafts,
         )
+
+    def _positions_and_slots(self, rows: np.ndarray, query_start_loc: list[int],
+                             seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every token's position and KV cache slot (int64, ``[num_tokens]`` each) for
+        requests at block-table ``rows`` that run tokens ``seq_len - query_len .. seq_len``
+        each, in flat order; and each request's number of blocks.
+
+        Vectorised: a prompt chunk of thousands of tokens costs a few array operations, not a
+        Python loop over its tokens."""
+        bounds = np.array(query_start_loc, dtype=np.int64)  # [num_reqs + 1]
+        ends = np.array(seq_lens, dtype=np.int64)  # [num_reqs]
+        query_lens = np.diff(bounds)
+        num_blocks = self.block_table.num_blocks(rows)
+        bs = self.block_size
+        # A slot past a request's blocks would read another request's (or no) block.
+        assert ((ends - 1) // bs < num_blocks).all(), (
+            f"a request runs past its blocks: positions up to {(ends - 1).tolist()}, "
+            f"blocks {num_blocks.tolist()} of {bs} tokens")
+        # Flat index i of request r is position i + (end_r - query_start_loc[r + 1]).
+        positions = (np.arange(bounds[-1], dtype=np.int64)
+                     + np.repeat(ends - bounds[1:], query_lens))  # [num_tokens]
+        token_rows = np.repeat(rows, query_lens)  # [num_tokens]
+        slots = (self.block_table.block_ids_at(token_rows, positions // bs).astype(np.int64) * bs
+                 + positions % bs)  # [num_tokens]
+        return positions, slots, num_blocks
 
     def _is_pure_decode(self, so: SchedulerOutput) -> bool:
         """Whether every request of the step runs one token, with no new request, fork,

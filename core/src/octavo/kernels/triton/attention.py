@@ -149,11 +149,9 @@ class TritonAttentionImpl(AttentionImpl):
             )
         cfg = self.config
         # Scales apply to an fp8 cache only (the kernels ignore them for other caches).
-        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        write_kv_cache(
-            key, value, kv_cache, metadata.slot_mapping, num_warps=cfg.cache_write_num_warps,
-            **scales,
-        )
+        k_scale, v_scale = self.k_scale, self.v_scale
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, k_scale=k_scale,
+                       v_scale=v_scale, num_warps=cfg.cache_write_num_warps)
         if metadata.is_pure_decode:
             return decode_attention(
                 query,
@@ -165,7 +163,8 @@ class TritonAttentionImpl(AttentionImpl):
                 self.scale,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
-                **scales,
+                k_scale=k_scale,
+                v_scale=v_scale,
                 block_n=cfg.decode_block_n,
                 partition_size=cfg.decode_partition_size,
                 unsplit_min_programs=cfg.decode_unsplit_min_programs,
@@ -185,7 +184,8 @@ class TritonAttentionImpl(AttentionImpl):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
-            **scales,
+            k_scale=k_scale,
+            v_scale=v_scale,
             block_m=cfg.prefill_block_m,
             block_n=cfg.prefill_block_n,
             num_warps=cfg.prefill_num_warps,

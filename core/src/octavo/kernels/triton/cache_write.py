@@ -4,7 +4,13 @@ Shared helpers: ``paged_token_offsets`` (block table -> cache addresses), ``dot_
 ``upcast_dot`` (``tl.dot`` with an interpreter workaround), ``scaled_scores`` (softmax scale
 and logit soft-capping), ``check_attention_inputs``, and ``store_skinny_output`` (the epilogue
 of the small-M quantized GEMMs: kept here beside ``dot_fp32``, since the interpreter failed to
-call it from ``skinny_gemm``'s module).
+call it from ``skinny_gemm``'s module). Host-side, for the wrappers' launch parameters:
+``next_power_of_2`` and ``cdiv`` (plain Python; Triton 3.9's are constexpr functions costing
+~1.5 µs a call from host code) and ``KERNELS_INTERPRETED``.
+
+Launch cost: an eager prompt step launches ~150 of these kernels from Python, so the wrappers
+keep their per-call work small: checks are one boolean expression on the happy path (the
+detailed ``ValueError`` is built only when it fails), nothing reads the environment per call.
 
 Cache layout (``octavo.attention.base``): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
@@ -25,6 +31,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from octavo.attention.reference import FP8_E4M3_MAX
 from octavo.attention.reference import is_fp8 as is_fp8_cache
@@ -42,13 +49,32 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``, as ``triton.cdiv``."""
+    return -(-a // b)
+
+
 def upcast_dot(dtype: torch.dtype) -> bool:
     """Whether ``tl.dot`` operands of ``dtype`` must be cast to float32 first.
 
     The Triton 3.9 CPU interpreter returns garbage for ``tl.dot`` on bfloat16 operands, so
     under the interpreter bf16 tiles are upcast; compiled kernels always use native dots.
     """
-    return interpreting() and dtype == torch.bfloat16
+    return KERNELS_INTERPRETED and dtype == torch.bfloat16
+
+
+def last_dims_contiguous(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's last dimension is contiguous (the cheap test; on ``False`` call
+    ``check_last_dim_contiguous`` with names for the error)."""
+    for tensor in tensors:
+        if tensor.stride(-1) != 1:
+            return False
+    return True
 
 
 def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
@@ -68,7 +94,28 @@ def check_attention_inputs(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
 ) -> None:
-    """Shape checks shared by the prefill and decode wrappers (``ValueError`` on mismatch)."""
+    """Shape checks shared by the prefill and decode wrappers (``ValueError`` on mismatch).
+
+    One boolean expression when the inputs are right (it runs every launch); the messages are
+    built by ``_attention_input_error`` only when they are not."""
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != query.shape[2]
+            or query.shape[1] % kv_cache.shape[3] != 0 or block_tables.dim() != 2
+            or block_tables.shape[0] != seq_lens.shape[0]
+            or query_start_loc.dim() != 1 or query_start_loc.shape[0] != seq_lens.shape[0] + 1
+            or query.stride(-1) != 1 or kv_cache.stride(-1) != 1
+            or block_tables.stride(-1) != 1):
+        _attention_input_error(query, kv_cache, block_tables, seq_lens, query_start_loc)
+        raise AssertionError("_attention_input_error passed inputs the fast test refused")
+
+
+def _attention_input_error(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    """``check_attention_inputs``'s checks with their messages (``ValueError``)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != head_dim:
         raise ValueError(
@@ -209,6 +256,12 @@ def _write_kv_kernel(
     tl.store(cache_ptr + stride_cache_kv + cache_offsets, value.to(cache_dtype), mask=mask)
 
 
+#: Whether Triton defined this process's kernels for its CPU interpreter: it decides when a
+#: kernel is defined (``TRITON_INTERPRET=1`` at import), so this is read once here, not per
+#: launch (``interpreting()`` reads the variable itself).
+KERNELS_INTERPRETED: bool = isinstance(_write_kv_kernel, InterpretedFunction)
+
+
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -227,16 +280,11 @@ def write_kv_cache(
     dimension of every tensor must be contiguous; other strides are free.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
-    if value.shape != key.shape:
-        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != key.shape[1:]:
-        raise ValueError(
-            f"kv_cache shape {tuple(kv_cache.shape)} does not match "
-            f"[2, num_blocks, block_size, {num_kv_heads}, {head_dim}]"
-        )
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} != ({num_tokens},)")
-    check_last_dim_contiguous(key=key, value=value, kv_cache=kv_cache)
+    if (value.shape != key.shape or kv_cache.dim() != 5 or kv_cache.shape[0] != 2
+            or kv_cache.shape[3:] != key.shape[1:] or slot_mapping.shape != (num_tokens,)
+            or not last_dims_contiguous(key, value, kv_cache)):
+        _check_write_kv_inputs(key, value, kv_cache, slot_mapping)
+        raise AssertionError("_check_write_kv_inputs passed inputs the fast test refused")
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
@@ -252,11 +300,31 @@ def write_kv_cache(
         1.0 / k_scale,
         1.0 / v_scale,
         CACHE_BLOCK_SIZE=kv_cache.shape[2],
-        HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        HEADS_PADDED=next_power_of_2(num_kv_heads),
+        HEAD_DIM_PADDED=next_power_of_2(head_dim),
         QUANTIZE_FP8=is_fp8_cache(kv_cache),
         num_warps=num_warps,
     )
+
+
+def _check_write_kv_inputs(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``write_kv_cache``'s input checks with their messages (``ValueError``)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != key.shape[1:]:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not match "
+            f"[2, num_blocks, block_size, {num_kv_heads}, {head_dim}]"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} != ({num_tokens},)")
+    check_last_dim_contiguous(key=key, value=value, kv_cache=kv_cache)
 
 
 @triton.jit

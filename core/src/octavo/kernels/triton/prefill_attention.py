@@ -28,9 +28,11 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.triton.cache_write import (
+    cdiv,
     check_attention_inputs,
     dot_fp32,
     is_fp8_cache,
+    next_power_of_2,
     paged_token_offsets,
     scaled_scores,
     upcast_dot,
@@ -197,9 +199,9 @@ def prefill_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    group_padded = triton.next_power_of_2(group)
+    group_padded = next_power_of_2(group)
     tokens_per_tile = max(1, block_m // group_padded)
-    head_dim_padded = triton.next_power_of_2(head_dim)
+    head_dim_padded = next_power_of_2(head_dim)
     if head_dim_padded > 128:
         # K and V tiles of block_n x 256 crowd registers and shared memory: halve the step
         # (measured on H100, bf16, head_dim 256: 224 -> 296 TFLOP/s with 32 keys instead of 64).
@@ -209,7 +211,7 @@ def prefill_attention(
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
         return out
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, tokens_per_tile))
+    grid = (num_seqs, num_kv_heads, cdiv(max_query_len, tokens_per_tile))
     _prefill_kernel[grid](
         query,
         kv_cache,

@@ -21,8 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.triton.cache_write import check_last_dim_contiguous
-from octavo.kernels.triton.rmsnorm import emulate_bf16_rounding, round_to
+from octavo.kernels.triton.cache_write import (
+    KERNELS_INTERPRETED,
+    cdiv,
+    check_last_dim_contiguous,
+    next_power_of_2,
+)
+from octavo.kernels.triton.rmsnorm import round_to
 
 # Most heads one program rotates (query and key heads are never mixed in one program).
 _MAX_BLOCK_H = 16
@@ -148,6 +153,59 @@ def apply_rotary(
     last dimension must be contiguous. Positions are not range-checked (that would need a host
     sync): one ``>= max_positions`` reads outside the table.
     """
+    device = query.device
+    if (query.dim() != 3 or key.dim() != 3 or key.shape[0] != query.shape[0]
+            or key.shape[2] != query.shape[2] or positions.shape != query.shape[:1]
+            or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != query.shape[2]
+            or query.shape[2] % 2 != 0 or positions.device != device or key.device != device
+            or cos_sin_cache.device != device or query.stride(-1) != 1 or key.stride(-1) != 1
+            or cos_sin_cache.stride(-1) != 1):
+        _check_rotary_inputs(positions, query, key, cos_sin_cache)
+        raise AssertionError("_check_rotary_inputs passed inputs the fast test refused")
+    num_tokens, num_heads, head_dim = query.shape
+    if inplace:
+        q_out, k_out = query, key
+    else:
+        q_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        k_out = torch.empty_like(key, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return q_out, k_out
+    num_kv_heads = key.shape[1]
+    block_h = min(_MAX_BLOCK_H, next_power_of_2(max(num_heads, num_kv_heads)))
+    num_q_blocks = cdiv(num_heads, block_h)
+    num_k_blocks = cdiv(num_kv_heads, block_h)
+    _rotary_kernel[(num_tokens, num_q_blocks + num_k_blocks)](
+        positions,
+        query,
+        key,
+        q_out,
+        k_out,
+        cos_sin_cache,
+        *query.stride()[:2],
+        *key.stride()[:2],
+        *q_out.stride()[:2],
+        *k_out.stride()[:2],
+        cos_sin_cache.stride(0),
+        num_heads,
+        num_kv_heads,
+        num_q_blocks,
+        head_dim // 2,
+        BLOCK_H=block_h,
+        HALF_PADDED=next_power_of_2(head_dim // 2),
+        EMULATE_BF16=KERNELS_INTERPRETED,
+        num_warps=4 if block_h * head_dim >= 1024 else 1,
+        enable_fp_fusion=False,  # no FMA contraction: same roundings as torch's eager ops
+    )
+    return q_out, k_out
+
+
+def _check_rotary_inputs(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """``apply_rotary``'s input checks with their messages (``ValueError``)."""
     if query.dim() != 3:
         raise ValueError(f"query shape {tuple(query.shape)} != [num_tokens, num_heads, head_dim]")
     num_tokens, num_heads, head_dim = query.shape
@@ -170,35 +228,3 @@ def apply_rotary(
         if tensor.device != query.device:
             raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
     check_last_dim_contiguous(query=query, key=key, cos_sin_cache=cos_sin_cache)
-
-    q_out = query if inplace else torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    k_out = key if inplace else torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    if num_tokens == 0:
-        return q_out, k_out
-    num_kv_heads = key.shape[1]
-    block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(max(num_heads, num_kv_heads)))
-    num_q_blocks = triton.cdiv(num_heads, block_h)
-    num_k_blocks = triton.cdiv(num_kv_heads, block_h)
-    _rotary_kernel[(num_tokens, num_q_blocks + num_k_blocks)](
-        positions,
-        query,
-        key,
-        q_out,
-        k_out,
-        cos_sin_cache,
-        *query.stride()[:2],
-        *key.stride()[:2],
-        *q_out.stride()[:2],
-        *k_out.stride()[:2],
-        cos_sin_cache.stride(0),
-        num_heads,
-        num_kv_heads,
-        num_q_blocks,
-        head_dim // 2,
-        BLOCK_H=block_h,
-        HALF_PADDED=triton.next_power_of_2(head_dim // 2),
-        EMULATE_BF16=emulate_bf16_rounding(),
-        num_warps=4 if block_h * head_dim >= 1024 else 1,
-        enable_fp_fusion=False,  # no FMA contraction: same roundings as torch's eager ops
-    )
-    return q_out, k_out
