@@ -407,6 +407,12 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, so the next requests compute their prompts
+        whole (a benchmark that runs the same prompts twice starts each run alike). Only
+        while no request holds blocks: False, and nothing forgotten, otherwise."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         try:
             self._launch_deferred_sampling()
