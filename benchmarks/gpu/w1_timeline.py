@@ -165,10 +165,12 @@ def main() -> None:
     parser.add_argument("--structured", choices=["json"], default=None,
                         help="in-process only: the constrained run, then the same requests "
                              "unconstrained (as octavo bench throughput --structured json)")
-    parser.add_argument("--reset-prefix-cache", action="store_true",
-                        help="with --structured: empty the prefix cache before each timed run "
-                             "(else the unconstrained run finds the constrained run's prompts "
-                             "cached, as octavo bench throughput did)")
+    parser.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="with --structured: empty the prefix cache before each timed run, "
+                             "as octavo bench throughput does (--no-reset-prefix-cache: the "
+                             "unconstrained run finds the constrained run's prompts cached, as "
+                             "the bench did before)")
     parser.add_argument("--tokenizer", default=None,
                         help="CPU proxy: a tiny Llama with this saved tokenizer's vocabulary "
                              "(benchmarks/cpu/profile_host_steps.py), made in the temp dir")
