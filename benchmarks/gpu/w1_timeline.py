@@ -259,7 +259,7 @@ def main() -> None:
             if name.startswith("decode") else 0
 
     for name in sorted(groups, key=order):
-        steps, seconds, tokens = groups[name]
+        steps, seconds, tokens, _ = groups[name]
         print(f"{name:<30}{steps:>7}{seconds:>8.2f}{seconds / elapsed:>8.0%}"
               f"{1e3 * seconds / steps:>9.2f}{tokens / seconds if tokens else 0:>10,.0f}")
     for i, (ms, running, waiting, batched) in enumerate(first_steps):
