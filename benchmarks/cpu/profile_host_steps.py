@@ -201,7 +201,6 @@ def main() -> None:
         timed(manager, "accept_and_bitmask_async", "grammar_rows")
         from octavo.worker import model_runner
 
-        timed(model_runner, "_grammar_rows", "grammar_apply", "sample")
         timed(model_runner, "mask_by_bitmask",
               "fast_sample_pick" if args.fast_sample else "grammar_apply", "sample")
         if hasattr(runner, "grammar_masks"):  # the greedy path's masks to the device

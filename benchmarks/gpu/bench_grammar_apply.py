@@ -25,12 +25,18 @@ def main() -> None:
     from octavo.messages import GrammarBitmask
     from octavo.sample.sampler import mask_by_bitmask, unpack_bitmask
     from octavo.transfer import host_to_device
+    from octavo.sample.metadata import GrammarRows
     from octavo.worker.grammar_masks import GrammarMaskUpload
-    from octavo.worker.model_runner import _grammar_rows
 
     class State:
         def __init__(self, req_id: str) -> None:
             self.req_id = req_id
+
+    def _grammar_rows(bitmask, states):
+        """The host rows the sampler path built before it used the staging buffers too
+        (every request constrained: the engine core's buffer as it is, row ids 0..k-1)."""
+        rows = np.frombuffer(bitmask.data, dtype="<i4").reshape(len(bitmask.req_ids), -1)
+        return GrammarRows(row_ids=list(range(len(states))), bitmask=torch.from_numpy(rows))
 
     words = (args.vocab + 31) // 32
     ids = [str(i) for i in range(args.rows)]

@@ -330,3 +330,29 @@ def test_progress_bar_can_be_disabled(llm, capfd) -> None:
     assert "Processed prompts" not in capfd.readouterr().err
     llm.generate(PROMPT, greedy(2), use_tqdm=True)
     assert "Processed prompts" in capfd.readouterr().err
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_computed_whole(tiny_llama: Path) -> None:
+    """``LLM.reset_prefix_cache``: refused (False) while a request holds blocks; once idle, the
+    same prompt finds nothing cached and generates the same tokens."""
+    llm = make_llm(tiny_llama, enable_prefix_caching=True)
+    prompt = list(range(3, 3 + 40))  # two full 16-token blocks and a partial one
+    engine = llm.llm_engine
+    first = token_ids(llm.generate({"prompt_token_ids": prompt}, greedy(8), use_tqdm=False))
+    hits = engine.stats().prefix_cache_hits
+    assert token_ids(llm.generate({"prompt_token_ids": prompt}, greedy(8),
+                                  use_tqdm=False)) == first
+    assert engine.stats().prefix_cache_hits == hits + 32
+
+    engine.add_request("running", {"prompt_token_ids": prompt}, greedy(8))
+    engine.step()
+    assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing forgotten
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() is True
+    hits = engine.stats().prefix_cache_hits
+    assert token_ids(llm.generate({"prompt_token_ids": prompt}, greedy(8),
+                                  use_tqdm=False)) == first
+    assert engine.stats().prefix_cache_hits == hits
+    assert_no_leaks(llm)
+    engine.shutdown()

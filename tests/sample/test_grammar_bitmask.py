@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from octavo.sample import GrammarRows, Sampler
+from octavo.sample import DeviceGrammarMasks, GrammarRows, Sampler
 from octavo.sample.sampler import unpack_bitmask
 from tests.sample.helpers import make_row, random_logits
 
@@ -75,3 +75,21 @@ def test_logprobs_stay_those_of_the_raw_logits() -> None:
     assert out.logprobs is not None
     assert out.logprobs.token_ids[0, 0].item() == 5
     assert torch.isclose(out.logprobs.logprobs[0, 0], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("every_row", [True, False], ids=["every-row", "row-ids"])
+def test_masks_already_on_the_device_sample_as_host_rows_do(every_row: bool) -> None:
+    """``DeviceGrammarMasks`` (the runner's staged masks; row ids None: every row, in order)
+    give the same tokens as the same rows given as host ``GrammarRows``."""
+    logits = random_logits(3, VOCAB, scale=3.0)
+    allowed = [[3, 50, 99], [7, 8], [0, 64]] if every_row else [[7, 8], [0, 64]]
+    row_ids = [0, 1, 2] if every_row else [1, 2]
+    rows = [make_row(temperature=0.0), make_row(temperature=1.0, seed=3),
+            make_row(temperature=0.8, top_k=2, seed=4)]
+    want = Sampler()(logits, rows, GrammarRows(row_ids=row_ids, bitmask=pack(allowed)))
+    staged = DeviceGrammarMasks(row_ids=None if every_row else torch.tensor(row_ids),
+                                bitmask=pack(allowed))
+    got = Sampler()(logits, rows, staged)
+    assert got.sampled_token_ids.tolist() == want.sampled_token_ids.tolist()
+    for row, tokens in zip(row_ids, allowed):
+        assert got.sampled_token_ids[row].item() in tokens

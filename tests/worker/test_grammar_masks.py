@@ -77,6 +77,51 @@ def test_masked_logits_equal_the_row_by_row_reference(sampled: list[str]) -> Non
     assert torch.equal(logits, want)
 
 
+def test_logits_rows_place_each_mask_on_its_requests_row() -> None:
+    # Speculative verification: "a" has two draft rows before "b"'s row; "c" is not
+    # constrained, "gone" finished while its step was in flight.
+    bitmask = random_bitmask(["b", "gone", "a"], seed=6)
+    masks = GrammarMaskUpload(torch.device("cpu"), max_rows=4).upload(
+        bitmask, ["a", "b", "c"], logits_rows=[0, 3, 4])
+    assert masks is not None and masks.row_ids is not None
+    assert masks.row_ids.tolist() == [3, 0]
+    assert torch.equal(masks.bitmask, rows_of(bitmask)[[0, 2]])
+    # Rows named even when they are every sampled request in order (the logits have more).
+    same = random_bitmask(["a", "b"], seed=7)
+    masks = GrammarMaskUpload(torch.device("cpu"), max_rows=4).upload(
+        same, ["a", "b"], logits_rows=[0, 1])
+    assert masks is not None and masks.row_ids is not None and masks.row_ids.tolist() == [0, 1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_the_sampler_path_takes_the_staged_masks() -> None:
+    """Sampled (non-greedy) rows with staged masks: every token is one its row allows, and
+    the tokens equal those of the same rows given to the sampler as host rows."""
+    from octavo.sample import GrammarRows, Sampler
+    from octavo.sample.metadata import SamplingRow
+    from octavo.sampling_params import SamplingParams
+
+    device = torch.device("cuda")
+    upload = GrammarMaskUpload(device, max_rows=2)
+    ids = ["a", "b", "c", "d"]
+    for seed, (constrained, sampled) in enumerate([(ids, ids), (["d", "b"], ids)]):
+        bitmask = random_bitmask(constrained, seed=20 + seed)
+        logits = torch.randn(len(sampled), VOCAB, device=device,
+                             generator=torch.Generator(device).manual_seed(seed))
+        rows = [SamplingRow(SamplingParams(temperature=1.0, seed=i), [1, 2], [])
+                for i in range(len(sampled))]
+        masks = upload.upload(bitmask, sampled)
+        assert masks is not None and masks.bitmask.device.type == "cuda"
+        got = Sampler()(logits, rows, masks).sampled_token_ids.tolist()
+        host_rows = [sampled.index(r) for r in constrained]
+        want = Sampler()(logits, rows, GrammarRows(host_rows, rows_of(bitmask)))
+        assert got == want.sampled_token_ids.tolist()
+        allowed = unpack_bitmask(rows_of(bitmask), VOCAB)
+        for i, row in enumerate(host_rows):
+            assert allowed[i, got[row]]
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_on_the_gpu_staged_masks_equal_the_host_rows_step_after_step() -> None:

@@ -259,7 +259,8 @@ class AsyncLLM:
     # ---- utility calls --------------------------------------------------------------------
 
     async def call_utility(self, method: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Call a whitelisted method in the core (``ping``, ``kv_cache_stats``)."""
+        """Call a whitelisted method in the core (``ping``, ``kv_cache_stats``,
+        ``reset_prefix_cache``)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         call_id = next(self._call_ids)
@@ -270,6 +271,11 @@ class AsyncLLM:
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._utility_calls.pop(call_id, None)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the core's cached prompt prefixes (``EngineCore.reset_prefix_cache``):
+        False while a request holds blocks."""
+        return bool((await self.call_utility("reset_prefix_cache"))["reset"])
 
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` unless the core is alive and answers."""

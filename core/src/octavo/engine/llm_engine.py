@@ -130,6 +130,10 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         return self.engine_core.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """See ``EngineCore.reset_prefix_cache``."""
+        return self.engine_core.reset_prefix_cache()
+
     @property
     def num_free_blocks(self) -> int:
         return self.engine_core.scheduler.kv_cache_manager.num_free_blocks

@@ -219,6 +219,11 @@ class EngineCore:
             self._in_flight.popleft()
             deferred_rows, self._deferred_rows = self._deferred_rows, None
             outputs += self._record(oldest.scheduler_output, runner_output, deferred_rows)
+            if not self.scheduler.has_unfinished_requests():
+                # Every request is done: the caller may not step again for a while (an
+                # in-process LLM returns), so the process keeps Python's own switch interval
+                # while idle, even with the grammar step of the step still in flight pending.
+                self._end_grammar_window()
         except BaseException:
             # The steps not recorded cannot be trusted (KV writes, tokens in flight).
             unrecorded = [step.scheduler_output for step in self._in_flight]
@@ -406,6 +411,12 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, so the next requests compute their prompts
+        whole (a benchmark that runs the same prompts twice starts each run alike). Only
+        while no request holds blocks: False, and nothing forgotten, otherwise."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         try:

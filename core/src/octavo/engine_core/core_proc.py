@@ -132,6 +132,8 @@ class EngineCoreProc:
         self.utility_methods: dict[str, Callable[[], dict[str, Any]]] = {
             "ping": lambda: {"pid": os.getpid()},
             "kv_cache_stats": self._kv_cache_stats,
+            # 1 or 0: a result holds ints, floats and strings.
+            "reset_prefix_cache": lambda: {"reset": int(self.engine_core.reset_prefix_cache())},
         }
 
     def start(self, config: EngineConfig) -> None:

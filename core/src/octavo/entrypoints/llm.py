@@ -185,6 +185,11 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (as vLLM's ``LLM.reset_prefix_cache``): the next
+        prompts are computed whole. False, and nothing forgotten, while a request runs."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req",

@@ -47,11 +47,23 @@ class SamplingRow:
 
 @dataclass(slots=True)
 class GrammarRows:
-    """Token bitmasks of the constrained rows of a step, on the host."""
+    """Token bitmasks of the constrained rows of a step, on the host (``from_rows`` copies
+    them to the logits' device)."""
 
     # Logits rows the masks apply to.
     row_ids: list[int]
     # [len(row_ids), words] int32, bit t % 32 of word t // 32 set: token t allowed.
+    bitmask: torch.Tensor
+
+
+@dataclass(slots=True)
+class DeviceGrammarMasks:
+    """The masks of a step's constrained rows already on the logits' device (the model
+    runner stages them: ``octavo.worker.grammar_masks``)."""
+
+    # [k] int64 logits rows the masks apply to; None: every row, in order.
+    row_ids: torch.Tensor | None
+    # [k, words] int32, bit t % 32 of word t // 32 set: token t allowed.
     bitmask: torch.Tensor
 
 
@@ -101,9 +113,9 @@ class SamplingMetadata:
     seeded_rows: list[tuple[int, int]]
     # Most top logprobs any row asked for (k); None when no row asked for logprobs.
     max_num_logprobs: int | None
-    # Structured outputs: [num_constrained] int64 rows and their [num_constrained, words]
-    # int32 token bitmasks (bit t % 32 of word t // 32: token t allowed); None when no row is
-    # constrained.
+    # Structured outputs: [num_constrained, words] int32 token bitmasks (bit t % 32 of word
+    # t // 32: token t allowed), None when no row is constrained, and the [num_constrained]
+    # int64 rows they apply to (None: every row, in order).
     grammar_row_ids: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
     # allowed_token_ids and bad_words masks (octavo.sample.token_masks); None if unused.
@@ -122,11 +134,12 @@ class SamplingMetadata:
         rows: list[SamplingRow],
         vocab_size: int,
         device: torch.device | str,
-        grammar: GrammarRows | None = None,
+        grammar: GrammarRows | DeviceGrammarMasks | None = None,
         logits_processors: LogitsProcessorRegistry | None = None,
     ) -> SamplingMetadata:
         """Batch ``rows`` into tensors on ``device``; row ``i`` describes logits row ``i``.
-        ``grammar`` gives the token bitmasks of the constrained rows (structured outputs).
+        ``grammar`` gives the token bitmasks of the constrained rows (structured outputs):
+        host rows are copied to ``device``, ``DeviceGrammarMasks`` are used as they are.
 
         ``logits_processors``: where the rows' named processors come from (needed when a row
         selects one). Raises ``ValueError`` when ``vocab_size`` is not positive.
@@ -213,8 +226,10 @@ class SamplingMetadata:
             min_tokens_token_ids=longs(mask_tokens) if mask_rows else None,
             seeded_rows=seeded_rows,
             max_num_logprobs=max(asked) if asked else None,
-            grammar_row_ids=None if grammar is None else longs(grammar.row_ids),
-            grammar_bitmask=None if grammar is None else host_to_device(grammar.bitmask, device),
+            grammar_row_ids=_grammar_row_ids(grammar, longs),
+            grammar_bitmask=None if grammar is None else (
+                grammar.bitmask if isinstance(grammar, DeviceGrammarMasks)
+                else host_to_device(grammar.bitmask, device)),
             token_masks=TokenMasks.from_rows(rows, vocab_size, device),
             logits_processors=_processor_batch(rows, logits_processors, vocab_size, device),
         )
@@ -260,3 +275,12 @@ def _pad(
         padded[i, : len(ids)] = ids
     out = torch.from_numpy(padded).clamp_(max=vocab_size)
     return host_to_device(out, device)
+
+
+def _grammar_row_ids(grammar: GrammarRows | DeviceGrammarMasks | None,
+                     longs) -> torch.Tensor | None:
+    if grammar is None:
+        return None
+    if isinstance(grammar, DeviceGrammarMasks):
+        return grammar.row_ids
+    return longs(grammar.row_ids)

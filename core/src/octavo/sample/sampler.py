@@ -89,7 +89,7 @@ class Sampler:
             and metadata.no_penalties
             and metadata.bias_row_ids is None
             and metadata.min_tokens_row_ids is None
-            and metadata.grammar_row_ids is None
+            and metadata.grammar_bitmask is None
             and metadata.token_masks is None
             and metadata.logits_processors is None
         ):
@@ -142,9 +142,8 @@ class Sampler:
 
 def apply_grammar_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     """Set the tokens each constrained row's grammar forbids to ``-inf``, in place."""
-    if metadata.grammar_row_ids is None:
+    if metadata.grammar_bitmask is None:
         return
-    assert metadata.grammar_bitmask is not None
     mask_by_bitmask(logits, metadata.grammar_row_ids, metadata.grammar_bitmask)
 
 

@@ -129,7 +129,7 @@ def target_distribution(
     top-p and min-p and a softmax (what sampled rows draw from).
     """
     if metadata.all_greedy and metadata.no_penalties and metadata.bias_row_ids is None and (
-            metadata.min_tokens_row_ids is None and metadata.grammar_row_ids is None
+            metadata.min_tokens_row_ids is None and metadata.grammar_bitmask is None
             and metadata.token_masks is None and metadata.logits_processors is None):
         return logits.argmax(dim=-1), None, None
     processed = sampler.process_logits(logits, metadata)  # [rows, vocab] float32

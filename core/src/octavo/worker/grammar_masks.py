@@ -1,4 +1,5 @@
-"""``GrammarMaskUpload``: a step's grammar bitmask to the device, for the greedy argmax path.
+"""``GrammarMaskUpload``: a step's grammar bitmask to the logits' device, for every sampling
+path (the greedy argmax, the sampler, speculative verification).
 
 Every step with structured outputs brings the token bitmask of its constrained rows (about
 1.5 MB for 256 rows of a 49k vocabulary). Pinning it anew each step (``tensor.pin_memory()``:
@@ -8,7 +9,9 @@ Here the rows are copied once, straight from the engine core's buffer, into one 
 staging buffers kept for the runner's life, and uploaded from there; when the step's rows are
 exactly the rows it samples, in order (every sampling request constrained: the common case of
 a JSON-constrained batch), no row ids are uploaded and the mask applies to the whole logits in
-place, without the gather and scatter of rows.
+place, without the gather and scatter of rows. The sampler's path (``SamplingMetadata``) and
+speculative verification (a request's logits row among its draft rows: ``logits_rows``) take
+the same staged masks, instead of pinning the rows anew each step.
 
 On other devices than CUDA (and HIP, which torch calls ``cuda``) the host tensors are used as
 they are: those devices compute as they are called, so there is nothing to stage.
@@ -22,16 +25,9 @@ import numpy as np
 import torch
 
 from octavo.messages import GrammarBitmask
+from octavo.sample.metadata import DeviceGrammarMasks
 
-
-@dataclass(slots=True)
-class DeviceGrammarMasks:
-    """The masks of a step's constrained rows on the logits' device."""
-
-    # [k] int64 logits rows the masks apply to; None: every row, in order.
-    row_ids: torch.Tensor | None
-    # [k, words] int32, bit t % 32 of word t // 32 set: token t allowed.
-    bitmask: torch.Tensor
+__all__ = ["DeviceGrammarMasks", "GrammarMaskUpload"]
 
 
 @dataclass(slots=True)
@@ -56,18 +52,21 @@ class GrammarMaskUpload:
         self._staging: list[_Staging] = []
         self._next = 0
 
-    def upload(self, bitmask: GrammarBitmask,
-               sampled_req_ids: list[str]) -> DeviceGrammarMasks | None:
+    def upload(self, bitmask: GrammarBitmask, sampled_req_ids: list[str],
+               logits_rows: list[int] | None = None) -> DeviceGrammarMasks | None:
         """The rows of ``bitmask`` whose request samples in this step, for logits row
-        ``sampled_req_ids.index(req_id)``, on the device (copies queued, not waited for).
-        None when none of its requests samples here. ``bitmask.data`` is read before this
-        returns, never after."""
+        ``sampled_req_ids.index(req_id)`` (or that index of ``logits_rows``, when a request's
+        logits row is not its place among the sampled requests: speculative verification's
+        draft rows), on the device (copies queued, not waited for). None when none of its
+        requests samples here. ``bitmask.data`` is read before this returns, never after."""
         data = np.frombuffer(bitmask.data, dtype="<i4").reshape(len(bitmask.req_ids),
                                                                 bitmask.num_words)
         keep: list[int] | None = None
         rows: list[int] | None = None
-        if bitmask.req_ids != sampled_req_ids:
-            row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
+        if logits_rows is not None or bitmask.req_ids != sampled_req_ids:
+            row_of = dict(zip(sampled_req_ids,
+                              range(len(sampled_req_ids)) if logits_rows is None else logits_rows,
+                              strict=True))
             keep = [i for i, req_id in enumerate(bitmask.req_ids) if req_id in row_of]
             if not keep:
                 return None

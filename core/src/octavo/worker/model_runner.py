@@ -38,7 +38,7 @@ from octavo.model_executor.model_loader import load_model
 from octavo.model_executor.models.interfaces import IntermediateTensors
 from octavo.sample.logits_processor import LogitsProcessorRegistry
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
-from octavo.sample.metadata import GrammarRows, SamplingMetadata, SamplingRow
+from octavo.sample.metadata import SamplingMetadata, SamplingRow
 from octavo.sample.sampler import Sampler, SamplerOutput, mask_by_bitmask
 from octavo.sampling_params import SamplingParams
 from octavo.spec_decode.proposals import params_may_speculate
@@ -168,7 +168,8 @@ class ModelRunner:
         self._prompt_logprob_req_ids: set[str] = set()
         self._scheduler_token_req_ids: set[str] = set()
         self.sampler = Sampler(LogitsProcessorRegistry(pm))
-        # The greedy path's grammar masks, staged in pinned buffers kept across steps.
+        # The grammar masks of every sampling path, staged in pinned buffers kept across
+        # steps.
         self.grammar_masks = GrammarMaskUpload(device, config.scheduler_config.max_num_seqs)
         # The last launched step; its sampled tokens may not be on the host yet.
         self._last_step: StepOutput | None = None
@@ -815,7 +816,9 @@ class ModelRunner:
         else:
             logits = self._compute_logits(hidden[inputs.sample_indices])
             rows = self._sampling_rows(states, inputs.num_tokens_before_sample, previous)
-            grammar = _grammar_rows(grammar_bitmask, states)
+            grammar = None
+            if grammar_bitmask is not None:
+                grammar = self.grammar_masks.upload(grammar_bitmask, [s.req_id for s in states])
             sampler_output = self.sampler(logits, rows, grammar)
             sampled = sampler_output.sampled_token_ids
         decode_rows = self.decode_rows
@@ -911,9 +914,12 @@ class ModelRunner:
                                         state.output_token_ids + draft[:j]))
             draft_of_row += draft + [-1]
         logits = self._compute_logits(hidden[inputs.sample_indices])  # [rows, vocab]
-        metadata = SamplingMetadata.from_rows(
-            rows, logits.shape[1], logits.device, _grammar_rows(grammar_bitmask, states, row_of),
-            self.sampler.logits_processors)
+        grammar = None
+        if grammar_bitmask is not None:
+            grammar = self.grammar_masks.upload(grammar_bitmask, list(row_of),
+                                                logits_rows=list(row_of.values()))
+        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device, grammar,
+                                              self.sampler.logits_processors)
         argmax, probs, greedy = target_distribution(self.sampler, logits, metadata)
         draft_ids = host_to_device(torch.tensor(draft_of_row, dtype=torch.long), self.device)
         draft_probs = None
@@ -1139,29 +1145,6 @@ class ModelRunner:
         return LogprobsTensors(token_ids=torch.cat([p.token_ids for p in parts]),
                                logprobs=torch.cat([p.logprobs for p in parts]),
                                ranks=torch.cat([p.ranks for p in parts]))
-
-
-def _grammar_rows(
-    bitmask: GrammarBitmask | None, states: list[CachedRequestState],
-    row_of: dict[str, int] | None = None,
-) -> GrammarRows | None:
-    """The bitmask rows of the step's constrained requests, by their row among ``states``
-    (or their logits row ``row_of[req_id]``)."""
-    if bitmask is None or not bitmask.req_ids:
-        return None
-    if row_of is None:
-        row_of = {state.req_id: row for row, state in enumerate(states)}
-    data = np.frombuffer(bitmask.data, dtype="<i4").reshape(len(bitmask.req_ids),
-                                                            bitmask.num_words)
-    keep = [i for i, req_id in enumerate(bitmask.req_ids) if req_id in row_of]
-    if not keep:
-        return None
-    rows = [row_of[bitmask.req_ids[i]] for i in keep]
-    if len(keep) < len(bitmask.req_ids):
-        masks = torch.from_numpy(data[keep])
-    else:  # the engine core's bytearray is used as it is; bytes (read-only) are copied
-        masks = torch.from_numpy(data if data.flags.writeable else data.copy())
-    return GrammarRows(row_ids=rows, bitmask=masks)
 
 
 def _long_tensor(values: list[int]) -> torch.Tensor:
