@@ -20,8 +20,10 @@ EOS ignored; the tokens are counted from the final usage chunk.
 lags the engine core a request's pending outputs merge (``RequestOutputCollector``), one event
 carrying several steps' tokens, and the per-event costs (the write, the task's wake-up) are
 shared by more tokens; how much depends on how busy the machine is, so read the CPU per token
-beside it. For completions it is estimated from ``bench serve``'s latencies (events per
-request ~ 1 + (e2e latency - TTFT) / mean inter-event gap); for chat it is counted.
+beside it. The client counts them (``bench serve``'s ``total_chunks``).
+
+To compare two trees with the same client, give the server the other one's path:
+``--serve-env PYTHONPATH=/path/to/other/core/src:/path/to/other/backends/cpu/src``.
 """
 
 from __future__ import annotations
@@ -181,10 +183,7 @@ def main() -> None:
             wall = time.monotonic() - start
             api, core = cpu_seconds(api_pids) - api0, cpu_seconds([core_pid]) - core0
             tokens = result["total_output_tokens"]
-            events = result.get("num_events")
-            if events is None and result.get("mean_itl_ms"):
-                events = result["completed"] * (
-                    1 + (result["mean_e2el_ms"] - result["mean_ttft_ms"]) / result["mean_itl_ms"])
+            events = result.get("num_events", result.get("total_chunks"))
             print(json.dumps({
                 "api": args.api, "api_server_count": args.api_server_count, "run": run,
                 "output_tokens": tokens, "completed": result["completed"],
