@@ -15,6 +15,15 @@ figures swing; CPU per token holds still much better.
 ``--api chat`` drives /v1/chat/completions with a small client of its own (``octavo bench
 serve`` speaks completions only): all requests at once, streamed, one short user message each,
 EOS ignored; the tokens are counted from the final usage chunk.
+
+``tokens_per_event``: output tokens per streamed SSE event with text. When the API process
+lags the engine core a request's pending outputs merge (``RequestOutputCollector``), one event
+carrying several steps' tokens, and the per-event costs (the write, the task's wake-up) are
+shared by more tokens; how much depends on how busy the machine is, so read the CPU per token
+beside it. The client counts them (``bench serve``'s ``total_chunks``).
+
+To compare two trees with the same client, give the server the other one's path:
+``--serve-env PYTHONPATH=/path/to/other/core/src:/path/to/other/backends/cpu/src``.
 """
 
 from __future__ import annotations
@@ -110,7 +119,11 @@ def bench_chat(port: int, num_prompts: int, output_len: int, seed: int) -> dict:
             async for line in response.aiter_lines():
                 if line.startswith('data: {"id"') and '"usage":{' in line:
                     tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                elif '"delta":{"content":' in line:
+                    events[0] += 1
         return tokens
+
+    events = [0]  # streamed events with text
 
     async def run() -> dict:
         limits = httpx.Limits(max_connections=num_prompts)
@@ -120,7 +133,7 @@ def bench_chat(port: int, num_prompts: int, output_len: int, seed: int) -> dict:
             counts = await asyncio.gather(*(one(client, i) for i in range(num_prompts)))
             wall = time.monotonic() - start
         return {"total_output_tokens": sum(counts), "completed": len(counts),
-                "output_throughput": sum(counts) / wall}
+                "output_throughput": sum(counts) / wall, "num_events": events[0]}
 
     return asyncio.run(run())
 
@@ -170,12 +183,15 @@ def main() -> None:
             wall = time.monotonic() - start
             api, core = cpu_seconds(api_pids) - api0, cpu_seconds([core_pid]) - core0
             tokens = result["total_output_tokens"]
+            events = result.get("num_events", result.get("total_chunks"))
             print(json.dumps({
                 "api": args.api, "api_server_count": args.api_server_count, "run": run,
                 "output_tokens": tokens, "completed": result["completed"],
                 "api_cpu_us_per_token": round(1e6 * api / tokens, 1),
                 "core_cpu_us_per_token": round(1e6 * core / tokens, 1),
                 "output_throughput": round(result["output_throughput"], 1),
+                "tokens_per_event": round(tokens / events, 2) if events else None,
+                "load": open("/proc/loadavg").read().split()[0],
                 "wall_s": round(wall, 2), "serve_env": args.serve_env,
             }), flush=True)
     finally:

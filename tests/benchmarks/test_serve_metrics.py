@@ -109,6 +109,7 @@ def test_metrics_of_known_timings():
     assert m.tpot.mean == pytest.approx(200.0)  # only A has more than one token
     assert m.e2el.mean == pytest.approx(400.0)
     assert m.request_goodput is None
+    assert m.total_chunks == 4  # the failed request's are not counted
 
 
 def test_percentiles_are_ordered_and_e2el_bounds_ttft():

@@ -34,6 +34,25 @@ def test_deltas_merge_in_order_and_keep_the_newest_finish_state():
     assert c.get_nowait() is None
 
 
+def test_one_choice_deltas_merge_in_place_and_leave_the_newer_ones_alone():
+    """n = 1 (the fast path): the pending delta grows; the merged-in deltas keep their lists."""
+    c = RequestOutputCollector(merge_deltas=True)
+    first = delta({0: "a"}, {0: [5]}, prompt_logprobs=[None], logprobs=True)
+    later = [delta({0: "b"}, {0: [6]}, logprobs=True),
+             delta({0: "c"}, {0: [7]}, finished=True, finish="stop", logprobs=True)]
+    c.put(first)
+    for output in later:
+        c.put(output)
+    out = c.get_nowait()
+    assert out is first
+    assert out.outputs[0].text == "abc" and out.outputs[0].token_ids == [5, 6, 7]
+    assert [list(p) for p in out.outputs[0].logprobs] == [[5], [6], [7]]
+    assert out.finished and out.outputs[0].finish_reason == "stop"
+    assert out.prompt_logprobs == [None]
+    assert [o.outputs[0].token_ids for o in later] == [[6], [7]]
+    assert [len(o.outputs[0].logprobs) for o in later] == [1, 1]
+
+
 def test_snapshots_replace_and_errors_end_the_stream():
     c = RequestOutputCollector(merge_deltas=False)
     c.put(delta({0: "a"}, {0: [5]}))

@@ -47,6 +47,8 @@ def test_counts_are_exact_and_metrics_consistent(server, tiny_model, api_key, ca
     assert result["max_output_tokens_per_s"] > 0
     # All at once (--request-rate inf, no limit): every request in flight together.
     assert result["max_concurrent_requests"] == 24
+    # One chunk per token at most (a server that lags merges steps into fewer).
+    assert 24 <= result["total_chunks"] <= 24 * 9
     m = wait_idle(server)
     assert m["octavo:kv_cache_usage_perc"] == 0
 

@@ -98,6 +98,8 @@ class ServeMetrics:
     peak_output_throughput: float
     # Most requests in flight at once, as the client counted them.
     max_concurrent_requests: int
+    # Streamed chunks that carried a choice (a server that merges steps sends fewer).
+    total_chunks: int
     ttft: Distribution
     tpot: Distribution
     itl: Distribution
@@ -181,6 +183,7 @@ def calculate_metrics(results: list[RequestResult], duration_s: float,
         request_goodput=goodput,
         peak_output_throughput=peak_output_throughput(ok),
         max_concurrent_requests=max_in_flight(results),
+        total_chunks=sum(len(r.chunk_times) for r in ok),
         ttft=Distribution.of([r.ttft for r in ok], pct),
         tpot=Distribution.of([t for r in ok if (t := r.tpot) is not None], pct),
         itl=Distribution.of([gap for r in ok for gap in r.itl], pct),

@@ -252,6 +252,7 @@ def _result_dict(args: argparse.Namespace, base_url: str, model: str, m, max_in_
         "total_token_throughput": round(m.total_token_throughput, 2),
         "max_output_tokens_per_s": round(m.peak_output_throughput, 2),
         "max_concurrent_requests": max_in_flight,
+        "total_chunks": m.total_chunks,
     }
     for name in ("ttft", "tpot", "itl", "e2el"):
         dist = getattr(m, name)

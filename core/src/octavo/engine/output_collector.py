@@ -74,16 +74,20 @@ class RequestOutputCollector:
 
 def merge_delta_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """One delta equal to ``older`` followed by ``newer`` (same request; ``older`` is changed
-    in place and returned)."""
-    by_index = {c.index: c for c in older.outputs}
-    for completion in newer.outputs:
-        earlier = by_index.get(completion.index)
-        if earlier is None:
-            by_index[completion.index] = completion
-        else:
-            _append(earlier, completion)
-    if len(by_index) != len(older.outputs):
-        older.outputs = [by_index[i] for i in sorted(by_index)]
+    in place and returned: its lists are its own, made for it by the output processor)."""
+    if len(older.outputs) == 1 and len(newer.outputs) == 1 and (
+            older.outputs[0].index == newer.outputs[0].index):
+        _append(older.outputs[0], newer.outputs[0])  # n = 1: the common case, no lookups
+    else:
+        by_index = {c.index: c for c in older.outputs}
+        for completion in newer.outputs:
+            earlier = by_index.get(completion.index)
+            if earlier is None:
+                by_index[completion.index] = completion
+            else:
+                _append(earlier, completion)
+        if len(by_index) != len(older.outputs):
+            older.outputs = [by_index[i] for i in sorted(by_index)]
     if older.prompt_logprobs is None:
         older.prompt_logprobs = newer.prompt_logprobs  # sent once, with the first delta
     older.finished = newer.finished
@@ -93,9 +97,12 @@ def merge_delta_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOu
 
 def _append(earlier: CompletionOutput, later: CompletionOutput) -> None:
     earlier.text += later.text
-    earlier.token_ids = [*earlier.token_ids, *later.token_ids]
+    earlier.token_ids.extend(later.token_ids)
     if later.logprobs is not None:
-        earlier.logprobs = [*(earlier.logprobs or []), *later.logprobs]
+        if earlier.logprobs is None:
+            earlier.logprobs = list(later.logprobs)
+        else:
+            earlier.logprobs.extend(later.logprobs)
     earlier.cumulative_logprob = later.cumulative_logprob
     earlier.finish_reason = later.finish_reason
     earlier.stop_reason = later.stop_reason

@@ -20,7 +20,7 @@ by one process only (``engine_counters``), or they would count N times.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from bisect import bisect_left
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
@@ -90,6 +90,12 @@ class _Series:
 
     def __init__(self, metrics: list) -> None:
         self._metrics = metrics
+        # Histograms: their bucket bounds, when the whole-step path of observe_all can use them.
+        self._bounds: list[float] | None = None
+        if metrics and all(_batchable(m) for m in metrics):
+            bounds = [list(m._upper_bounds) for m in metrics]
+            if all(b == bounds[0] for b in bounds):
+                self._bounds = bounds[0]
 
     def set(self, value: float) -> None:
         for metric in self._metrics:
@@ -103,9 +109,43 @@ class _Series:
         for metric in self._metrics:
             metric.observe(value)
 
-    def observe_all(self, values: Iterable[float]) -> None:
+    def observe_all(self, values: list[float]) -> None:
+        """``observe`` each value; a histogram gets one addition per bucket that any value
+        falls in (and one to its sum), not one per value.
+
+        The inter-token latencies come one per request per step (256 a step at 256 requests):
+        observed one by one they cost ~0.75 us of API CPU per streamed token, ~2 us with
+        several API processes (each ``inc`` then writes a shared file), 4-10 % of the total.
+        prometheus_client has no batch observe; this uses the fields its ``observe`` uses
+        (``_upper_bounds``, ``_buckets``, ``_sum``), and observes one by one where they are
+        missing. The counts are the same; the sum differs only in float rounding.
+        """
+        if not values:
+            return
+        bounds = self._bounds
+        if bounds is None:
+            for value in values:
+                self.observe(value)
+            return
+        counts: dict[int, int] = {}
         for value in values:
-            self.observe(value)
+            # observe() puts a value in the first bucket whose bound is >= it (the last is +Inf).
+            index = bisect_left(bounds, value)
+            counts[index] = counts.get(index, 0) + 1
+        total = sum(values)
+        for metric in self._metrics:
+            metric._sum.inc(total)
+            buckets = metric._buckets
+            for index, count in counts.items():
+                buckets[index].inc(count)
+
+
+def _batchable(metric: object) -> bool:
+    """Whether ``metric`` is a prometheus_client histogram with the fields observe_all uses."""
+    bounds = getattr(metric, "_upper_bounds", None)
+    return (isinstance(metric, Histogram) and bounds is not None
+            and bounds[-1] == float("inf") and hasattr(metric, "_sum")
+            and len(getattr(metric, "_buckets", ())) == len(bounds))
 
 
 class PrometheusStatLogger:
