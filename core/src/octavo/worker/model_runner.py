@@ -52,8 +52,8 @@ from octavo.worker.eagle import Eagle3Proposer, EagleProposer
 from octavo.worker.grammar_masks import GrammarMaskUpload
 from octavo.worker.graph_runner import GraphRunner
 from octavo.worker.kv_block_mover import KVBlockMover, default_kv_block_mover
-from octavo.worker.row_ladder import RowLadder, pad_step, padded_logits, warm_up_logits
 from octavo.worker.pipeline import StageIO
+from octavo.worker.row_ladder import RowLadder, pad_step, padded_logits, warm_up_logits
 
 
 #: Prompt positions whose logits a step computes at once for prompt logprobs.
