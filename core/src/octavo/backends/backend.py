@@ -43,8 +43,10 @@ class BackendCapabilities:
     head_dims: tuple[int, ...] | None = None
     # KV-cache block sizes (tokens per block) the kernels handle (None: any positive size).
     block_sizes: tuple[int, ...] | None = None
-    # Whether decode steps can be captured as CUDA graphs (informational; --enforce-eager
-    # turns them off).
+    # Whether decode steps can be captured as CUDA graphs (--enforce-eager turns them off).
+    # Declaring it also promises that the attention kernels skip padding tokens (slot -1, in
+    # no sequence) on every path: GPU workers pad eager steps' token counts with them
+    # (octavo.worker.row_ladder).
     cuda_graphs: bool = False
     # Whether steps in which each sequence adds a few tokens (speculative decoding's
     # verification) can be captured too: the attention's multi-token path must read no
