@@ -329,6 +329,19 @@ OCTAVO_INLINE void transpose8x32(const __m256i* in, __m256i* out) {
 // offsets, 8 lanes each.
 constexpr int kPanelScales = 3;
 
+// How a panel's chunks meet the activations. With VNNI a Q8_0 panel stores q + 128 (0..255,
+// unsigned) and the offset -128 d: one vpdpbusd per vector as for the 4-bit formats, where
+// the signed form spends an abs and a sign on every vector for every row (the activations'
+// per-chunk sums are at hand for the offset). Without VNNI, maddubs would saturate its int16
+// pair sums on values up to 255, so the signed form stays.
+template <class F>
+constexpr Kind panel_kind() {
+#ifdef OCTAVO_QUANT_VNNI
+  if (F::kKind == Kind::kSigned) return Kind::kUnsigned;
+#endif
+  return F::kKind;
+}
+
 // Unpack columns [n0, n0 + 8) (those past out_features repeat the last real one) into
 // q: [chunks][8] vectors and f: [chunks][kPanelScales][8] floats.
 template <class F>
@@ -353,6 +366,10 @@ void build_panel(const QuantGemmArgs& a, int64_t n0, __m256i* q, float* f) {
           values[c] = w.w;
           scales[c] = w.d;
           scales[16 + c] = w.m;
+        } else if (panel_kind<F>() == Kind::kUnsigned) {  // signed q as q + 128, see above
+          values[c] = _mm256_xor_si256(w.sgn, _mm256_set1_epi8(char(0x80)));
+          scales[c] = w.d;
+          scales[16 + c] = -128.0f * w.d;
         } else {
           values[c] = w.sgn;  // signed q; |q| and the sign are taken when it is used
           if (F::kKind == Kind::kSigned16) {
@@ -422,11 +439,11 @@ void panel_tile(const QuantGemmArgs& a, const __m256i* q, const float* f, int64_
     for (int r = 0; r < R; ++r) {
       const int8_t* x = xq[r] + k * kQChunk;
       const __m256 dx = _mm256_set1_ps(xd[r][k]);
-      if (F::kKind == Kind::kUnsigned) {
+      if (panel_kind<F>() == Kind::kUnsigned) {
         const __m256i sum = panel_dot_unsigned(w, x);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d0, dx), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(scales + 16), _mm256_set1_ps(xs[r][k]), acc[r]);
-      } else if (F::kKind == Kind::kSigned) {
+      } else if (panel_kind<F>() == Kind::kSigned) {
         const __m256i sum = panel_dot_signed(w, x, 0, 8);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d0, dx), acc[r]);
       } else {
