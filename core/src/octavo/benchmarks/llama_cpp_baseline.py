@@ -4,7 +4,8 @@ One request at a time, as llama.cpp's own ``llama-bench`` measures: the prompt i
 one call (prompt processing, tokens/s), then each new token is the argmax of the last logits
 and is evaluated alone (decode, tokens/s). No sampler, no detokenization: the figures are the
 model's compute in llama.cpp's kernels plus a ctypes call per token. The greedy tokens are
-returned too, so the caller can check Octavo's against them.
+returned too, so the caller can check Octavo's against them, and where they differ
+(``Divergence``) each engine's log-probabilities at that position say whether it is a near-tie.
 
 ``llama-cpp-python`` is an optional dependency (``pip install 'octavo[llama-cpp]'``; it builds
 llama.cpp from source with the machine's C++ compiler, several minutes on two cores).
@@ -12,6 +13,7 @@ llama.cpp from source with the machine's C++ compiler, several minutes on two co
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +92,72 @@ def greedy_generate(llm, prompt: list[int], output_len: int) -> LlamaCppRequest:
         output.append(argmax_last())
     end = time.perf_counter()
     return LlamaCppRequest(len(prompt), first - start, output, end - first)
+
+
+def last_logprobs(llm, tokens: list[int]):
+    """llama.cpp's log-probabilities (float64 numpy, natural log) of the token after
+    ``tokens``, evaluated from a fresh context."""
+    import llama_cpp
+    import numpy as np
+
+    llm.reset()
+    llm.eval(tokens)
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                   shape=(llm.n_vocab(),)).astype(np.float64)
+    shifted = logits - logits.max()
+    return shifted - math.log(float(np.exp(shifted).sum()))
+
+
+# Below this many nats between two tokens, which one an engine picks is decided by rounding
+# (int8 activations, the order of sums): the two engines' logprobs of the same token differ by
+# several hundredths of a nat anyway (``Divergence.disagreement``; docs/benchmarks.md).
+NEAR_TIE_NATS = 0.1
+
+
+@dataclass(slots=True)
+class Divergence:
+    """The first position where Octavo's and llama.cpp's greedy tokens differ, and by how much
+    each engine preferred its own token there (log-probability differences, nats)."""
+
+    index: int
+    octavo_token: int
+    llama_cpp_token: int
+    # Octavo's logprob of its token minus that of llama.cpp's; None when llama.cpp's token is
+    # not among Octavo's top logprobs at that position.
+    octavo_margin: float | None
+    # llama.cpp's logprob of its token minus that of Octavo's.
+    llama_cpp_margin: float
+    # Median |difference| of the two engines' logprobs over Octavo's top tokens there, less
+    # their median (a shift from normalising): how far apart their numbers are anyway.
+    disagreement: float
+
+    @property
+    def near_tie(self) -> bool:
+        return (self.octavo_margin is not None
+                and max(self.octavo_margin, self.llama_cpp_margin) < NEAR_TIE_NATS)
+
+    def as_dict(self) -> dict:
+        margin = None if self.octavo_margin is None else round(self.octavo_margin, 4)
+        return {"index": self.index, "octavo_token": self.octavo_token,
+                "llama_cpp_token": self.llama_cpp_token, "octavo_margin": margin,
+                "llama_cpp_margin": round(self.llama_cpp_margin, 4),
+                "disagreement": round(self.disagreement, 4), "near_tie": self.near_tie}
+
+
+def divergence(index: int, octavo_token: int, llama_cpp_token: int,
+               octavo_logprobs: dict[int, float], llama_cpp_logprobs) -> Divergence:
+    """Margins at a divergence from Octavo's top logprobs (token id -> logprob, its own token
+    included) and llama.cpp's full log-probabilities at the same position."""
+    theirs = octavo_logprobs.get(llama_cpp_token)
+    octavo_margin = None if theirs is None else octavo_logprobs[octavo_token] - theirs
+    llama_margin = float(llama_cpp_logprobs[llama_cpp_token] - llama_cpp_logprobs[octavo_token])
+    # Each engine normalises over its own logits, which shifts all its logprobs alike: measure
+    # the differences around their median, as the margins (differences of two tokens) do.
+    deltas = sorted(lp - float(llama_cpp_logprobs[t]) for t, lp in octavo_logprobs.items())
+    shift = deltas[len(deltas) // 2]
+    disagreement = sorted(abs(d - shift) for d in deltas)[len(deltas) // 2]
+    return Divergence(index, octavo_token, llama_cpp_token, octavo_margin, llama_margin,
+                      disagreement)
 
 
 def run_llama_cpp_latency(gguf_file: Path, prompts: list[list[int]], output_len: int,

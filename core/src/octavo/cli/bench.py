@@ -482,7 +482,16 @@ def run_latency(args: argparse.Namespace) -> int:
                 1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts, 3)
         print(spec_decode_summary(stats) or "speculative decoding: no draft was verified")
     if llama is not None:
-        result.update(llama.summary(result, octavo_ids))
+        top_k = min(20, engine.config.model_config.max_logprobs)
+
+        def octavo_logprobs(tokens: list[int]) -> dict[int, float]:
+            """Octavo's top logprobs (and its greedy token's) of the token after ``tokens``."""
+            probe = SamplingParams(temperature=0.0, max_tokens=1, logprobs=top_k)
+            out = llm.generate({"prompt_token_ids": tokens}, probe, use_tqdm=False)[0]
+            return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+
+        result.update(llama.summary(result, workload.prompts[args.num_iters_warmup:],
+                                    octavo_ids, octavo_logprobs))
     print(json.dumps(result))
     return 0
 
@@ -522,15 +531,30 @@ class _LlamaCppTurns:
     def run(self, prompt: list[int]) -> None:
         self.requests.append(self.baseline.greedy_generate(self.llm, prompt, self.output_len))
 
-    def summary(self, octavo: dict, octavo_ids: list[list[int]]) -> dict:
+    def summary(self, octavo: dict, prompts: list[list[int]], octavo_ids: list[list[int]],
+                octavo_logprobs) -> dict:
+        """Speeds and ratios; where a request's greedy tokens first differ, both engines'
+        log-probabilities there (``octavo_logprobs(tokens)``: Octavo's top logprobs of the
+        token after ``tokens``) tell a near-tie from a real difference."""
         import llama_cpp
 
-        self.llm.close()
         run = self.baseline.LlamaCppResult(self.requests, self.threads,
                                            getattr(llama_cpp, "__version__", "?"))
         diverged = [self.baseline.first_divergence(mine, r.output_ids)
                     for mine, r in zip(octavo_ids, self.requests)]
         same = sum(d is None for d in diverged)
+        explained = []
+        try:
+            for prompt, mine, request, index in zip(prompts, octavo_ids, self.requests,
+                                                    diverged):
+                if index is None or index >= min(len(mine), len(request.output_ids)):
+                    continue
+                prefix = prompt + mine[:index]
+                explained.append(self.baseline.divergence(
+                    index, mine[index], request.output_ids[index], octavo_logprobs(prefix),
+                    self.baseline.last_logprobs(self.llm, prefix)).as_dict())
+        finally:
+            self.llm.close()
         out = {
             "llama_cpp_version": run.version,
             "llama_cpp_threads": run.n_threads,
@@ -542,6 +566,7 @@ class _LlamaCppTurns:
                 octavo["prompt_tokens_per_s"] / run.prompt_tokens_per_s, 3),
             "greedy_identical_to_llama_cpp": f"{same}/{len(diverged)}",
             "greedy_first_divergence": diverged,
+            "greedy_divergences": explained,
         }
         print(f"llama.cpp: {out['llama_cpp_decode_tokens_per_s']:.1f} decode tok/s, "
               f"{out['llama_cpp_prompt_tokens_per_s']:.0f} prompt tok/s "
@@ -551,6 +576,14 @@ class _LlamaCppTurns:
         print(f"ratio    : decode {out['decode_ratio_vs_llama_cpp']:.2f}x, prompt "
               f"{out['prompt_ratio_vs_llama_cpp']:.2f}x; greedy tokens identical in "
               f"{out['greedy_identical_to_llama_cpp']} requests (first divergence: {diverged})")
+        for d in explained:
+            margin = ("not in Octavo's top logprobs" if d["octavo_margin"] is None
+                      else f"{d['octavo_margin']:.3f}")
+            print(f"divergence at token {d['index']}: Octavo picked {d['octavo_token']} over "
+                  f"llama.cpp's {d['llama_cpp_token']} by {margin} nats, llama.cpp the other "
+                  f"way by {d['llama_cpp_margin']:.3f} (the engines' logprobs there differ by "
+                  f"{d['disagreement']:.3f} typically): "
+                  f"{'a near-tie' if d['near_tie'] else 'NOT a near-tie'}")
         return out
 
 
