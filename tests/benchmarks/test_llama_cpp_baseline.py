@@ -65,17 +65,17 @@ def test_a_token_missing_from_octavos_top_logprobs_is_not_a_near_tie():
 
 def test_latency_summary_explains_each_divergence(monkeypatch, capsys):
     """The bench's summary probes both engines at the first differing position of each
-    diverged request (prompt + the shared tokens), and only there."""
+    diverged request (its prompt, then the tokens both chose), and only there."""
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(__version__="test"))
     probed_llama: list[list[int]] = []
     probed_octavo: list[list[int]] = []
 
-    def fake_last_logprobs(llm, tokens):
-        probed_llama.append(list(tokens))
+    def fake_last_logprobs(llm, prompt, generated):
+        probed_llama.append((list(prompt), list(generated)))
         return log_softmax([1.0, 1.05, -2.0, -3.0])
 
-    def octavo_logprobs(tokens):
-        probed_octavo.append(list(tokens))
+    def octavo_logprobs(prompt, index):
+        probed_octavo.append((list(prompt), index))
         return {0: -0.6, 1: -0.62, 2: -3.6, 3: -4.6}
 
     monkeypatch.setattr(baseline, "last_logprobs", fake_last_logprobs)
@@ -91,7 +91,8 @@ def test_latency_summary_explains_each_divergence(monkeypatch, capsys):
     out = turns.summary(octavo, [[7, 8], [9, 10]], [[3, 1, 2], [3, 0, 2]], octavo_logprobs)
     assert out["greedy_identical_to_llama_cpp"] == "1/2"
     assert out["greedy_first_divergence"] == [None, 1]
-    assert probed_octavo == probed_llama == [[9, 10, 3]]
+    assert probed_octavo == [([9, 10], 1)]
+    assert probed_llama == [([9, 10], [3])]  # the prompt, then the tokens both engines chose
     (d,) = out["greedy_divergences"]
     assert (d["index"], d["octavo_token"], d["llama_cpp_token"]) == (1, 0, 1)
     assert d["near_tie"] is True

@@ -94,14 +94,17 @@ def greedy_generate(llm, prompt: list[int], output_len: int) -> LlamaCppRequest:
     return LlamaCppRequest(len(prompt), first - start, output, end - first)
 
 
-def last_logprobs(llm, tokens: list[int]):
+def last_logprobs(llm, prompt: list[int], generated: list[int]):
     """llama.cpp's log-probabilities (float64 numpy, natural log) of the token after
-    ``tokens``, evaluated from a fresh context."""
+    ``prompt + generated``, reached as ``greedy_generate`` reaches it (the prompt in one call,
+    then each generated token alone): the numbers llama.cpp chose its token from."""
     import llama_cpp
     import numpy as np
 
     llm.reset()
-    llm.eval(tokens)
+    llm.eval(prompt)
+    for token in generated:
+        llm.eval([token])
     logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
                                    shape=(llm.n_vocab(),)).astype(np.float64)
     shifted = logits - logits.max()

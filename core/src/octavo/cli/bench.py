@@ -484,11 +484,16 @@ def run_latency(args: argparse.Namespace) -> int:
     if llama is not None:
         top_k = min(20, engine.config.model_config.max_logprobs)
 
-        def octavo_logprobs(tokens: list[int]) -> dict[int, float]:
-            """Octavo's top logprobs (and its greedy token's) of the token after ``tokens``."""
-            probe = SamplingParams(temperature=0.0, max_tokens=1, logprobs=top_k)
-            out = llm.generate({"prompt_token_ids": tokens}, probe, use_tqdm=False)[0]
-            return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+        def octavo_logprobs(prompt: list[int], index: int) -> dict[int, float]:
+            """Octavo's top logprobs (its greedy token's included) at output position
+            ``index``, reached as the timed run reached it: the same request regenerated
+            with the prefix cache emptied (a cached prompt would be computed in other
+            shapes, hence other roundings)."""
+            probe = SamplingParams(temperature=0.0, max_tokens=index + 1, logprobs=top_k,
+                                   ignore_eos=True)
+            llm.reset_prefix_cache()
+            out = llm.generate({"prompt_token_ids": prompt}, probe, use_tqdm=False)[0].outputs[0]
+            return {t: lp.logprob for t, lp in out.logprobs[index].items()}
 
         result.update(llama.summary(result, workload.prompts[args.num_iters_warmup:],
                                     octavo_ids, octavo_logprobs))
@@ -534,8 +539,8 @@ class _LlamaCppTurns:
     def summary(self, octavo: dict, prompts: list[list[int]], octavo_ids: list[list[int]],
                 octavo_logprobs) -> dict:
         """Speeds and ratios; where a request's greedy tokens first differ, both engines'
-        log-probabilities there (``octavo_logprobs(tokens)``: Octavo's top logprobs of the
-        token after ``tokens``) tell a near-tie from a real difference."""
+        log-probabilities there (``octavo_logprobs(prompt, index)``: Octavo's top logprobs at
+        output position ``index``) tell a near-tie from a real difference."""
         import llama_cpp
 
         run = self.baseline.LlamaCppResult(self.requests, self.threads,
@@ -549,10 +554,10 @@ class _LlamaCppTurns:
                                                     diverged):
                 if index is None or index >= min(len(mine), len(request.output_ids)):
                     continue
-                prefix = prompt + mine[:index]
                 explained.append(self.baseline.divergence(
-                    index, mine[index], request.output_ids[index], octavo_logprobs(prefix),
-                    self.baseline.last_logprobs(self.llm, prefix)).as_dict())
+                    index, mine[index], request.output_ids[index],
+                    octavo_logprobs(prompt, index),
+                    self.baseline.last_logprobs(self.llm, prompt, mine[:index])).as_dict())
         finally:
             self.llm.close()
         out = {
