@@ -70,7 +70,9 @@ def run_in_terminal(argv: list[str], interrupt_after: bytes, delay_s: float,
 
 
 def test_ctrl_c_during_generate_prints_what_is_done_then_one_line(tiny_llama):
-    prompts = [f"Prompt number {i}" for i in range(48)]
+    # Enough work that an idle machine is still generating 1 s after start-up (48 prompts
+    # were sometimes all done by then).
+    prompts = [f"Prompt number {i}" for i in range(192)]
     status, output = run_in_terminal(
         [*OCTAVO, "generate", *prompts, "--model", str(tiny_llama), "--device", "cpu",
          "--max-tokens", "480", "--n", "4"],
