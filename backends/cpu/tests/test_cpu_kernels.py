@@ -28,6 +28,7 @@ from pathlib import Path
 import octavo_cpu.kernels as kernels_module
 import pytest
 import torch
+from cpu_info import cpu_flags
 from octavo.attention.base import AttentionMetadata
 from octavo.attention.reference import paged_attention_reference, write_kv_reference
 from octavo.testing.compare import assert_kernel_close
@@ -83,18 +84,7 @@ _ISA_FLAGS = {
 }
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-CPU_ISAS = [isa for isa, needed in _ISA_FLAGS.items() if needed <= _cpu_flags()]
+CPU_ISAS = [isa for isa, needed in _ISA_FLAGS.items() if needed <= cpu_flags()]
 
 
 def test_the_library_detects_the_instruction_sets_the_cpu_reports(kernels):

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import platform
 import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from cpu_info import cpu_flags
 from octavo_cpu import quant
 from octavo_cpu import quant_reference as ref
 from octavo_cpu.kernels import load_kernels
@@ -33,23 +33,12 @@ from octavo_cpu.kernels import load_kernels
 QTYPES = ref.QTYPES
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 _QUANT_ISA_FLAGS = {
     "avx2": {"avx2", "fma", "f16c"},
     "avx512vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
 }
 # Only what this CPU runs: a machine without AVX-512 VNNI runs fewer cases, none skipped.
-CPU_QUANT_ISAS = [isa for isa, needed in _QUANT_ISA_FLAGS.items() if needed <= _cpu_flags()]
+CPU_QUANT_ISAS = [isa for isa, needed in _QUANT_ISA_FLAGS.items() if needed <= cpu_flags()]
 
 
 @pytest.fixture(scope="module")
