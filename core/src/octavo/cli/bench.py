@@ -582,11 +582,11 @@ class _LlamaCppTurns:
               f"{out['prompt_ratio_vs_llama_cpp']:.2f}x; greedy tokens identical in "
               f"{out['greedy_identical_to_llama_cpp']} requests (first divergence: {diverged})")
         for d in explained:
-            margin = ("not in Octavo's top logprobs" if d["octavo_margin"] is None
-                      else f"{d['octavo_margin']:.3f}")
+            margin = ("(llama.cpp's token is not in Octavo's top logprobs)"
+                      if d["octavo_margin"] is None else f"by {d['octavo_margin']:.3f} nats")
             print(f"divergence at token {d['index']}: Octavo picked {d['octavo_token']} over "
-                  f"llama.cpp's {d['llama_cpp_token']} by {margin} nats, llama.cpp the other "
-                  f"way by {d['llama_cpp_margin']:.3f} (the engines' logprobs there differ by "
+                  f"llama.cpp's {d['llama_cpp_token']} {margin}, llama.cpp the other way by "
+                  f"{d['llama_cpp_margin']:.3f} (the engines' logprobs there differ by "
                   f"{d['disagreement']:.3f} typically): "
                   f"{'a near-tie' if d['near_tie'] else 'NOT a near-tie'}")
         return out
