@@ -13,6 +13,7 @@ streams differ).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -278,7 +279,8 @@ def _pad(
 
 
 def _grammar_row_ids(grammar: GrammarRows | DeviceGrammarMasks | None,
-                     longs) -> torch.Tensor | None:
+                     longs: Callable[[list[int]], torch.Tensor]) -> torch.Tensor | None:
+    """The logits rows the masks apply to, on the device (None: every row, in order)."""
     if grammar is None:
         return None
     if isinstance(grammar, DeviceGrammarMasks):

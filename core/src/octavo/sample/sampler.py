@@ -31,7 +31,12 @@ import torch
 
 from octavo.sample.logits_processor import LogitsProcessorRegistry, apply_logits_processors
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
-from octavo.sample.metadata import GrammarRows, SamplingMetadata, SamplingRow
+from octavo.sample.metadata import (
+    DeviceGrammarMasks,
+    GrammarRows,
+    SamplingMetadata,
+    SamplingRow,
+)
 from octavo.sample.token_masks import apply_token_masks
 
 # Smallest exponential draw used: keeps probs / q finite and never 0 / 0.
@@ -59,10 +64,11 @@ class Sampler:
         self.logits_processors = logits_processors
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarRows | None = None
+        self, logits: torch.Tensor, rows: list[SamplingRow],
+        grammar: GrammarRows | DeviceGrammarMasks | None = None,
     ) -> SamplerOutput:
         """Sample one token per row; ``logits`` is ``[batch, vocab]`` with ``batch == len(rows)``;
-        ``grammar``: bitmasks of the constrained rows.
+        ``grammar``: bitmasks of the constrained rows (on the host, or already on the device).
 
         Raises ``ValueError`` when the logits are not 2-D or their batch size differs from
         ``len(rows)``.
