@@ -175,11 +175,13 @@ def write_configs(path: str, results: list[dict]) -> None:
     from pathlib import Path
 
     from octavo.kernels.skinny import m_bucket
-    from octavo.kernels.triton.skinny_gemm import tune_key
+    from octavo.kernels.triton.skinny_gemm import chip_of, tune_key
 
     table_path = Path(path)
     table = (json.loads(table_path.read_text()) if table_path.is_file()
              else {"device": torch.cuda.get_device_name(), "kernels": {}})
+    # What lets a GPU of the same chip without a table of its own use this one.
+    table["chip"] = chip_of(torch.cuda.get_device_properties())
     table["written_by"] = ("benchmarks/gpu/bench_quant_gemv.py --sweep (best of each case, "
                            "CUDA-graph timing over L2-cold weight copies)")
     kernels = table["kernels"]

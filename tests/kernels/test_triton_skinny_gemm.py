@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 
 import pytest
 import torch
@@ -29,8 +30,10 @@ from octavo.kernels.triton.skinny_gemm import (
     CONFIG_DIR,
     SkinnyConfig,
     SkinnyTuner,
+    chip_of,
     choose_split_k,
     config_table_path,
+    find_config_table,
     read_config_table,
     tune_key,
 )
@@ -224,6 +227,38 @@ def test_config_tables_round_trip_and_bad_files_name_themselves(tmp_path):
         read_config_table(path)
     assert config_table_path("NVIDIA H100 80GB HBM3").name == \
         "skinny_NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_a_gpu_without_a_table_takes_one_of_the_same_chip(tmp_path):
+    """Its own table first; else one recorded for the same compute capability and SM count
+    (an H200 takes the H100's); no table for another chip, nor one that records none."""
+    hopper = {"compute_capability": "9.0", "multi_processor_count": 132}
+    h100 = tmp_path / "skinny_NVIDIA_H100_80GB_HBM3.json"
+    h100.write_text(json.dumps({"chip": hopper, "kernels": {}}))
+    (tmp_path / "skinny_Unrecorded_GPU.json").write_text(json.dumps({"kernels": {}}))
+    assert find_config_table("NVIDIA H100 80GB HBM3", hopper, tmp_path) == (h100, True)
+    assert find_config_table("NVIDIA H200", hopper, tmp_path) == (h100, False)
+    h100_pcie = {"compute_capability": "9.0", "multi_processor_count": 114}
+    assert find_config_table("NVIDIA H100 PCIe", h100_pcie, tmp_path) is None
+    h200 = tmp_path / "skinny_NVIDIA_H200.json"
+    h200.write_text(json.dumps({"chip": hopper, "kernels": {}}))
+    assert find_config_table("NVIDIA H200", hopper, tmp_path) == (h200, True)
+    (tmp_path / "skinny_Broken.json").write_text("{")
+    with pytest.raises(ValueError, match="skinny_Broken.json"):
+        find_config_table("NVIDIA A100-SXM4-80GB", {"compute_capability": "8.0",
+                                                    "multi_processor_count": 108}, tmp_path)
+
+
+def test_chip_of_reads_the_device_properties():
+    properties = types.SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+    assert chip_of(properties) == {"compute_capability": "9.0", "multi_processor_count": 132}
+
+
+def test_shipped_config_tables_record_their_chip():
+    """So that GPUs of the same chip without a table of their own can find them."""
+    for path in sorted(CONFIG_DIR.glob("skinny_*.json")):
+        chip = json.loads(path.read_text())["chip"]
+        assert set(chip) == {"compute_capability", "multi_processor_count"}, path
 
 
 def test_shipped_config_tables_parse_and_name_known_kernels_and_cases():

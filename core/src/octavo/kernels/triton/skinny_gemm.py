@@ -14,8 +14,10 @@ about two programs per SM stream the weight.
    inside a CUDA graph over enough weight copies that L2 holds none (as in a model's forward).
    The same config in every process: timing at start-up picked a different one of several
    near-equal configs in each process, and batch-1 decode moved with it by up to 0.3 ms per
-   token on the 8B shape (docs/benchmarks.md). ``OCTAVO_SKINNY_CONFIG_TABLES=0`` ignores the
-   tables;
+   token on the 8B shape (docs/benchmarks.md). A GPU without a table of its own takes the
+   table of another GPU of the same chip (the same compute capability and number of SMs, as
+   the H200 and the H100: their kernels differ only in memory speed), which a table records
+   under ``"chip"``. ``OCTAVO_SKINNY_CONFIG_TABLES=0`` ignores the tables;
 2. else the first time the shape is seen outside CUDA-graph capture, by timing a few
    candidates (whole calls, the zeroing and cast of split-K included, on a flushed L2 via
    ``triton.testing.do_bench``), kept for the process;
@@ -34,6 +36,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -115,20 +118,58 @@ def read_config_table(path: Path) -> dict[str, dict[str, SkinnyConfig]]:
         return {kernel: {key: SkinnyConfig(**fields) for key, fields in entries.items()}
                 for kernel, entries in data["kernels"].items()}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"skinny kernel config table {path} is not readable ({exc}); fix or "
-                         "delete it, or set OCTAVO_SKINNY_CONFIG_TABLES=0") from exc
+        raise _unreadable(path, exc) from exc
+
+
+def _unreadable(path: Path, exc: Exception) -> ValueError:
+    return ValueError(f"skinny kernel config table {path} is not readable ({exc}); fix or "
+                      "delete it, or set OCTAVO_SKINNY_CONFIG_TABLES=0")
+
+
+def chip_of(properties: Any) -> dict[str, object]:
+    """What a config table records of the GPU it was tuned on, beyond its name, to serve
+    GPUs of the same chip (``properties``: ``torch.cuda.get_device_properties``)."""
+    return {"compute_capability": f"{properties.major}.{properties.minor}",
+            "multi_processor_count": properties.multi_processor_count}
+
+
+def find_config_table(device_name: str, chip: dict[str, object],
+                      config_dir: Path = CONFIG_DIR) -> tuple[Path, bool] | None:
+    """The table for a GPU named ``device_name`` whose ``chip_of`` is ``chip``: its own, else
+    the first (by file name) of another GPU of the same chip; ``(path, is_its_own)``, or None.
+    A table that does not parse is an error naming it (``read_config_table``)."""
+    own = config_dir / config_table_path(device_name).name
+    if own.is_file():
+        return own, True
+    for path in sorted(config_dir.glob("skinny_*.json")):
+        try:
+            recorded = json.loads(path.read_text()).get("chip")
+        except (OSError, ValueError) as exc:
+            raise _unreadable(path, exc) from exc
+        if recorded == chip:
+            return path, False
+    return None
 
 
 @functools.cache
 def _device_table(device_index: int) -> dict[str, dict[str, SkinnyConfig]]:
     if not envs.skinny_config_tables():
         return {}
-    path = config_table_path(torch.cuda.get_device_name(device_index))
-    if not path.is_file():
+    name = torch.cuda.get_device_name(device_index)
+    chip = chip_of(torch.cuda.get_device_properties(device_index))
+    found = find_config_table(name, chip)
+    if found is None:
         return {}
+    path, own = found
     table = read_config_table(path)
-    logger.info("small-M kernels: launch configs from %s (%d cases)", path.name,
-                sum(len(entries) for entries in table.values()))
+    cases = sum(len(entries) for entries in table.values())
+    if own:
+        logger.info("small-M kernels: launch configs from %s (%d cases)", path.name, cases)
+    else:
+        logger.info("small-M kernels: launch configs from %s (%d cases): %s has no table of "
+                    "its own, and that one was tuned on the same chip (compute capability "
+                    "%s, %s SMs)", path.name, cases, name, chip["compute_capability"],
+                    chip["multi_processor_count"])
     return table
 
 
