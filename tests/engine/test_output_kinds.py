@@ -20,7 +20,7 @@ def tokenizer(tiny_llama: Path):
     return AutoTokenizer.from_pretrained(tiny_llama)
 
 
-def run(tokenizer, kind: RequestOutputKind, params: SamplingParams):
+def run(tokenizer, kind: RequestOutputKind, params: SamplingParams, stream_interval: int = 1):
     """Feed TEXT's tokens one per step to every completion; return outputs and stopped ids."""
     class _Config:  # what Processor reads of a ModelConfig
         vocab_size = 384
@@ -30,7 +30,7 @@ def run(tokenizer, kind: RequestOutputKind, params: SamplingParams):
 
     processor = Processor(_Config(), tokenizer, {2})
     processed = processor.process("r", "Hello", params)
-    op = OutputProcessor(tokenizer)
+    op = OutputProcessor(tokenizer, stream_interval=stream_interval)
     op.add_request("r", processed, kind)
     ids = tokenizer(TEXT, add_special_tokens=False).input_ids
     outputs, stopped = [], []
@@ -62,6 +62,31 @@ def test_deltas_join_to_the_cumulative_text(tokenizer, stop) -> None:
         assert [c.finish_reason for c in pieces][-1] == completion.finish_reason
         assert all(c.finish_reason is None for c in pieces[:-1])
     assert deltas[-1].finished and not any(o.finished for o in deltas[:-1])
+
+
+@pytest.mark.parametrize("stop", [None, ["World?"]])
+def test_a_stream_interval_sends_the_first_token_then_every_interval(tokenizer, stop) -> None:
+    """--stream-interval 4: each completion's first token at once, then deltas of 4 tokens,
+    the finish with what is left; text, tokens and logprobs still join up."""
+    params = SamplingParams(n=2, max_tokens=100, stop=stop, logprobs=1)
+    final = run(tokenizer, RequestOutputKind.CUMULATIVE, params)[0][-1]
+    deltas, _ = run(tokenizer, RequestOutputKind.DELTA, params, stream_interval=4)
+    every_step, _ = run(tokenizer, RequestOutputKind.DELTA, params)
+    assert len(deltas) < len(every_step) / 2
+    for completion in final.outputs:
+        pieces = [c for out in deltas for c in out.outputs if c.index == completion.index]
+        assert "".join(c.text for c in pieces) == completion.text
+        assert [t for c in pieces for t in c.token_ids] == completion.token_ids
+        assert [p for c in pieces for p in c.logprobs] == completion.logprobs
+        sizes = [len(c.token_ids) for c in pieces]
+        assert sizes[0] == 1 and all(size == 4 for size in sizes[1:-1]) and sizes[-1] <= 4
+        assert pieces[-1].finish_reason == completion.finish_reason
+    assert deltas[-1].finished
+
+
+def test_a_stream_interval_must_be_positive(tokenizer) -> None:
+    with pytest.raises(ValueError, match="stream_interval"):
+        OutputProcessor(tokenizer, stream_interval=0)
 
 
 def test_final_only_gives_one_output(tokenizer) -> None:

@@ -268,6 +268,9 @@ class SchedulerConfig:
     # Order of service: "fcfs" (arrival) or "priority" (a request's priority, lower first;
     # preemption takes the lowest priority first).
     scheduling_policy: str = "fcfs"
+    # Streamed (DELTA) outputs: a request's first token goes out at once, then a delta only
+    # once this many new tokens are waiting (or the request finished). 1: every step.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -278,6 +281,9 @@ class SchedulerConfig:
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be a positive integer (tokens), got "
+                             f"{self.stream_interval!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(
                 "max_num_batched_tokens must be a positive integer, got "

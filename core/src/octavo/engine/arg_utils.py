@@ -125,6 +125,11 @@ class EngineArgs:
         "fcfs", "order of service: fcfs (arrival) or priority (each request's priority, lower "
         "value first; ties by arrival; preemption takes the lowest priority first)",
         choices=["fcfs", "priority"])
+    stream_interval: int = _option(
+        1, "streamed outputs: after a request's first token, send its new tokens once this "
+        "many are waiting (or it finished) instead of every step: fewer, larger chunks, so "
+        "less front-end work per token at high concurrency, for a less smooth stream "
+        "(vLLM's --stream-interval; 1: every step)", type=int, metavar="N")
     generation_config: str = _option(
         "auto", "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for "
         "fields a request does not set: auto (the model's generation_config.json), vllm "

@@ -90,7 +90,8 @@ class AsyncLLM:
             lora_config=self.config.lora_config,
         )
         # The front end's one record of live requests and their completions.
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, stream_interval=self.config.scheduler_config.stream_interval)
         self.core = EngineCoreClient(attach)
         # Set by start(): what the core reported once the model was loaded.
         self.core_info: EngineCoreReady | None = None

@@ -41,7 +41,8 @@ class LLMEngine:
             logits_processors=LogitsProcessorRegistry(get_plugin_manager()),
             lora_config=config.lora_config,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, stream_interval=config.scheduler_config.stream_interval)
         core_start = time.perf_counter()
         self.engine_core = EngineCore(config)
         self.processor.kv_cache = KVCacheCapacity(

@@ -122,10 +122,19 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """Tracks live requests of the front end and assembles their outputs."""
+    """Tracks live requests of the front end and assembles their outputs.
 
-    def __init__(self, tokenizer: Any) -> None:
+    ``stream_interval`` (``--stream-interval``, as vLLM's): a DELTA completion's first tokens
+    go out at once, later ones only once that many are waiting, or with its finish; its text
+    and logprobs wait with them, so the deltas still join up to the whole output. Fewer,
+    larger deltas mean fewer stream writes per token in the server.
+    """
+
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
         # Counted since the last process_outputs, reported with its stats.
@@ -342,11 +351,15 @@ class OutputProcessor:
         :param request_finished: ``state.finished``, as the caller has just computed it.
         """
         deltas = []
+        interval = self.stream_interval
         # In index order: add_request (and a beam search's end) insert them so.
         for c in state.completions.values():
             finished = c.finish_reason is not None
-            text = c.detokenizer.take_delta(finished)
             num_tokens = len(c.token_ids)
+            if (interval > 1 and not finished and c.num_tokens_sent
+                    and num_tokens - c.num_tokens_sent < interval):
+                continue  # held: its text stays in the detokenizer until the interval is full
+            text = c.detokenizer.take_delta(finished)
             new_token_ids = c.token_ids[c.num_tokens_sent:]
             report_finish = finished and not c.finish_sent
             if not text and not new_token_ids and not report_finish:
