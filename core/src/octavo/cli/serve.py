@@ -78,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
     check_api_server_count(args.api_server_count, envs.allow_runtime_lora_updating())
     # The port first: a busy one is reported now, not after the model has loaded.
-    sock = bind_socket(args.host, args.port)
+    from octavo.entrypoints.openai.multi_api_server import deals_by_reuse_port
+
+    sock = bind_socket(args.host, args.port,
+                       reuse_port=args.api_server_count > 1 and deals_by_reuse_port())
     front_end_threads()
     engine_args = EngineArgs.from_cli_args(args)
     # Fail here, with one clear line, on a missing model or backend or a bad option or template

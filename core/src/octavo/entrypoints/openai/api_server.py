@@ -335,10 +335,13 @@ class PortInUseError(RuntimeError):
     """The server's address cannot be bound (port taken, or not an address of this machine)."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket on ``host:port``, bound before anything slow happens, so a busy
     port is reported at once and not after the model has loaded.
 
+    :param reuse_port: with ``SO_REUSEPORT``, so that other sockets of this user with it too
+        can listen on the same address and the kernel deals connections among them (Linux;
+        ``--api-server-count``, see ``multi_api_server``).
     :raises PortInUseError: with what to change.
     """
     try:
@@ -349,6 +352,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise PortInUseError(f"cannot listen on {host}:{port}: {exc}; check --host") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(address)

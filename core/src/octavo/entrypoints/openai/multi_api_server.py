@@ -4,8 +4,13 @@ One API server process (HTTP, tokenization, detokenization, SSE encoding) tops o
 thousands of streamed chunks a second; past that the engine waits for it. With N > 1 the
 ``octavo serve`` process becomes a supervisor (as vLLM's ``run_multi_api_server``):
 
-- it binds the listening socket once (already done by ``octavo serve``) and hands it to N
-  spawned API server processes, which all accept on it (the kernel deals the connections);
+- it gives each of N spawned API server processes a listening socket of its own on the
+  server's address (the one ``octavo serve`` bound first, then N - 1 more), all with
+  ``SO_REUSEPORT``, so that Linux deals each new connection to one of them by a hash of its
+  addresses: the connections spread evenly. (On one shared socket, the process that woke first
+  took every connection waiting: asyncio accepts up to its backlog at once, and in 4 of about
+  50 test runs one of two API servers got all 48 connections of a burst.) Where
+  ``SO_REUSEPORT`` does not deal connections (not Linux), they share the one socket;
 - it spawns one engine-core process whose input socket reads from every API server (and from
   the supervisor, which alone sends the shutdown) and which has one output socket per API
   server: requests carry their API server's ``client_index``, and each step sends each API
@@ -36,6 +41,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from multiprocessing.process import BaseProcess
@@ -67,12 +73,40 @@ def check_api_server_count(count: int, allow_runtime_lora_updating: bool) -> Non
             "to one API server only; serve adapters with --lora-modules, or use one API server")
 
 
+def deals_by_reuse_port() -> bool:
+    """Whether the kernel deals connections among sockets listening on one address with
+    ``SO_REUSEPORT`` (Linux does, by a hash of each connection's addresses; BSD and macOS
+    accept the option without balancing)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def listening_sockets(sock: socket.socket, count: int) -> list[socket.socket]:
+    """One listening socket per API server: ``sock`` first, then, when ``sock`` has
+    ``SO_REUSEPORT``, ``count - 1`` more on its address (else ``sock`` for every one)."""
+    reuse_port = getattr(socket, "SO_REUSEPORT", None)
+    if count == 1 or reuse_port is None or not sock.getsockopt(socket.SOL_SOCKET, reuse_port):
+        return [sock] * count
+    from octavo.entrypoints.openai.api_server import bind_socket
+
+    host, port = sock.getsockname()[:2]
+    extra: list[socket.socket] = []
+    try:
+        for _ in range(count - 1):
+            extra.append(bind_socket(host, port, reuse_port=True))
+    except BaseException:
+        for other in extra:
+            other.close()
+        raise
+    return [sock, *extra]
+
+
 def run_multi_api_server(args: Any, sock: socket.socket, config: EngineConfig) -> int:
     """Supervise ``args.api_server_count`` API servers and one engine core until
     SIGTERM/SIGINT (returns 0 if every API server exited 0) or a process dies (returns 1).
 
     :param args: the server's ``ServerArgs``.
-    :param sock: the bound, listening socket every API server accepts on.
+    :param sock: the bound, listening socket (``bind_socket``; with ``reuse_port`` where
+        ``deals_by_reuse_port``, see the module docstring).
     :param config: the engine's resolved configuration (the core is built from it).
     """
     from octavo.engine_core.core_proc import run_engine_core
@@ -99,13 +133,17 @@ def run_multi_api_server(args: Any, sock: socket.socket, config: EngineConfig) -
                            args=(config, [*inputs, control_address], outputs, os.getpid(),
                                  workdir))
         core.start()
-        for i in range(count):
+        for i, server_sock in enumerate(listening_sockets(sock, count)):
             addresses = CoreAddresses(input_address=inputs[i], output_address=outputs[i],
                                       client_index=i, core_pid=core.pid)
             server = ctx.Process(target=run_api_server_worker, name=f"octavo-api-server-{i}",
-                                 args=(args, sock, addresses, os.getpid()))
-            server.start()
+                                 args=(args, server_sock, addresses, os.getpid()))
+            server.start()  # the child has its own copy of the socket now
             servers.append(server)
+            if server_sock is not sock:
+                # Closed here, so that it leaves the address's group with its API server (a
+                # socket no process accepts on would still be dealt connections).
+                server_sock.close()
         logger.info("%d API server processes (pids %s) in front of engine core pid %d",
                     count, ", ".join(str(s.pid) for s in servers), core.pid)
         stopped_by_signal = _wait_for_stop_or_exit(stop, [core, *servers])
