@@ -8,9 +8,10 @@ What ``AsyncLLM``'s output loop does with one ``EngineCoreOutputs`` message, for
 one token each: ``OutputProcessor.process_outputs`` (detokenization, deltas, per-request
 ``RequestOutput``s), each output handed to its ``RequestOutputCollector`` (the consumer takes
 one every ``--take-every`` steps, so the others merge, as when the API process lags), and
-``PrometheusStatLogger.record``. No sockets, no HTTP, no engine core: the figure holds still on
-a shared machine (CPU time, the heap frozen as the server freezes it), where the whole-server
-proxy (``api_cpu_per_token.py``) swings with how many steps each streamed event carries.
+``PrometheusStatLogger.record``; ``--stream-interval`` as the engine's. No sockets, no HTTP,
+no engine core: the figure holds still on a shared machine (CPU time, the heap frozen as the
+server freezes it), where the whole-server proxy (``api_cpu_per_token.py``) swings with how
+many steps each streamed event carries.
 
 Prints the median over ``--repeats`` runs of µs of CPU per request-step (= per output token),
 with and without the metrics, and one JSON line.
@@ -35,6 +36,8 @@ def main() -> None:
     parser.add_argument("--take-every", type=int, default=4,
                         help="the consumer takes its output every this many steps")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the engine's --stream-interval (deltas every this many tokens)")
     parser.add_argument("--multiprocess", action="store_true",
                         help="prometheus_client's multiprocess mode (--api-server-count > 1)")
     args = parser.parse_args()
@@ -65,7 +68,7 @@ def main() -> None:
 
     def run(metrics: PrometheusStatLogger | None) -> float:
         """µs of CPU per request-step of one run."""
-        output_processor = OutputProcessor(tokenizer)
+        output_processor = OutputProcessor(tokenizer, stream_interval=args.stream_interval)
         collectors = {}
         child_ids = []
         params = SamplingParams(max_tokens=num_steps, ignore_eos=True)
@@ -108,6 +111,7 @@ def main() -> None:
               f"(runs: {', '.join(f'{r:.2f}' for r in runs)})")
     print(json.dumps({"num_requests": num_requests, "num_steps": num_steps,
                       "take_every": args.take_every, "multiprocess": args.multiprocess,
+                      "stream_interval": args.stream_interval,
                       "us_per_request_step": result}))
 
 
