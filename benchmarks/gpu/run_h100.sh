@@ -455,13 +455,14 @@ PY
       # requests through AsyncLLM in-process; one line per run with HTTP / the in-process run
       # next to it (both move between runs on this host). Also the API processes' CPU seconds
       # (user + sys, from /proc, read just before SIGTERM) per output token. ~2 min per run.
+      # SERVE_ARGS adds server options (e.g. SERVE_ARGS="--stream-interval 4").
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       PORT=8012
       RUN=0
       for COUNT in ${API_SERVER_COUNTS:-1 2 4}; do
         RUN=$((RUN + 1)); TAG="run$RUN-$COUNT"
         octavo serve $MODEL --dtype bfloat16 --max-num-seqs 256 --port $PORT \
-          --api-server-count $COUNT >"$OUT/bench-serve-multi-$TAG-server.log" 2>&1 &
+          --api-server-count $COUNT ${SERVE_ARGS:-} >"$OUT/bench-serve-multi-$TAG-server.log" 2>&1 &
         SERVER_PID=$!
         if wait_health $SERVER_PID $PORT; then
           # Warm-up (first-use compilation, CUDA graphs), not counted.

@@ -218,7 +218,7 @@ def test_concurrent_requests_through_two_api_servers_equal_offline(multi_server,
         assert text == want, f"request {i} (kind {i % 4})"
     # Both API servers did HTTP work: each accepted some of the clients' connections (the
     # kernel hands each connection to one of the processes accepting on the shared socket;
-    # 8-35 of 48 each in 16 runs here). Their CPU time was no measure of it: one-time costs
+    # 8-40 of 48 each in 16 runs here). Their CPU time was no measure of it: one-time costs
     # in one process (0.2 s) outweighed the requests' (0.04 s for 18 connections' worth).
     assert len(held) == 2 and min(held) >= 1, held
     # /metrics (from whichever process answers) counts every request of both.
