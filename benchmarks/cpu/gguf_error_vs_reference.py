@@ -23,13 +23,16 @@ reports them), the reference's own margin between the two tokens.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 from octavo import LLM, SamplingParams
-from octavo.benchmarks.llama_cpp_baseline import first_divergence, load_llama_cpp
+from octavo.benchmarks.llama_cpp_baseline import (
+    first_divergence,
+    load_llama_cpp,
+    logprobs_now,
+)
 from octavo.cli.bench import make_workload, workload_vocab_size
 from octavo.model_executor.loader.default_model import find_default_model
 
@@ -38,16 +41,11 @@ TOP_COMPARED = 8
 
 def llama_cpp_logprobs(llm, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
     """llama.cpp's log-probabilities before each of ``tokens`` (float64, natural log)."""
-    import llama_cpp
-
     llm.reset()
     llm.eval(prompt)
     rows = []
     for token in tokens:
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
-                                       shape=(llm.n_vocab(),)).astype(np.float64)
-        shifted = logits - logits.max()
-        rows.append(shifted - math.log(float(np.exp(shifted).sum())))
+        rows.append(logprobs_now(llm))
         llm.eval([token])
     return rows
 

@@ -98,13 +98,19 @@ def last_logprobs(llm, prompt: list[int], generated: list[int]):
     """llama.cpp's log-probabilities (float64 numpy, natural log) of the token after
     ``prompt + generated``, reached as ``greedy_generate`` reaches it (the prompt in one call,
     then each generated token alone): the numbers llama.cpp chose its token from."""
-    import llama_cpp
-    import numpy as np
-
     llm.reset()
     llm.eval(prompt)
     for token in generated:
         llm.eval([token])
+    return logprobs_now(llm)
+
+
+def logprobs_now(llm):
+    """llama.cpp's log-probabilities (float64 numpy, natural log) of the token after what it
+    has evaluated so far."""
+    import llama_cpp
+    import numpy as np
+
     logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
                                    shape=(llm.n_vocab(),)).astype(np.float64)
     shifted = logits - logits.max()
