@@ -51,10 +51,11 @@ def main() -> None:
              for c in [int4_gemv.default_config(4096, 4096, 1),
                        *int4_gemv.candidate_configs(1)]}
     for config in loops.values():
-        count("int4_gemv", _int4_gemv_kernel, {**check.INT4_SIG, "out_ptr": "*fp32"},
+        count("int4_gemv", _int4_gemv_kernel, check.INT4_SIG,
               check.int4_constexprs(1, config), config)
     count("fp8_gemv", _fp8_gemv_kernel, check.FP8_SIG,
-          {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "UPCAST_DOT": False},
+          {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
+           "UPCAST_DOT": False},
           SkinnyConfig(16, 512))
 
 

@@ -30,22 +30,26 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
-           "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32",
+           "sums_ptr": "*fp32", "arrivals_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "UPCAST_DOT": "constexpr"}
+           "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "IN_KERNEL_SUM": "constexpr",
+           "UPCAST_DOT": "constexpr"}
 INT4_SIG = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp16", "zeros_ptr": "*fp16",
-            "g_idx_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+            "g_idx_ptr": "*i32", "out_ptr": "*bf16", "sums_ptr": "*fp32",
+            "arrivals_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
             "k_split": "i32", "stride_xm": "i32"}
 # Arguments a launch with Llama-3-8B shapes specialises as divisible by 16.
-ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr",
+ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "sums_ptr", "arrivals_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr",
            "g_idx_ptr", "N", "K", "k_split", "stride_xm", "stride_wn")
 
 
 def int4_constexprs(m: int, config: SkinnyConfig, has_g_idx: bool = False, split: int = 2,
                     dtype: torch.dtype = torch.bfloat16) -> dict:
-    """What a launch of ``int4_gemv`` at N = K = 4096, group 128, with ``m`` rows compiles."""
+    """What a launch of ``int4_gemv`` at N = K = 4096, group 128, with ``m`` rows compiles
+    (a split summed in the kernel, as launches with the workspace are)."""
     x = torch.empty(m, 4096, dtype=dtype)  # on the CPU: only its dtype and alignment count
-    return kernel_constexprs(x, 4096, 4096, 128, has_g_idx, config, split)
+    return {**kernel_constexprs(x, 4096, 4096, 128, has_g_idx, config, split),
+            "IN_KERNEL_SUM": split > 1}
 
 
 def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2):
@@ -109,13 +113,14 @@ def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> di
 def main() -> None:
     for block_m in (1, 16):
         consts = {"BLOCK_M": block_m, "BLOCK_N": 16 if block_m == 1 else 32,
-                  "BLOCK_K": 512 if block_m == 1 else 256, "SPLIT_K": 1, "UPCAST_DOT": False}
+                  "BLOCK_K": 512 if block_m == 1 else 256, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
+                  "UPCAST_DOT": False}
         print(json.dumps({"kernel": "fp8_gemv", **consts,
                           **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
         for has_g_idx in (False, True):
             config = SkinnyConfig(128 if block_m == 1 else 64, 128)
             consts = int4_constexprs(block_m, config, has_g_idx)
-            signature = {**INT4_SIG, "out_ptr": "*fp32"}  # split-K: float32 atomics
+            signature = INT4_SIG  # split-K summed in the kernel: bf16 out, float32 sums
             print(json.dumps({"kernel": "int4_gemv", **consts,
                               **compile_variant(_int4_gemv_kernel, signature, consts, 4)}))
 

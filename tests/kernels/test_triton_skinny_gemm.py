@@ -29,7 +29,9 @@ from octavo.kernels.triton.int4_gemv import fit_block_k, int4_gemv, slice_rows
 from octavo.kernels.triton.skinny_gemm import (
     CONFIG_DIR,
     SkinnyConfig,
+    SkinnyOutput,
     SkinnyTuner,
+    SplitKWorkspace,
     chip_of,
     choose_split_k,
     config_table_path,
@@ -179,6 +181,73 @@ def test_split_k_fills_the_target_programs_and_keeps_two_steps():
     assert choose_split_k(32, 1024, SkinnyConfig(16, 64), cpu) == 4  # 2 blocks of outputs
     assert choose_split_k(32, 128, SkinnyConfig(16, 64), cpu) == 1  # two steps only
     assert choose_split_k(32, 1024, SkinnyConfig(16, 64, split_k=3), cpu) == 3
+
+
+@pytest.fixture
+def fresh_workspace(monkeypatch):
+    """A split-K workspace of this test's own (the kernels take the module's)."""
+    workspace = SplitKWorkspace()
+    monkeypatch.setattr(skinny_gemm_module, "SPLIT_K_WORKSPACE", workspace)
+    return workspace
+
+
+def test_split_k_sums_in_the_kernel_and_leaves_the_workspace_at_zero(fresh_workspace):
+    """Launches of different shapes one after another share the workspace: each result is
+    right and each leaves the sums and the arrival counts at zero for the next."""
+    config = SkinnyConfig(block_n=16, block_k=32, split_k=3)
+    for n, k, m in [(40, 200, 1), (72, 130, 5), (40, 200, 16)]:
+        weight, scale = (t.to(DEVICE) for t in fp8_weight(n, k, seed=n))
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+        out = fp8_gemv(x, weight, scale, config)
+        assert out.dtype == x.dtype
+        assert relative_error(out, fp8_linear_reference(x, weight, scale, None)) \
+            < TOLERANCES[torch.float32][1]
+        (sums, arrivals), = fresh_workspace.current.values()
+        assert not sums.any() and not arrivals.any()
+    assert sums.numel() == SplitKWorkspace.MIN_SUMS
+    assert arrivals.numel() == SplitKWorkspace.MIN_BLOCKS
+
+
+def test_split_k_during_capture_without_a_workspace_zeroes_and_casts(fresh_workspace,
+                                                                      monkeypatch):
+    """A workspace that would have to be allocated inside a graph capture is not: the launch
+    adds into a zeroed float32 output and casts it, with the same sums."""
+    config = SkinnyConfig(block_n=16, block_k=32, split_k=3)
+    weight, scale = (t.to(DEVICE) for t in fp8_weight(40, 200))
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    monkeypatch.setattr(skinny_gemm_module, "capturing", lambda device: True)
+    plan = SkinnyOutput.make(3, 40, 16, 3, torch.bfloat16, x.device)
+    assert not plan.in_kernel_sum and plan.out.dtype == torch.float32
+    assert fresh_workspace.current == {}
+    without = [fp8_gemv(x.to(dtype), weight, scale, config)
+               for dtype in (torch.float32, torch.bfloat16)]
+    monkeypatch.setattr(skinny_gemm_module, "capturing", lambda device: False)
+    with_workspace = [fp8_gemv(x.to(dtype), weight, scale, config)
+                      for dtype in (torch.float32, torch.bfloat16)]
+    assert fresh_workspace.current  # made outside the capture
+    assert torch.equal(without[0], with_workspace[0])  # the interpreter adds in one order
+    # bf16: the same float32 sums, rounded by torch in one path and by Triton in the other
+    # (the interpreter's rounding may differ from torch's by one unit).
+    assert with_workspace[1].dtype == without[1].dtype == torch.bfloat16
+    assert relative_error(with_workspace[1], without[1]) < TOLERANCES[torch.bfloat16][1]
+
+
+def test_split_k_workspace_grows_and_keeps_what_it_replaced(fresh_workspace):
+    device = torch.device(DEVICE)
+    first = fresh_workspace.get(device, 10, 3)
+    assert fresh_workspace.get(device, SplitKWorkspace.MIN_SUMS, 3) is first
+    grown = fresh_workspace.get(device, SplitKWorkspace.MIN_SUMS + 1, 3)
+    assert grown[0].numel() == SplitKWorkspace.MIN_SUMS + 1
+    assert grown[1].numel() == SplitKWorkspace.MIN_BLOCKS
+    assert fresh_workspace.retired == [first]  # captured graphs may still point at it
+    assert SkinnyOutput.make(1, 8, 16, 1, torch.float16, device).sums.dtype == torch.float16
+
+
+def test_split_k_in_kernel_sum_can_be_switched_off(fresh_workspace, monkeypatch):
+    monkeypatch.setenv("OCTAVO_SKINNY_IN_KERNEL_SUM", "0")
+    plan = SkinnyOutput.make(2, 40, 16, 3, torch.bfloat16, torch.device(DEVICE))
+    assert not plan.in_kernel_sum and plan.out.dtype == torch.float32
+    assert fresh_workspace.current == {}
 
 
 def test_tuner_uses_the_default_off_the_gpu_and_keeps_what_it_chose():
@@ -366,6 +435,40 @@ def test_int4_gemv_one_row_inline_asm_equals_the_plain_triton_unpacking_on_gpu(d
     assert not int4_gemv_module.kernel_constexprs(args[0], 4096, 4096, 128, False, config,
                                                   1)["NIBBLE_ASM"]
     assert torch.equal(int4_gemv(*args, 128, None, config), with_asm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4], ids=lambda m: f"m{m}")
+def test_split_k_in_kernel_sums_stay_right_over_many_launches_and_replays_on_gpu(m):
+    """On the GPU the programs of a split really race: 200 launches of 16-way splits at
+    Llama-3-8B shapes, eagerly and replayed from one captured graph, each within the
+    reference's tolerance, and the workspace back at zero after them."""
+    config = SkinnyConfig(64, 128, split_k=16)
+    qweight, scales, zeros, _ = (t.cuda() if t is not None else None
+                                 for t in full_size_int4(4096, 4096, False))
+    weight, scale = (t.cuda() for t in fp8_weight(4096, 14336))
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    x_long = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+    expected = [int4_linear_reference(x.float(), qweight, scales, zeros, 128, None),
+                fp8_linear_reference(x_long, weight, scale, None)]
+
+    def both():
+        return [int4_gemv(x, qweight, scales, zeros, 128, None, config),
+                fp8_gemv(x_long, weight, scale, SkinnyConfig(16, 256, split_k=8))]
+
+    for _ in range(100):
+        for out, ref in zip(both(), expected):
+            assert relative_error(out, ref) < GPU_RELATIVE_ERROR
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = both()
+    for _ in range(100):
+        graph.replay()
+        for out, ref in zip(captured, expected):
+            assert relative_error(out, ref) < GPU_RELATIVE_ERROR
+    torch.cuda.synchronize()
+    sums, arrivals = skinny_gemm_module.SPLIT_K_WORKSPACE.current[x.device]
+    assert not sums.any() and not arrivals.any()
 
 
 @pytest.mark.gpu

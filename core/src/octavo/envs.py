@@ -119,6 +119,14 @@ def skinny_config_tables() -> bool:
                                                                                "False")
 
 
+def skinny_in_kernel_sum() -> bool:
+    """``OCTAVO_SKINNY_IN_KERNEL_SUM``: whether split-K launches of the small-M Triton kernels
+    sum their parts in the kernel through a per-device workspace (default yes; ``0``/``false``:
+    a zeroed float32 output and a cast after, three kernels per call; for A/B runs)."""
+    return os.environ.get("OCTAVO_SKINNY_IN_KERNEL_SUM", "1").strip() not in ("0", "false",
+                                                                               "False")
+
+
 def cpu_pin_steps() -> bool:
     """``OCTAVO_CPU_PIN_STEPS``: whether the CPU worker pins the calling thread to its core
     while a step computes (default yes; ``0``/``false``: left alone)."""

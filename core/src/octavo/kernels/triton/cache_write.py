@@ -329,17 +329,40 @@ def _check_write_kv_inputs(
 
 @triton.jit
 def store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N,
-                        BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                        sums_ptr, arrivals_ptr, IN_KERNEL_SUM: tl.constexpr):
     """The small-M kernels' epilogue: ``acc`` (``[BLOCK_N]`` for one row, else
-    ``[BLOCK_M, BLOCK_N]``) stored into the ``[M, N]`` output, or added to it with float32
-    atomics when the inputs are split between programs."""
+    ``[BLOCK_M, BLOCK_N]``) into the ``[M, N]`` output.
+
+    - ``SPLIT_K == 1``: stored.
+    - split, ``IN_KERNEL_SUM``: added with float32 atomics into ``sums_ptr`` (``[M, N]``,
+      zero before the launch); the program of this block of outputs that arrives last at
+      ``arrivals_ptr[program_id(0)]`` (an int32 count, zero before) stores the total in
+      ``out_ptr``'s dtype and leaves both at zero for the next launch
+      (``octavo.kernels.triton.skinny_gemm.SplitKWorkspace``): no zeroing and no cast
+      kernel around the launch.
+    - split otherwise: added with float32 atomics into ``out_ptr`` itself (zeroed before,
+      cast after by the caller).
+    """
     if BLOCK_M == 1:
-        out_ptrs = out_ptr + offs_n
-        out_mask = n_mask
+        offsets = offs_n
+        mask = n_mask
     else:
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        out_mask = m_mask[:, None] & n_mask[None, :]
+        offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif IN_KERNEL_SUM:
+        tl.atomic_add(sums_ptr + offsets, acc, mask=mask)
+        # Every thread's partial sums issued before the count that publishes them.
+        tl.debug_barrier()
+        block = tl.program_id(0)
+        arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # The totals read from L2, where the atomics landed (".cg": not through L1).
+            total = tl.load(sums_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(sums_ptr + offsets, tl.zeros_like(acc), mask=mask)
+            tl.atomic_xchg(arrivals_ptr + block, 0)
     else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+        tl.atomic_add(out_ptr + offsets, acc, mask=mask)

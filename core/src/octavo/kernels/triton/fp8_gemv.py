@@ -12,7 +12,7 @@ e4m3 tile (exact in bf16/fp16/fp32) and accumulates in float32:
 - 2 to 16 rows: ``tl.dot`` of the rows (padded to a 16-row block) with the upcast tile.
 
 The per-channel scale multiplies the sums once at the end. Split-K programs add partial sums
-with float32 atomics (``octavo.kernels.triton.skinny_gemm``).
+with float32 atomics, summed in the kernel (``octavo.kernels.triton.skinny_gemm``).
 
 Reference: ``octavo.kernels.fp8.fp8_linear_reference`` (dequantize, then matmul).
 """
@@ -27,6 +27,7 @@ from octavo.kernels.skinny import m_bucket
 from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
+    SkinnyOutput,
     SkinnyTuner,
     choose_split_k,
     k_per_split,
@@ -42,7 +43,9 @@ def _fp8_gemv_kernel(
     x_ptr,  # [M, K] activations
     w_ptr,  # e4m3 [N, K]
     scale_ptr,  # float32 [N]
-    out_ptr,  # [M, N]: float32 zeros when SPLIT_K > 1, else x's dtype
+    out_ptr,  # [M, N] in x's dtype (float32 zeros: a split without a workspace)
+    sums_ptr,  # float32 split-K workspace (store_skinny_output)
+    arrivals_ptr,  # int32 arrival counts per block of outputs
     M,
     N,
     K,
@@ -53,6 +56,7 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    IN_KERNEL_SUM: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -91,7 +95,8 @@ def _fp8_gemv_kernel(
         acc = tl.sum(acc_lanes, axis=1) * scale
     else:
         acc = acc * scale[None, :]
-    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K)
+    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K,
+                        sums_ptr, arrivals_ptr, IN_KERNEL_SUM)
 
 
 def default_config(n: int, k: int, m: int) -> SkinnyConfig:
@@ -117,19 +122,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     m, k = x.shape
     n = weight.shape[0]
     split = choose_split_k(n, k, config, x.device)
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    out = SkinnyOutput.make(m, n, config.block_n, split, x.dtype, x.device)
     grid = (triton.cdiv(n, config.block_n), split)
     _fp8_gemv_kernel[grid](
-        x, weight, scale, out, m, n, k, k_per_split(k, split, config.block_k),
-        x.stride(0), weight.stride(0),
+        x, weight, scale, out.out, out.sums, out.arrivals, m, n, k,
+        k_per_split(k, split, config.block_k), x.stride(0), weight.stride(0),
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, UPCAST_DOT=upcast_dot(x.dtype),
+        SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum, UPCAST_DOT=upcast_dot(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out if split == 1 else out.to(x.dtype)
+    return out.result()
 
 
 def fp8_gemv(

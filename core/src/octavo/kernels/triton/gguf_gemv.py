@@ -26,6 +26,7 @@ from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upc
 from octavo.kernels.triton.gguf_gemm import _QTYPE_CODES, _dequant_tile
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
+    SkinnyOutput,
     SkinnyTuner,
     choose_split_k,
     k_per_split,
@@ -39,7 +40,9 @@ TUNER = SkinnyTuner("gguf_gemv")
 def _gguf_gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # uint8 [N, row_bytes]
-    out_ptr,  # [M, N]: float32 zeros when SPLIT_K > 1, else x's dtype
+    out_ptr,  # [M, N] in x's dtype (float32 zeros: a split without a workspace)
+    sums_ptr,  # float32 split-K workspace (store_skinny_output)
+    arrivals_ptr,  # int32 arrival counts per block of outputs
     M,
     N,
     K,
@@ -53,6 +56,7 @@ def _gguf_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    IN_KERNEL_SUM: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -85,7 +89,8 @@ def _gguf_gemv_kernel(
             acc += dot_fp32(x, w.to(x.dtype), UPCAST_DOT, "ieee")
     if BLOCK_M == 1:
         acc = tl.sum(acc_lanes, axis=0)
-    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K)
+    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K,
+                        sums_ptr, arrivals_ptr, IN_KERNEL_SUM)
 
 
 def default_config(n: int, k: int, m: int) -> SkinnyConfig:
@@ -103,21 +108,18 @@ def _launch(x, blocks, qtype, config: SkinnyConfig) -> torch.Tensor:
     m, k = x.shape
     n = blocks.shape[0]
     split = choose_split_k(n, k, config, x.device)
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    out = SkinnyOutput.make(m, n, config.block_n, split, x.dtype, x.device)
     qblock, type_size = GGUF_BLOCKS[qtype]
     grid = (triton.cdiv(n, config.block_n), split)
     _gguf_gemv_kernel[grid](
-        x, blocks, out, m, n, k, blocks.shape[1], k_per_split(k, split, config.block_k),
-        x.stride(0),
+        x, blocks, out.out, out.sums, out.arrivals, m, n, k, blocks.shape[1],
+        k_per_split(k, split, config.block_k), x.stride(0),
         QTYPE=_QTYPE_CODES[qtype], QBLOCK=qblock, TYPE_SIZE=type_size,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, UPCAST_DOT=upcast_dot(x.dtype),
+        SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum, UPCAST_DOT=upcast_dot(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out if split == 1 else out.to(x.dtype)
+    return out.result()
 
 
 def gguf_gemv(

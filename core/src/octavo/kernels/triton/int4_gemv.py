@@ -60,6 +60,7 @@ from octavo.kernels.triton.cache_write import (
 )
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
+    SkinnyOutput,
     SkinnyTuner,
     choose_split_k,
     k_per_split,
@@ -254,7 +255,9 @@ def _int4_gemv_kernel(
     scales_ptr,  # [G, N]
     zeros_ptr,  # [G, N]
     g_idx_ptr,  # int32 [K] (read when HAS_G_IDX)
-    out_ptr,  # [M, N]: float32 zeros when SPLIT_K > 1, else x's dtype
+    out_ptr,  # [M, N] in x's dtype (float32 zeros: a split without a workspace)
+    sums_ptr,  # float32 split-K workspace (store_skinny_output)
+    arrivals_ptr,  # int32 arrival counts per block of outputs
     M,
     N,
     K,
@@ -265,6 +268,7 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of 8
     SPLIT_K: tl.constexpr,
+    IN_KERNEL_SUM: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     SLICE_ROWS: tl.constexpr,  # one-row natural order: word rows per slice of a step
     GROUP_STEPS: tl.constexpr,  # natural order: steps per group (group_size / BLOCK_K)
@@ -289,7 +293,8 @@ def _int4_gemv_kernel(
         acc = _by_steps(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k_start, k_end,
                         stride_xm, offs_m, m_mask, offs_n, n_mask, HAS_G_IDX, BLOCK_M, BLOCK_N,
                         BLOCK_K, GROUP_STEPS, UPCAST_DOT)
-    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K)
+    store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K,
+                        sums_ptr, arrivals_ptr, IN_KERNEL_SUM)
 
 
 @triton.jit
@@ -432,18 +437,16 @@ def _launch(x, qweight, scales, zeros, group_size, g_idx, config: SkinnyConfig) 
     n = qweight.shape[1]
     block_k = fit_block_k(config.block_k, group_size, g_idx is not None)
     split = choose_split_k(n, k, SkinnyConfig(config.block_n, block_k, config.split_k), x.device)
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    out = SkinnyOutput.make(m, n, config.block_n, split, x.dtype, x.device)
     grid = (triton.cdiv(n, config.block_n), split)
     _int4_gemv_kernel[grid](
-        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
-        m, n, k, k_per_split(k, split, block_k), x.stride(0),
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out.out, out.sums,
+        out.arrivals, m, n, k, k_per_split(k, split, block_k), x.stride(0),
         **kernel_constexprs(x, n, k, group_size, g_idx is not None, config, split),
+        IN_KERNEL_SUM=out.in_kernel_sum,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out if split == 1 else out.to(x.dtype)
+    return out.result()
 
 
 def int4_gemv(

@@ -2,9 +2,11 @@
 
 Both kernels give each program ``block_n`` output features and a range of the inputs: the
 grid is ``[cdiv(N, block_n), split_k]``. With ``split_k > 1`` the programs add float32 partial
-sums into a zeroed buffer (``tl.atomic_add``) that is cast to the activations' dtype after;
-with 1 they store the result directly. ``split_k = 0`` asks ``choose_split_k`` to split until
-about two programs per SM stream the weight.
+sums into a per-device workspace (``tl.atomic_add``) and the last program of each block of
+outputs stores the total in the activations' dtype and zeroes the workspace again
+(``SkinnyOutput``, ``SplitKWorkspace``: one kernel per call, where a zeroed buffer before and
+a cast after made three); with 1 they store the result directly. ``split_k = 0`` asks
+``choose_split_k`` to split until about two programs per SM stream the weight.
 
 ``SkinnyTuner`` picks a config per (kernel, N, K, row bucket, dtype, ...) and device:
 
@@ -19,7 +21,7 @@ about two programs per SM stream the weight.
    the H200 and the H100: their kernels differ only in memory speed), which a table records
    under ``"chip"``. ``OCTAVO_SKINNY_CONFIG_TABLES=0`` ignores the tables;
 2. else the first time the shape is seen outside CUDA-graph capture, by timing a few
-   candidates (whole calls, the zeroing and cast of split-K included, on a flushed L2 via
+   candidates (whole calls, on a flushed L2 via
    ``triton.testing.do_bench``), kept for the process;
 3. else (during capture, under the interpreter, with tuning off) the kernel's heuristic
    default, timing nothing.
@@ -87,6 +89,89 @@ def choose_split_k(n: int, k: int, config: SkinnyConfig, device: torch.device) -
     while blocks * split * 2 <= target and steps // (split * 2) >= 2:
         split *= 2
     return split
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class SplitKWorkspace:
+    """Float32 partial sums and int32 arrival counts shared by the split-K launches of the
+    small-M kernels on one device (``store_skinny_output``'s ``IN_KERNEL_SUM``).
+
+    Contract: both are zero between launches (allocated zeroed; each launch's last program
+    per block of outputs leaves its part at zero), so the kernels of a device must run one
+    after another on one stream, as the model's forward does (two launches in flight at once
+    would mix their counts). Grown only outside CUDA-graph capture (a buffer zeroed inside a
+    capture would be zero only once that graph had replayed), to at least ``MIN_SUMS`` /
+    ``MIN_BLOCKS`` so a model's shapes fit the first one; a replaced workspace is kept alive
+    (captured graphs hold its address).
+    """
+
+    MIN_SUMS = 1 << 20  # floats: M x N up to 16 rows x 65,536 outputs
+    MIN_BLOCKS = 1 << 14
+
+    def __init__(self) -> None:
+        # By device: (sums, arrivals).
+        self.current: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Replaced workspaces, never freed.
+        self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def get(self, device: torch.device, sums: int,
+            blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Buffers of at least ``sums`` floats and ``blocks`` counts on ``device``, or
+        ``None`` when they would have to be allocated during graph capture."""
+        have = self.current.get(device)
+        if have is not None and have[0].numel() >= sums and have[1].numel() >= blocks:
+            return have
+        if capturing(device):
+            return None
+        sums = max(sums, self.MIN_SUMS, have[0].numel() if have else 0)
+        blocks = max(blocks, self.MIN_BLOCKS, have[1].numel() if have else 0)
+        if have is not None:
+            self.retired.append(have)
+        made = (torch.zeros(sums, dtype=torch.float32, device=device),
+                torch.zeros(blocks, dtype=torch.int32, device=device))
+        self.current[device] = made
+        return made
+
+
+SPLIT_K_WORKSPACE = SplitKWorkspace()
+
+
+@dataclass(frozen=True, slots=True)
+class SkinnyOutput:
+    """Where one small-M launch writes (``store_skinny_output``'s arguments)."""
+
+    # The kernel's ``out_ptr``: the result in the activations' dtype, or (a split without a
+    # workspace) float32 zeros to add into.
+    out: torch.Tensor
+    # ``sums_ptr`` / ``arrivals_ptr`` (``out`` when unused).
+    sums: torch.Tensor
+    arrivals: torch.Tensor
+    # The kernel's ``IN_KERNEL_SUM``.
+    in_kernel_sum: bool
+    # The result's dtype.
+    dtype: torch.dtype
+
+    @classmethod
+    def make(cls, m: int, n: int, block_n: int, split: int, dtype: torch.dtype,
+             device: torch.device) -> SkinnyOutput:
+        """The output of an ``[M, N]`` launch of ``split`` programs per block of ``block_n``
+        outputs: the workspace's in-kernel sum where it can be had."""
+        workspace = (SPLIT_K_WORKSPACE.get(device, m * n, triton.cdiv(n, block_n))
+                     if split > 1 and envs.skinny_in_kernel_sum() else None)
+        if split == 1 or workspace is not None:
+            out = torch.empty(m, n, dtype=dtype, device=device)
+            sums, arrivals = workspace if workspace is not None else (out, out)
+            return cls(out, sums, arrivals, workspace is not None, dtype)
+        out = torch.zeros(m, n, dtype=torch.float32, device=device)
+        return cls(out, out, out, False, dtype)
+
+    def result(self) -> torch.Tensor:
+        """The ``[M, N]`` result in ``dtype`` (after the launch)."""
+        return self.out if self.out.dtype == self.dtype else self.out.to(self.dtype)
 
 
 def k_per_split(k: int, split_k: int, block_k: int) -> int:
