@@ -127,6 +127,13 @@ def skinny_in_kernel_sum() -> bool:
                                                                                "False")
 
 
+def pdl() -> bool:
+    """``OCTAVO_PDL``: whether the decode step's Triton kernels launch with programmatic
+    dependent launch on GPUs that have it (compute capability 9.0+; default yes;
+    ``0``/``false``: plain stream order; ``octavo.kernels.triton.pdl``)."""
+    return os.environ.get("OCTAVO_PDL", "1").strip() not in ("0", "false", "False")
+
+
 def cpu_pin_steps() -> bool:
     """``OCTAVO_CPU_PIN_STEPS``: whether the CPU worker pins the calling thread to its core
     while a step computes (default yes; ``0``/``false``: left alone)."""

@@ -21,6 +21,7 @@ from octavo.kernels.triton.cache_write import (
     check_last_dim_contiguous,
     next_power_of_2,
 )
+from octavo.kernels.triton.pdl import pdl_begin, pdl_launch
 from octavo.kernels.triton.rmsnorm import round_to
 
 # Most output columns one program computes.
@@ -35,7 +36,9 @@ def _silu_and_mul_kernel(
     d,
     BLOCK: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -77,6 +80,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
         d,
         BLOCK=block,
         EMULATE_BF16=KERNELS_INTERPRETED,
+        **pdl_launch(x.device),
         num_warps=max(1, min(4, block // 256)),
         enable_fp_fusion=False,  # no FMA contraction: same roundings as torch's eager ops
     )

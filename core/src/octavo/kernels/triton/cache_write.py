@@ -35,6 +35,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from octavo.attention.reference import FP8_E4M3_MAX
 from octavo.attention.reference import is_fp8 as is_fp8_cache
+from octavo.kernels.triton.pdl import pdl_begin, pdl_launch
 
 # Saturation bound of the fp8 write, for the kernel.
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
@@ -224,8 +225,10 @@ def _write_kv_kernel(
     HEADS_PADDED: tl.constexpr,  # next power of two >= num_kv_heads
     HEAD_DIM_PADDED: tl.constexpr,  # next power of two >= head_dim
     QUANTIZE_FP8: tl.constexpr,  # the cache is e4m3: scale and saturate before the cast
+    USE_PDL: tl.constexpr,
 ):
     """One program per token: copy its ``[num_kv_heads, head_dim]`` K and V tiles to its slot."""
+    pdl_begin(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token
@@ -303,6 +306,7 @@ def write_kv_cache(
         HEADS_PADDED=next_power_of_2(num_kv_heads),
         HEAD_DIM_PADDED=next_power_of_2(head_dim),
         QUANTIZE_FP8=is_fp8_cache(kv_cache),
+        **pdl_launch(key.device),
         num_warps=num_warps,
     )
 

@@ -49,6 +49,7 @@ from octavo.kernels.triton.cache_write import (
     scaled_scores,
     upcast_dot,
 )
+from octavo.kernels.triton.pdl import pdl_begin, pdl_launch
 
 # Start value of the running max (finite, so padded rows stay NaN-free).
 NEG_LARGE = tl.constexpr(-1.0e30)
@@ -108,7 +109,9 @@ def _decode_partition_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     partition = tl.program_id(2)
@@ -202,7 +205,9 @@ def _decode_reduce_kernel(
     BLOCK_P: tl.constexpr,  # partitions per loop step
     HEAD_DIM_PADDED: tl.constexpr,
     SLIDING: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)
@@ -391,6 +396,7 @@ def decode_attention(
         DOT_PRECISION=fp32_dot_precision,
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
+        **pdl_launch(query.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -415,6 +421,7 @@ def decode_attention(
         BLOCK_P=min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions)),
         HEAD_DIM_PADDED=head_dim_padded,
         SLIDING=sliding_window is not None,
+        **pdl_launch(query.device),
         num_warps=num_warps,
     )
     return out

@@ -26,6 +26,7 @@ from octavo.kernels.triton.cache_write import (
     check_last_dim_contiguous,
     next_power_of_2,
 )
+from octavo.kernels.triton.pdl import pdl_begin, pdl_launch
 
 
 def emulate_bf16_rounding() -> bool:
@@ -74,8 +75,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= hidden_size
     EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per row: ``weight * norm(x [+ residual])`` over the whole row in one tile."""
+    pdl_begin(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     outer = row // num_inner
     inner = row % num_inner
@@ -181,6 +184,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         EMULATE_BF16=KERNELS_INTERPRETED,
+        **pdl_launch(x.device),
         num_warps=_num_warps(block),
         enable_fp_fusion=False,  # no FMA contraction: same roundings as torch's eager ops
     )

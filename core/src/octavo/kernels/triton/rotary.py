@@ -27,6 +27,7 @@ from octavo.kernels.triton.cache_write import (
     check_last_dim_contiguous,
     next_power_of_2,
 )
+from octavo.kernels.triton.pdl import pdl_begin, pdl_launch
 from octavo.kernels.triton.rmsnorm import round_to
 
 # Most heads one program rotates (query and key heads are never mixed in one program).
@@ -96,7 +97,9 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     HALF_PADDED: tl.constexpr,  # next power of two >= half_dim
     EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -193,6 +196,7 @@ def apply_rotary(
         BLOCK_H=block_h,
         HALF_PADDED=next_power_of_2(head_dim // 2),
         EMULATE_BF16=KERNELS_INTERPRETED,
+        **pdl_launch(query.device),
         num_warps=4 if block_h * head_dim >= 1024 else 1,
         enable_fp_fusion=False,  # no FMA contraction: same roundings as torch's eager ops
     )
