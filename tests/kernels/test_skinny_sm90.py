@@ -54,3 +54,22 @@ def test_skinny_kernels_compile_for_sm90_without_barriers_in_one_row_loops():
                 and not variant["HAS_G_IDX"]:
             weights_per_thread = variant["BLOCK_N"] * variant["BLOCK_K"] / 128  # 4 warps
             assert variant["loop_sass"] / weights_per_thread < 3.6, variant
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton's NVIDIA backend (ptxas) is not "
+                    "installed")
+def test_decode_kernels_compile_for_sm90_with_programmatic_dependent_launch():
+    """Every kernel ``octavo.kernels.triton.pdl`` launches with PDL compiles for an H100 with
+    the grid-dependency wait and trigger in (``sm90_decode_compile_check.py``), the rotary
+    kernel also in its variant that rotates the keys into the cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    script = Path(__file__).with_name("sm90_decode_compile_check.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [k["kernel"] for k in kernels] == [
+        "rms_norm", "rotary", "rotary+cache write", "write_kv", "decode partition",
+        "decode reduce", "silu_and_mul"]
+    assert all(k["grid_dependency_control"] for k in kernels), kernels

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -116,6 +117,21 @@ class AttentionMetadata:
         )
 
 
+class Rotation(Protocol):
+    """What ``AttentionImpl.forward_rotary`` needs of a rotary position embedding
+    (``octavo.model_executor.layers.rotary.RotaryEmbedding`` is one)."""
+
+    def __call__(self, positions: torch.Tensor, query: torch.Tensor,
+                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated ``(query, key)`` (``[num_tokens, heads, head_dim]`` each) by the tokens'
+        positions; the inputs are left untouched."""
+
+    def neox_table(self) -> torch.Tensor | None:
+        """The ``[max_positions, head_dim]`` float32 ``cos | sin`` table when the rotation is
+        the "neox" halves over every dimension of a head (what a backend's fused kernel
+        computes); ``None`` when it is anything else (a partial rotation)."""
+
+
 class AttentionImpl(ABC):
     """One attention layer's kernel: writes new K/V into the paged cache, then attends.
 
@@ -164,6 +180,22 @@ class AttentionImpl(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store ``key``/``value`` at ``metadata.slot_mapping`` and return causal attention."""
+
+    def forward_rotary(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: Rotation,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], not rotated yet
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not rotated yet
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """``forward`` of ``rotary``'s rotation of ``query`` and ``key``. This default rotates,
+        then calls ``forward``; a backend may do both in fewer kernels (the Triton one rotates
+        and writes the cache in one launch), with the same result."""
+        query, key = rotary(positions, query, key)
+        return self.forward(query, key, value, kv_cache, metadata)
 
 
 class AttentionBackend(ABC):

@@ -1,7 +1,8 @@
 """The ``"triton"`` attention backend: ``AttentionBackend``/``AttentionImpl`` on the Triton kernels.
 
 ``TritonAttentionImpl.forward`` writes the K/V of every new token first (a sequence may read
-prefix blocks another sequence fills in the same step), then:
+prefix blocks another sequence fills in the same step; ``forward_rotary`` rotates the keys
+and writes them in the same launch, ``apply_rotary_write_kv``), then:
 
 - pure decode step (every query length 1): ``decode_attention`` (flash-decoding, split-K);
 - any other step, mixed ones included: ``prefill_attention`` for all rows in one launch. Its
@@ -19,10 +20,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata, Rotation
 from octavo.kernels.triton.cache_write import interpreting, write_kv_cache
 from octavo.kernels.triton.decode_attention import decode_attention
 from octavo.kernels.triton.prefill_attention import prefill_attention
+from octavo.kernels.triton.rotary import apply_rotary_write_kv
 from octavo.kernels.triton_support import TRITON_HEAD_DIMS
 
 #: Head dimensions the backend accepts (defined, importable without Triton, in triton_support).
@@ -147,11 +149,38 @@ class TritonAttentionImpl(AttentionImpl):
                 "the triton attention backend got CPU tensors; it needs a GPU device, "
                 "or TRITON_INTERPRET=1 set before Triton is imported (tests only)"
             )
-        cfg = self.config
         # Scales apply to an fp8 cache only (the kernels ignore them for other caches).
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, k_scale=self.k_scale,
+                       v_scale=self.v_scale, num_warps=self.config.cache_write_num_warps)
+        return self._attend(query, kv_cache, metadata)
+
+    def forward_rotary(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: Rotation,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], not rotated yet
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not rotated yet
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """The rotation and the cache write in one launch (``apply_rotary_write_kv``) where the
+        rotation is whole-head neox and the cache has the keys' dtype; else the default
+        (rotate, then ``forward``)."""
+        table = rotary.neox_table()
+        if table is None or kv_cache.dtype != key.dtype or not query.is_cuda \
+                and not interpreting():
+            return super().forward_rotary(positions, rotary, query, key, value, kv_cache,
+                                          metadata)
+        query = apply_rotary_write_kv(positions, query, key, value, table, kv_cache,
+                                      metadata.slot_mapping)
+        return self._attend(query, kv_cache, metadata)
+
+    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Causal attention of ``query`` over the cache, this step's keys and values in it."""
+        cfg = self.config
         k_scale, v_scale = self.k_scale, self.v_scale
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, k_scale=k_scale,
-                       v_scale=v_scale, num_warps=cfg.cache_write_num_warps)
         if metadata.is_pure_decode:
             return decode_attention(
                 query,

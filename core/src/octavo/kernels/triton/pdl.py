@@ -9,8 +9,9 @@ has finished and its writes are visible. The launch and placement of each kernel
 end of the one before. CUDA graphs record such launches as programmatic edges, so replayed
 decode steps keep the overlap.
 
-Launched so: the RMS norms, rotary, the KV-cache write, the decode attention's partition
-and reduce kernels, SiLU-and-mul. Not the small-M GEMV kernels (``fp8_gemv``, ``int4_gemv``,
+Launched so: the RMS norms, rotary (and its variant that rotates the keys into the cache),
+the KV-cache write, the decode attention's partition and reduce kernels, SiLU-and-mul
+(``tests/kernels/sm90_decode_compile_check.py`` compiles each for sm_90). Not the small-M GEMV kernels (``fp8_gemv``, ``int4_gemv``,
 ``gguf_gemv``): with them too the Llama-3-8B int4 step was slower, not faster
 (docs/benchmarks.md).
 

@@ -13,6 +13,12 @@ on GPU or with ``round_to``'s emulation, 16-bit dtypes too).
 
 Grid: ``(num_tokens, query head blocks + key head blocks)``; each program rotates up to
 ``BLOCK_H`` heads of one token, of either the query or the key.
+
+``apply_rotary_write_kv`` is the same launch that also stores each token's rotated key heads
+and its value heads in the paged KV cache at the token's slot (what
+``octavo.kernels.triton.cache_write.write_kv_cache`` does after an ``apply_rotary``, for caches
+of the key's dtype): one kernel a layer fewer, and the rotated keys are never written
+anywhere else.
 """
 
 from __future__ import annotations
@@ -94,9 +100,20 @@ def _rotary_kernel(
     num_kv_heads,
     num_q_blocks,  # cdiv(num_heads, BLOCK_H); later head blocks are key blocks
     half_dim,
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim] (read when WRITE_CACHE)
+    cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (written when WRITE_CACHE)
+    slot_mapping_ptr,  # [num_tokens] int64, < 0 = padding (read when WRITE_CACHE)
+    stride_v_token,
+    stride_v_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
     BLOCK_H: tl.constexpr,
     HALF_PADDED: tl.constexpr,  # next power of two >= half_dim
     EMULATE_BF16: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,  # keys rotated into the cache (not k_out), values copied there
+    CACHE_BLOCK_SIZE: tl.constexpr,  # tokens per cache block (when WRITE_CACHE)
     USE_PDL: tl.constexpr,
 ):
     pdl_begin(USE_PDL)
@@ -124,12 +141,23 @@ def _rotary_kernel(
             EMULATE_BF16,
         )
     else:
+        first_head = (head_block - num_q_blocks) * BLOCK_H
+        if WRITE_CACHE:
+            slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+            if slot < 0:  # a padding token: nothing to store
+                return
+            k_dst = (cache_ptr + (slot // CACHE_BLOCK_SIZE) * stride_cache_block
+                     + (slot % CACHE_BLOCK_SIZE) * stride_cache_slot)
+            stride_k_dst = stride_cache_head
+        else:
+            k_dst = k_out_ptr + token * stride_ko_token
+            stride_k_dst = stride_ko_head
         _rotate_heads(
             k_ptr + token * stride_k_token,
-            k_out_ptr + token * stride_ko_token,
+            k_dst,
             stride_k_head,
-            stride_ko_head,
-            (head_block - num_q_blocks) * BLOCK_H,
+            stride_k_dst,
+            first_head,
             num_kv_heads,
             cos,
             sin,
@@ -138,7 +166,15 @@ def _rotary_kernel(
             BLOCK_H,
             EMULATE_BF16,
         )
-
+        if WRITE_CACHE:  # the value heads to the same slot, unchanged but for the dtype
+            heads = first_head + tl.arange(0, BLOCK_H)
+            mask = (heads[:, None] < num_kv_heads) & dim_mask[None, :]  # [BLOCK_H, HALF_PADDED]
+            src = value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
+            dst = k_dst + stride_cache_kv + heads[:, None] * stride_cache_head + dims[None, :]
+            cache_dtype = cache_ptr.dtype.element_ty
+            tl.store(dst, tl.load(src, mask=mask).to(cache_dtype), mask=mask)
+            tl.store(dst + half_dim, tl.load(src + half_dim, mask=mask).to(cache_dtype),
+                     mask=mask)
 
 def apply_rotary(
     positions: torch.Tensor,  # [num_tokens] int64 (or int32), each < max_positions
@@ -165,7 +201,7 @@ def apply_rotary(
             or cos_sin_cache.stride(-1) != 1):
         _check_rotary_inputs(positions, query, key, cos_sin_cache)
         raise AssertionError("_check_rotary_inputs passed inputs the fast test refused")
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens = query.shape[0]
     if inplace:
         q_out, k_out = query, key
     else:
@@ -173,10 +209,81 @@ def apply_rotary(
         k_out = torch.empty_like(key, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return q_out, k_out
+    _launch(positions, query, key, q_out, k_out, cos_sin_cache, None, None, None)
+    return q_out, k_out
+
+
+def apply_rotary_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int64 (or int32), each < max_positions
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]: cos | sin halves (float32)
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], key's dtype
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = padding, skipped
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]: the rotated query (a new tensor)
+    """``apply_rotary`` of ``query`` and ``key``, with the rotated key heads and the ``value``
+    heads stored in ``kv_cache`` at ``slot_mapping`` in the same launch (``write_kv_cache``'s
+    contract, for a cache of the key's dtype; fp8 caches take ``write_kv_cache``). ``key`` and
+    ``value`` are left untouched; ``query``, ``key`` and ``value`` may be strided views."""
+    if (value.shape != key.shape or key.dim() != 3 or kv_cache.dim() != 5
+            or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != key.shape[1:]
+            or slot_mapping.shape != query.shape[:1] or kv_cache.dtype != key.dtype
+            or value.device != query.device or kv_cache.device != query.device
+            or slot_mapping.device != query.device or value.stride(-1) != 1
+            or kv_cache.stride(-1) != 1):
+        apply_rotary_write_kv_check(query, key, value, kv_cache, slot_mapping)
+        raise AssertionError("apply_rotary_write_kv_check passed inputs the fast test refused")
+    if (positions.shape != query.shape[:1] or cos_sin_cache.dim() != 2
+            or cos_sin_cache.shape[1] != query.shape[2] or query.shape[2] % 2 != 0
+            or positions.device != query.device or cos_sin_cache.device != query.device
+            or query.stride(-1) != 1 or key.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1):
+        _check_rotary_inputs(positions, query, key, cos_sin_cache)
+        raise AssertionError("_check_rotary_inputs passed inputs the fast test refused")
+    q_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if query.shape[0]:
+        _launch(positions, query, key, q_out, key, cos_sin_cache, value, kv_cache, slot_mapping)
+    return q_out
+
+
+def apply_rotary_write_kv_check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``ValueError`` unless ``apply_rotary_write_kv`` takes these tensors (its cache part;
+    the rotary part is ``apply_rotary``'s)."""
+    num_tokens = query.shape[0]
+    if (value.shape != key.shape or key.dim() != 3 or kv_cache.dim() != 5
+            or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != key.shape[1:]
+            or slot_mapping.shape != (num_tokens,)):
+        raise ValueError(
+            f"rotary with cache write: key {tuple(key.shape)} and value {tuple(value.shape)} "
+            f"must be [{num_tokens}, num_kv_heads, head_dim] and the cache "
+            f"{tuple(kv_cache.shape)} [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"slot_mapping {tuple(slot_mapping.shape)} [{num_tokens}]")
+    if kv_cache.dtype != key.dtype:
+        raise ValueError(f"rotary with cache write: the cache is {kv_cache.dtype}, the keys "
+                         f"{key.dtype} (fp8 caches take write_kv_cache)")
+    for name, tensor in {"key": key, "value": value, "kv_cache": kv_cache,
+                         "slot_mapping": slot_mapping}.items():
+        if tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
+    check_last_dim_contiguous(value=value, kv_cache=kv_cache)
+
+
+def _launch(positions, query, key, q_out, k_out, cos_sin_cache, value, kv_cache,
+            slot_mapping) -> None:
+    """One launch of ``_rotary_kernel`` (``kv_cache`` given: the cache-writing variant)."""
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     block_h = min(_MAX_BLOCK_H, next_power_of_2(max(num_heads, num_kv_heads)))
     num_q_blocks = cdiv(num_heads, block_h)
     num_k_blocks = cdiv(num_kv_heads, block_h)
+    write_cache = kv_cache is not None
+    if write_cache:
+        cache_strides = kv_cache.stride()[:4]  # [K/V, block, offset, head]
+        value_strides = value.stride()[:2]
+    else:
+        kv_cache, value, slot_mapping = key, key, positions  # not read
+        cache_strides, value_strides = (0, 0, 0, 0), (0, 0)
     _rotary_kernel[(num_tokens, num_q_blocks + num_k_blocks)](
         positions,
         query,
@@ -193,14 +300,20 @@ def apply_rotary(
         num_kv_heads,
         num_q_blocks,
         head_dim // 2,
+        value,
+        kv_cache,
+        slot_mapping,
+        *value_strides,
+        *cache_strides,
         BLOCK_H=block_h,
         HALF_PADDED=next_power_of_2(head_dim // 2),
         EMULATE_BF16=KERNELS_INTERPRETED,
+        WRITE_CACHE=write_cache,
+        CACHE_BLOCK_SIZE=kv_cache.shape[2] if write_cache else 1,
         **pdl_launch(query.device),
         num_warps=4 if block_h * head_dim >= 1024 else 1,
         enable_fp_fusion=False,  # no FMA contraction: same roundings as torch's eager ops
     )
-    return q_out, k_out
 
 
 def _check_rotary_inputs(

@@ -8,6 +8,7 @@ from torch import nn
 from octavo.attention.base import (
     AttentionBackend,
     AttentionMetadata,
+    Rotation,
     check_attention_options,
 )
 
@@ -51,4 +52,20 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         out = self.impl.forward(query, key, value, kv_cache, attn_metadata)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def forward_rotary(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: Rotation,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], not rotated yet
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not rotated yet
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """``forward`` of ``rotary``'s rotation of ``query`` and ``key``, which the backend may
+        fuse with the cache write (``AttentionImpl.forward_rotary``)."""
+        out = self.impl.forward_rotary(positions, rotary, query, key, value, kv_cache,
+                                       attn_metadata)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -331,6 +331,11 @@ class RotaryEmbedding(nn.Module):
             return self.forward_native(positions, query, key)
         return self.forward_triton(kernels.apply_rotary, positions, query, key)
 
+    def neox_table(self) -> torch.Tensor | None:
+        """``cos_sin_cache`` when every dimension of a head is rotated (a backend's fused
+        rotation may take it: ``octavo.attention.base.Rotation``), else ``None``."""
+        return self.cos_sin_cache if self.rotary_dim == self.head_dim else None
+
     def forward_triton(
         self,
         apply_rotary: Any,  # octavo.kernels.triton.rotary.apply_rotary

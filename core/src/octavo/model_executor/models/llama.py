@@ -166,8 +166,9 @@ class LlamaAttention(nn.Module):
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, q_size]
+        # Rotated and attended; the backend may rotate the keys into the cache in one kernel.
+        out = self.attn.forward_rotary(positions, self.rotary_emb, q, k, v, kv_cache,
+                                       attn_metadata)  # [num_tokens, q_size]
         return self.o_proj(out)
 
 

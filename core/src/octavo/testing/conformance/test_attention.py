@@ -54,9 +54,28 @@ def attention_backend(pm, plan, *, num_heads, num_kv_heads, head_dim, dtype, blo
     return attn
 
 
+def step_positions(metadata) -> torch.Tensor:
+    """Each new token's position in its sequence (padding rows: 0)."""
+    starts = metadata.query_start_loc.tolist()
+    positions = torch.zeros(metadata.slot_mapping.shape[0], dtype=torch.int64)
+    for seq, seq_len in enumerate(metadata.seq_lens.tolist()):
+        start, end = starts[seq], starts[seq + 1]
+        positions[start:end] = torch.arange(seq_len - (end - start), seq_len)
+    return positions
+
+
 def run_workload(pm, plan, device, case, *, dtype, head_dim, block_size,
-                 num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS):
-    """Run every step of ``case`` on the backend and on the reference; compare each step."""
+                 num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, rotary=False):
+    """Run every step of ``case`` on the backend and on the reference; compare each step.
+
+    ``rotary``: through ``AttentionImpl.forward_rotary`` (which a backend may fuse with its
+    cache write) with a default RoPE, against the reference rotating in float32 first; then
+    only the outputs are compared (the backend rotates in its dtype)."""
+    from octavo.model_executor.layers import RopeParameters, RotaryEmbedding
+
+    ropes = [RotaryEmbedding(head_dim, MAX_MODEL_LEN, RopeParameters("default", 10000.0))
+             for _ in range(2)]
+    rope_ref, rope = ropes[0], ropes[1].to(device)
     torch_dtype = getattr(torch, dtype)
     workload = build_workload(
         workload_cases(block_size)[case], block_size=block_size, num_heads=num_heads,
@@ -72,17 +91,22 @@ def run_workload(pm, plan, device, case, *, dtype, head_dim, block_size,
     ref_cache = torch.full(default_shape, float("nan"), dtype=torch.float32)
     for index, step in enumerate(workload.steps):
         what = f"{case} step {index} ({dtype}, head_dim {head_dim}, block_size {block_size})"
-        out = impl.forward(
-            step.query.to(device, torch_dtype), step.key.to(device, torch_dtype),
-            step.value.to(device, torch_dtype), kv_cache, step.metadata_on(device),
-        )
-        write_kv_reference(step.key, step.value, ref_cache, step.metadata.slot_mapping)
-        expected = paged_attention_reference(step.query, ref_cache, step.metadata, scale)
+        inputs = (step.query.to(device, torch_dtype), step.key.to(device, torch_dtype),
+                  step.value.to(device, torch_dtype), kv_cache, step.metadata_on(device))
+        query, key = step.query, step.key
+        if rotary:
+            positions = step_positions(step.metadata)
+            out = impl.forward_rotary(positions.to(device), rope, *inputs)
+            query, key = rope_ref.forward_native(positions, query, key)
+        else:
+            out = impl.forward(*inputs)
+        write_kv_reference(key, step.value, ref_cache, step.metadata.slot_mapping)
+        expected = paged_attention_reference(query, ref_cache, step.metadata, scale)
         assert out.shape == expected.shape, f"{what}: output shape {tuple(out.shape)}"
         assert out.dtype == torch_dtype, f"{what}: output dtype {out.dtype}, expected {dtype}"
         assert out.device.type == device.type, f"{what}: output on {out.device}"
         assert_kernel_close(out, expected, dtype, what)
-    if shape == default_shape:
+    if shape == default_shape and not rotary:
         # The cache holds exactly the (rounded) K/V at the written slots and NaN elsewhere.
         torch.testing.assert_close(
             kv_cache.to("cpu", torch.float32), ref_cache, equal_nan=True, atol=0, rtol=0,
@@ -107,3 +131,12 @@ def test_head_layouts(octavo_pm, octavo_plan, octavo_device, heads):
                  dtype=octavo_plan.kernel_dtypes[0], head_dim=octavo_plan.kernel_head_dims[0],
                  block_size=octavo_plan.kernel_block_sizes[0], num_heads=num_heads,
                  num_kv_heads=num_kv_heads)
+
+
+def test_rotation_then_attention(octavo_pm, octavo_plan, octavo_device):
+    """``forward_rotary`` (the rotation, which a backend may fuse with its cache write, then
+    attention) against rotating in float32 and the reference attention: the mixed workload,
+    plan's first dtype and sizes."""
+    run_workload(octavo_pm, octavo_plan, octavo_device, "mixed",
+                 dtype=octavo_plan.kernel_dtypes[0], head_dim=octavo_plan.kernel_head_dims[0],
+                 block_size=octavo_plan.kernel_block_sizes[0], rotary=True)
