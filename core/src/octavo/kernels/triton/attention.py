@@ -168,8 +168,8 @@ class TritonAttentionImpl(AttentionImpl):
         rotation is whole-head neox and the cache has the keys' dtype; else the default
         (rotate, then ``forward``)."""
         table = rotary.neox_table()
-        if table is None or kv_cache.dtype != key.dtype or not query.is_cuda \
-                and not interpreting():
+        if table is None or kv_cache.dtype != key.dtype or (not query.is_cuda
+                                                              and not interpreting()):
             return super().forward_rotary(positions, rotary, query, key, value, kv_cache,
                                           metadata)
         query = apply_rotary_write_kv(positions, query, key, value, table, kv_cache,

@@ -169,12 +169,14 @@ def _rotary_kernel(
         if WRITE_CACHE:  # the value heads to the same slot, unchanged but for the dtype
             heads = first_head + tl.arange(0, BLOCK_H)
             mask = (heads[:, None] < num_kv_heads) & dim_mask[None, :]  # [BLOCK_H, HALF_PADDED]
-            src = value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
+            src = (value_ptr + token * stride_v_token + heads[:, None] * stride_v_head
+                   + dims[None, :])
             dst = k_dst + stride_cache_kv + heads[:, None] * stride_cache_head + dims[None, :]
             cache_dtype = cache_ptr.dtype.element_ty
             tl.store(dst, tl.load(src, mask=mask).to(cache_dtype), mask=mask)
             tl.store(dst + half_dim, tl.load(src + half_dim, mask=mask).to(cache_dtype),
                      mask=mask)
+
 
 def apply_rotary(
     positions: torch.Tensor,  # [num_tokens] int64 (or int32), each < max_positions
