@@ -2,7 +2,8 @@
 # Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
-#                                    [latency] [latency-sync] [latency-mp] [profile] [profile-b1] [profile-8b]
+#                                    [latency] [latency-ab] [latency-sync] [latency-mp] [profile]
+#                                    [profile-b1] [profile-8b]
 #                                    [w1-timeline] [w1-timeline-async] [w1-timeline-cold]
 #                                    [profile-sync] [profile-cprofile] [decode-attn-sweep]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
@@ -140,6 +141,30 @@ for stage in "${stages[@]}"; do
       octavo bench latency --model $MODEL --dtype bfloat16 --input-len 128 --output-len 256 \
         --num-iters 3 2>"$OUT/bench-latency.err" | tee "$OUT/bench-latency.log"
       tail -3 "$OUT/bench-latency.err"
+      ;;
+    latency-ab)
+      # Batch-1 ms per output token with an A/B switch on and off in turns, one process each
+      # (AB_ENV names it, e.g. OCTAVO_PDL, OCTAVO_ROTARY_CACHE_WRITE,
+      # OCTAVO_SKINNY_IN_KERNEL_SUM; AB_MODELS="05b 8b 8b-fp8 8b-int4", default 05b; each
+      # value twice, ~25 s a run on the 0.5B shape, ~45 s on the 8B).
+      [ -n "${AB_ENV:-}" ] || { echo "latency-ab needs AB_ENV=NAME"; exit 1; }
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      make_l8b
+      for which in ${AB_MODELS:-05b}; do
+        case $which in
+          05b) args=(--model $MODEL) ;;
+          8b) args=(--model $L8B --load-format dummy --max-model-len 4096) ;;
+          8b-fp8) args=(--model $L8B --load-format dummy --max-model-len 4096 --quantization fp8) ;;
+          8b-int4) args=(--model $L8B_GPTQ --load-format dummy --max-model-len 4096) ;;
+          *) echo "unknown AB_MODELS entry $which"; exit 1 ;;
+        esac
+        for value in 1 0 1 0; do
+          ms=$(env "$AB_ENV=$value" octavo bench latency "${args[@]}" --dtype bfloat16 \
+            --input-len 128 --output-len 256 --num-iters 3 2>>"$OUT/latency-ab.err" \
+            | python3 -c "import json, sys; print([json.loads(l) for l in sys.stdin if l.startswith('{')][-1]['ms_per_output_token'])")
+          echo "$which $AB_ENV=$value: $ms ms per output token" | tee -a "$OUT/latency-ab.log"
+        done
+      done
       ;;
     latency-sync)
       # As latency, one step at a time (no async scheduling).

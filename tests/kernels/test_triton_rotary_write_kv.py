@@ -114,10 +114,11 @@ def test_triton_forward_rotary_equals_rotating_then_forward(dtype, lens, monkeyp
     assert torch.equal(batch.kv_cache, ref_cache)
 
 
-@pytest.mark.parametrize("case", ["partial rotary", "fp8 cache"])
+@pytest.mark.parametrize("case", ["partial rotary", "fp8 cache", "switched off"])
 def test_triton_forward_rotary_falls_back_where_the_kernel_does_not_apply(case, monkeypatch):
-    """A partial rotation (no neox table) and an fp8 cache take the default: rotate, then
-    ``forward`` (which writes the cache with its own kernel)."""
+    """A partial rotation (no neox table), an fp8 cache and ``OCTAVO_ROTARY_CACHE_WRITE=0``
+    take the default: rotate, then ``forward`` (which writes the cache with its own
+    kernel)."""
     import octavo.kernels.triton.attention as triton_attention
 
     def refuse(*args):
@@ -130,6 +131,8 @@ def test_triton_forward_rotary_falls_back_where_the_kernel_does_not_apply(case, 
     cache = batch.kv_cache
     if case == "fp8 cache":
         cache = cache.to(torch.float8_e4m3fn)
+    if case == "switched off":
+        monkeypatch.setenv("OCTAVO_ROTARY_CACHE_WRITE", "0")
     impl = TritonAttentionBackend(SMALL).make_impl(8, 2, 64, batch.scale)
     out = impl.forward_rotary(positions, rope, batch.query, batch.key, batch.value, cache,
                               batch.metadata)

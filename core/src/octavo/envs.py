@@ -134,6 +134,14 @@ def pdl() -> bool:
     return os.environ.get("OCTAVO_PDL", "1").strip() not in ("0", "false", "False")
 
 
+def rotary_cache_write() -> bool:
+    """``OCTAVO_ROTARY_CACHE_WRITE``: whether the Triton attention backend rotates the keys
+    straight into the KV cache in the rotary kernel (default yes; ``0``/``false``: the rotary
+    kernel, then the cache-write kernel; read when a layer's kernels are made; for A/B runs)."""
+    return os.environ.get("OCTAVO_ROTARY_CACHE_WRITE", "1").strip() not in ("0", "false",
+                                                                             "False")
+
+
 def cpu_pin_steps() -> bool:
     """``OCTAVO_CPU_PIN_STEPS``: whether the CPU worker pins the calling thread to its core
     while a step computes (default yes; ``0``/``false``: left alone)."""

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from octavo import envs
 from octavo.attention.base import AttentionBackend, AttentionImpl, AttentionMetadata, Rotation
 from octavo.kernels.triton.cache_write import interpreting, write_kv_cache
 from octavo.kernels.triton.decode_attention import decode_attention
@@ -134,6 +135,8 @@ class TritonAttentionImpl(AttentionImpl):
                 f"choose one of {SUPPORTED_HEAD_DIMS}"
             )
         self.config = config or TritonLaunchConfig()
+        # Whether forward_rotary takes the one-launch rotation and cache write.
+        self.rotary_cache_write = envs.rotary_cache_write()
 
     def forward(
         self,
@@ -165,9 +168,10 @@ class TritonAttentionImpl(AttentionImpl):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """The rotation and the cache write in one launch (``apply_rotary_write_kv``) where the
-        rotation is whole-head neox and the cache has the keys' dtype; else the default
-        (rotate, then ``forward``)."""
-        table = rotary.neox_table()
+        rotation is whole-head neox and the cache has the keys' dtype (and
+        ``OCTAVO_ROTARY_CACHE_WRITE`` is not ``0``); else the default (rotate, then
+        ``forward``)."""
+        table = rotary.neox_table() if self.rotary_cache_write else None
         if table is None or kv_cache.dtype != key.dtype or (not query.is_cuda
                                                               and not interpreting()):
             return super().forward_rotary(positions, rotary, query, key, value, kv_cache,
