@@ -193,7 +193,9 @@ def test_the_grammar_threads_settings_change_no_output(
         tiny_llama: Path, llm, monkeypatch, accept: str, interval_us: str) -> None:
     """Under async scheduling the grammar thread accepts in parallel or in a loop, with the
     GIL switch interval shortened while it works or not: the same greedy outputs as one step
-    at a time, and the interval is Python's own again once the step's masks are in."""
+    at a time, the grammar thread working under the short interval (but for the last steps'
+    work, which may start after the engine core went idle), and the interval Python's own again
+    once the step's masks are in."""
     import sys
 
     params = [constrained(["json", "regex", "choice", "grammar", "json"][i])
@@ -216,7 +218,10 @@ def test_the_grammar_threads_settings_change_no_output(
     got = [o.outputs[0].token_ids for o in run(other, params)]
     assert got == want
     expected = default if interval_us == "0" else 200e-6  # CPython keeps whole µs
-    assert seen and all(abs(interval - expected) < 2e-6 for interval in seen)
+    # Once no request is left the engine core restores Python's interval at once, while the
+    # grammar work of the steps still in flight (up to two) may not have started yet.
+    assert len(seen) > 2 and all(abs(interval - expected) < 2e-6 for interval in seen[:-2])
+    assert all(abs(interval - expected) < 2e-6 or interval == default for interval in seen[-2:])
     assert sys.getswitchinterval() == default
     assert_no_leaks(other)
 

@@ -1,7 +1,9 @@
 """bfloat16 Hugging Face checkpoints on the CPU backend: their linear layers run on oneDNN's
-AVX512-BF16 matmul (torch's own bf16 path, ``brg_matmul:avx512_core_bf16``), not on a float32
-copy of the weights. oneDNN reports each primitive it runs under ``ONEDNN_VERBOSE=1``, so the
-engine runs in a subprocess with it and its report is read back."""
+native-bf16 matmul (torch's own bf16 path: ``brg_matmul:avx512_core_bf16`` on AVX512-BF16
+CPUs, an ``..._amx`` kernel such as ``brg_matmul:avx10_1_512_amx`` where the CPU has AMX), not
+on a float32 copy of the weights. oneDNN reports each primitive it runs under
+``ONEDNN_VERBOSE=1``, so the engine runs in a subprocess with it and its report is read
+back."""
 
 from __future__ import annotations
 
@@ -38,5 +40,9 @@ def test_bf16_checkpoint_linears_run_on_avx512_bf16_matmuls(tmp_path):
     matmuls = [line for line in done.stdout.splitlines()
                if line.startswith("onednn_verbose") and ",exec," in line and "matmul" in line]
     assert matmuls, "no oneDNN matmul ran: " + done.stdout[-2000:]
-    assert all("avx512_core_bf16" in line and "wei:bf16" in line for line in matmuls), matmuls[:3]
+    # Each line's implementation field: "brg_matmul:avx512_core_bf16", "brg_matmul:avx10_1_512_amx".
+    implementations = [next(field for field in line.split(",") if "matmul:" in field)
+                       for line in matmuls]
+    assert all(("bf16" in impl or "amx" in impl) for impl in implementations), matmuls[:3]
+    assert all("wei:bf16" in line for line in matmuls), matmuls[:3]
 
