@@ -245,7 +245,11 @@ def test_split_k_workspace_grows_and_keeps_what_it_replaced(fresh_workspace):
 
 def test_split_k_in_kernel_sum_can_be_switched_off(fresh_workspace, monkeypatch):
     monkeypatch.setenv("OCTAVO_SKINNY_IN_KERNEL_SUM", "0")
-    plan = SkinnyOutput.make(2, 40, 16, 3, torch.bfloat16, torch.device(DEVICE))
+    skinny_gemm_module.in_kernel_sum.cache_clear()  # read once per process
+    try:
+        plan = SkinnyOutput.make(2, 40, 16, 3, torch.bfloat16, torch.device(DEVICE))
+    finally:
+        skinny_gemm_module.in_kernel_sum.cache_clear()
     assert not plan.in_kernel_sum and plan.out.dtype == torch.float32
     assert fresh_workspace.current == {}
 

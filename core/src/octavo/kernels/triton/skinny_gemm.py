@@ -140,6 +140,13 @@ class SplitKWorkspace:
 SPLIT_K_WORKSPACE = SplitKWorkspace()
 
 
+@functools.cache
+def in_kernel_sum() -> bool:
+    """``OCTAVO_SKINNY_IN_KERNEL_SUM``, read once per process (launches are on the host's hot
+    path)."""
+    return envs.skinny_in_kernel_sum()
+
+
 @dataclass(frozen=True, slots=True)
 class SkinnyOutput:
     """Where one small-M launch writes (``store_skinny_output``'s arguments)."""
@@ -161,7 +168,7 @@ class SkinnyOutput:
         """The output of an ``[M, N]`` launch of ``split`` programs per block of ``block_n``
         outputs: the workspace's in-kernel sum where it can be had."""
         workspace = (SPLIT_K_WORKSPACE.get(device, m * n, triton.cdiv(n, block_n))
-                     if split > 1 and envs.skinny_in_kernel_sum() else None)
+                     if split > 1 and in_kernel_sum() else None)
         if split == 1 or workspace is not None:
             out = torch.empty(m, n, dtype=dtype, device=device)
             sums, arrivals = workspace if workspace is not None else (out, out)
