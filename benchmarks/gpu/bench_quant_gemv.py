@@ -169,6 +169,16 @@ def sweep_configs(m: int):
                     yield SkinnyConfig(block_n, block_k, 0, warps)
 
 
+def written_by_kernel(table: dict) -> dict[str, str]:
+    """The table's ``"written_by"``, by kernel (an older table's one string is the fp8 and
+    int4 sweep's)."""
+    written_by = table.get("written_by", {})
+    if isinstance(written_by, str):
+        written_by = {kernel: written_by for kernel in table["kernels"]}
+    table["written_by"] = written_by
+    return written_by
+
+
 def write_configs(path: str, results: list[dict]) -> None:
     """Add each case's best swept config to the table at ``path`` under the key the kernels
     look up (``tune_key``: bf16 activations; int4 with groups of ``GROUP``, natural order)."""
@@ -182,9 +192,12 @@ def write_configs(path: str, results: list[dict]) -> None:
              else {"device": torch.cuda.get_device_name(), "kernels": {}})
     # What lets a GPU of the same chip without a table of its own use this one.
     table["chip"] = chip_of(torch.cuda.get_device_properties())
-    table["written_by"] = ("benchmarks/gpu/bench_quant_gemv.py --sweep (best of each case, "
-                           "CUDA-graph timing over L2-cold weight copies)")
+    how = ("benchmarks/gpu/bench_quant_gemv.py --sweep (best of each case, CUDA-graph timing "
+           "over L2-cold weight copies)")
     kernels = table["kernels"]
+    written_by = written_by_kernel(table)
+    for kernel in ("fp8_gemv", "int4_gemv"):
+        written_by[kernel] = how
     for r in results:
         key = tune_key(n=r["n"], k=r["k"], m=m_bucket(r["m"]), dtype=torch.bfloat16)
         if "fp8_best_config" in r:

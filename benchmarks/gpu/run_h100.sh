@@ -8,7 +8,7 @@
 #                                    [profile-sync] [profile-cprofile] [decode-attn-sweep]
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
-#                                    [quant-configs]
+#                                    [quant-configs] [dense-gemv]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi] [bench-structured-gil]
@@ -346,6 +346,12 @@ for stage in "${stages[@]}"; do
       # The small-M kernels (fp8 w8a16, int4 GPTQ) alone at Llama-3-8B's layer shapes, M = 1,
       # 4, 16, against bf16, the large-M paths and the weight-read floors (~3 min).
       python3 benchmarks/gpu/bench_quant_gemv.py 2>&1 | tee "$OUT/quant-kernels.log" | tail -30
+      ;;
+    dense-gemv)
+      # cuBLAS vs the one-row dense GEMV that reads its weights before it waits (PDL), each
+      # after an RMS norm, and in a layer-like chain (0.5B and 8B shapes; ~3 min).
+      (cd benchmarks/gpu && python3 bench_dense_gemv.py) 2>"$OUT/dense-gemv.err" \
+        | tee "$OUT/dense-gemv.log" | tail -14
       ;;
     bf16-gemv)
       # cuBLAS vs a Triton skinny kernel for bf16 weights at one row (0.5B and 8B shapes).

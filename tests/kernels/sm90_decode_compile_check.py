@@ -3,7 +3,9 @@
 Run as a script in a process without ``TRITON_INTERPRET`` (``test_skinny_sm90.py`` runs it in
 CI): each kernel of ``octavo.kernels.triton.pdl``'s list is lowered with ``USE_PDL`` on (as on
 an H100), the rotary kernel in both variants (plain, and rotating the keys into the cache),
-and one JSON line per kernel says whether its PTX has the grid-dependency wait and trigger.
+and one JSON line per kernel says whether its PTX has the grid-dependency wait and trigger,
+and how many global loads come before the wait (none but the one-row dense GEMV's weight
+tile: every other kernel waits before it reads).
 Pointers are bf16 unless named below, other arguments int32 or (named) float32.
 """
 
@@ -18,6 +20,7 @@ from octavo.kernels.triton.decode_attention import (
     _decode_partition_kernel,
     _decode_reduce_kernel,
 )
+from octavo.kernels.triton.dense_gemv import _dense_gemv_kernel
 from octavo.kernels.triton.rmsnorm import _rms_norm_kernel
 from octavo.kernels.triton.rotary import _rotary_kernel
 from triton.backends.compiler import GPUTarget
@@ -28,6 +31,7 @@ POINTER_TYPES = {
     "positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32",
     "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+    "sums_ptr": "*fp32", "arrivals_ptr": "*i32",
 }
 FLOATS = {"eps", "scale_log2", "soft_cap", "v_scale", "k_inv_scale", "v_inv_scale"}
 
@@ -49,6 +53,12 @@ CASES = [
     ("decode reduce", _decode_reduce_kernel,
      {"BLOCK_N": 64, "BLOCK_P": 16, "HEAD_DIM_PADDED": 128, "SLIDING": False}),
     ("silu_and_mul", _silu_and_mul_kernel, {"BLOCK": 1024, "EMULATE_BF16": False}),
+    ("dense_gemv", _dense_gemv_kernel,
+     {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
+      "EARLY_TRIGGER": True}),
+    ("dense_gemv late trigger, split", _dense_gemv_kernel,
+     {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 4, "IN_KERNEL_SUM": True,
+      "EARLY_TRIGGER": False}),
 ]
 
 
@@ -70,8 +80,10 @@ def main() -> None:
         source = ASTSource(fn=fn, signature=signature_of(fn, constexprs), constexprs=constexprs)
         kernel = triton.compile(source, target=TARGET, options={"num_warps": 4})
         ptx = kernel.asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
         print(json.dumps({"kernel": name, "grid_dependency_control": all(
-            op in ptx for op in ("griddepcontrol.launch_dependents", "griddepcontrol.wait"))}))
+            op in ptx for op in ("griddepcontrol.launch_dependents", "griddepcontrol.wait")),
+            "loads_before_wait": ptx[:wait].count("ld.global") if wait >= 0 else None}))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ def test_skinny_kernels_compile_for_sm90_without_barriers_in_one_row_loops():
 def test_decode_kernels_compile_for_sm90_with_programmatic_dependent_launch():
     """Every kernel ``octavo.kernels.triton.pdl`` launches with PDL compiles for an H100 with
     the grid-dependency wait and trigger in (``sm90_decode_compile_check.py``), the rotary
-    kernel also in its variant that rotates the keys into the cache."""
+    kernel also in its variant that rotates the keys into the cache, and only the dense GEMV
+    loads anything before its wait."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     script = Path(__file__).with_name("sm90_decode_compile_check.py")
@@ -71,5 +72,8 @@ def test_decode_kernels_compile_for_sm90_with_programmatic_dependent_launch():
     kernels = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [k["kernel"] for k in kernels] == [
         "rms_norm", "rotary", "rotary+cache write", "write_kv", "decode partition",
-        "decode reduce", "silu_and_mul"]
+        "decode reduce", "silu_and_mul", "dense_gemv", "dense_gemv late trigger, split"]
     assert all(k["grid_dependency_control"] for k in kernels), kernels
+    # The dense GEMV's weight tile is read before the wait; nothing else reads before it.
+    assert {k["kernel"]: k["loads_before_wait"] > 0 for k in kernels} == {
+        k["kernel"]: k["kernel"].startswith("dense_gemv") for k in kernels}

@@ -35,7 +35,8 @@ from octavo.kernels.triton.skinny_gemm import (
     chip_of,
     choose_split_k,
     config_table_path,
-    find_config_table,
+    find_config_tables,
+    merge_config_tables,
     read_config_table,
     tune_key,
 )
@@ -302,24 +303,37 @@ def test_config_tables_round_trip_and_bad_files_name_themselves(tmp_path):
         "skinny_NVIDIA_H100_80GB_HBM3.json"
 
 
-def test_a_gpu_without_a_table_takes_one_of_the_same_chip(tmp_path):
-    """Its own table first; else one recorded for the same compute capability and SM count
-    (an H200 takes the H100's); no table for another chip, nor one that records none."""
+def test_a_gpu_takes_its_own_table_then_those_of_the_same_chip(tmp_path):
+    """Its own table first, then those recorded for the same compute capability and SM count
+    (an H200 takes the H100's); none for another chip, nor one that records none."""
     hopper = {"compute_capability": "9.0", "multi_processor_count": 132}
     h100 = tmp_path / "skinny_NVIDIA_H100_80GB_HBM3.json"
     h100.write_text(json.dumps({"chip": hopper, "kernels": {}}))
     (tmp_path / "skinny_Unrecorded_GPU.json").write_text(json.dumps({"kernels": {}}))
-    assert find_config_table("NVIDIA H100 80GB HBM3", hopper, tmp_path) == (h100, True)
-    assert find_config_table("NVIDIA H200", hopper, tmp_path) == (h100, False)
+    assert find_config_tables("NVIDIA H100 80GB HBM3", hopper, tmp_path) == [(h100, True)]
+    assert find_config_tables("NVIDIA H200", hopper, tmp_path) == [(h100, False)]
     h100_pcie = {"compute_capability": "9.0", "multi_processor_count": 114}
-    assert find_config_table("NVIDIA H100 PCIe", h100_pcie, tmp_path) is None
+    assert find_config_tables("NVIDIA H100 PCIe", h100_pcie, tmp_path) == []
     h200 = tmp_path / "skinny_NVIDIA_H200.json"
     h200.write_text(json.dumps({"chip": hopper, "kernels": {}}))
-    assert find_config_table("NVIDIA H200", hopper, tmp_path) == (h200, True)
+    assert find_config_tables("NVIDIA H200", hopper, tmp_path) == [(h200, True), (h100, False)]
+    assert find_config_tables("NVIDIA H100 80GB HBM3", hopper, tmp_path) == \
+        [(h100, True), (h200, False)]
     (tmp_path / "skinny_Broken.json").write_text("{")
     with pytest.raises(ValueError, match="skinny_Broken.json"):
-        find_config_table("NVIDIA A100-SXM4-80GB", {"compute_capability": "8.0",
-                                                    "multi_processor_count": 108}, tmp_path)
+        find_config_tables("NVIDIA A100-SXM4-80GB", {"compute_capability": "8.0",
+                                                     "multi_processor_count": 108}, tmp_path)
+
+
+def test_merged_tables_keep_the_first_config_of_a_case_and_every_other_case():
+    own = {"dense_gemv": {"a": SkinnyConfig(4, 1024)}, "int4_gemv": {"b": SkinnyConfig(64, 128)}}
+    mate = {"int4_gemv": {"b": SkinnyConfig(256, 32), "c": SkinnyConfig(128, 128)},
+            "fp8_gemv": {"d": SkinnyConfig(16, 512)}}
+    assert merge_config_tables([own, mate]) == {
+        "dense_gemv": {"a": SkinnyConfig(4, 1024)},
+        "int4_gemv": {"b": SkinnyConfig(64, 128), "c": SkinnyConfig(128, 128)},
+        "fp8_gemv": {"d": SkinnyConfig(16, 512)}}
+    assert merge_config_tables([]) == {}
 
 
 def test_chip_of_reads_the_device_properties():
@@ -340,7 +354,7 @@ def test_shipped_config_tables_parse_and_name_known_kernels_and_cases():
     tables = sorted(CONFIG_DIR.glob("skinny_*.json"))
     for path in tables:
         for kernel, entries in read_config_table(path).items():
-            assert kernel in {"fp8_gemv", "int4_gemv", "gguf_gemv"}, (path, kernel)
+            assert kernel in {"fp8_gemv", "int4_gemv", "gguf_gemv", "dense_gemv"}, (path, kernel)
             for key in entries:
                 fields = dict(field.split("=") for field in key.split(","))
                 assert list(fields)[:4] == ["n", "k", "m", "dtype"], (path, key)

@@ -93,6 +93,34 @@ def test_bf16_logprobs_close_to_hf(model_dir):
         assert abs(output.outputs[0].logprobs[0][first].logprob - ref[-1, first].item()) < 0.08
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # qwen2: a qkv bias
+def test_bf16_batch_of_one_decode_close_to_hf(arch, tmp_path):
+    """Batch-1 decode steps in bfloat16, where dense layers run the one-row GEMV
+    (``octavo.kernels.dense``) on GPUs with PDL: each generated token's logprob against HF's
+    on the same sequence (teacher-forced), as the prefill logprobs above."""
+    from octavo.kernels.dense import uses_one_row_kernel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = make_tiny_model(tmp_path / arch, arch, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2)
+    one_row = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.zeros(512, 256, device="cuda", dtype=torch.bfloat16)
+    assert uses_one_row_kernel(one_row, weight, None) == (
+        torch.cuda.get_device_capability()[0] >= 9)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_gpu_blocks_override=256)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    for prompt in PROMPTS[:2]:
+        output = llm.generate(prompt, _greedy(16, logprobs=0), use_tqdm=False)[0].outputs[0]
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.cuda()
+        sequence = torch.cat([ids, torch.tensor([output.token_ids], device="cuda")], dim=1)
+        ref = torch.log_softmax(hf(sequence).logits[0].float(), dim=-1)
+        for step, (token, logprobs) in enumerate(zip(output.token_ids, output.logprobs)):
+            expected = ref[ids.shape[1] - 1 + step, token].item()
+            assert abs(logprobs[token].logprob - expected) < 0.08, (prompt, step)
+    assert _free_all(llm)
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,

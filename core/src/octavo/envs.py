@@ -15,6 +15,7 @@
 | ``OCTAVO_SKINNY_IN_KERNEL_SUM`` | ``0``: split-K launches of the small-M Triton kernels add into a zeroed float32 output and cast it after, instead of summing in the kernel through a per-device workspace (read once per process; default ``1``; for A/B runs) |
 | ``OCTAVO_PDL`` | ``0``: the decode step's Triton kernels launch in plain stream order instead of with programmatic dependent launch on compute capability 9.0+ (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_ROTARY_CACHE_WRITE`` | ``0``: the Triton attention backend rotates the keys, then writes the cache, in two kernels instead of one (``apply_rotary_write_kv``; read when a layer's kernels are made; default ``1``) |
+| ``OCTAVO_DENSE_GEMV`` | ``0``: dense (unquantized) linear layers at one row run ``F.linear`` (cuBLAS) instead of the Triton one-row GEMV that reads its weights before it waits for the kernel before it (``octavo.kernels.dense``; compute capability 9.0+ with PDL on; read once per process; default ``1``) |
 | ``OCTAVO_CPU_PIN_STEPS`` | ``0`` leaves the CPU backend's calling thread unpinned during steps (``octavo_cpu.threads``; default ``1``: pinned to its core while a step computes) |
 | ``OCTAVO_CPU_ATTENTION_HEAD_TILES`` | ``0`` turns off the CPU decode attention's head tiles (all KV heads of a sequence in one tile; read by the C++ kernels once per process; default ``1``) |
 | ``OCTAVO_ALLOW_RUNTIME_LORA_UPDATING`` | ``1`` adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` to ``octavo serve`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) |
@@ -144,6 +145,13 @@ def rotary_cache_write() -> bool:
     kernel, then the cache-write kernel; read when a layer's kernels are made; for A/B runs)."""
     return os.environ.get("OCTAVO_ROTARY_CACHE_WRITE", "1").strip() not in ("0", "false",
                                                                              "False")
+
+
+def dense_gemv() -> bool:
+    """``OCTAVO_DENSE_GEMV``: whether dense linear layers at one row use the Triton one-row
+    GEMV where it is on (CUDA compute capability 9.0+ with PDL; default yes; ``0``/``false``:
+    ``F.linear``; ``octavo.kernels.dense``; for A/B runs)."""
+    return os.environ.get("OCTAVO_DENSE_GEMV", "1").strip() not in ("0", "false", "False")
 
 
 def cpu_pin_steps() -> bool:

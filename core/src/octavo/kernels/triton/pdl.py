@@ -11,9 +11,11 @@ decode steps keep the overlap.
 
 Launched so: the RMS norms, rotary (and its variant that rotates the keys into the cache),
 the KV-cache write, the decode attention's partition and reduce kernels, SiLU-and-mul
-(``tests/kernels/sm90_decode_compile_check.py`` compiles each for sm_90). Not the small-M
-GEMV kernels (``fp8_gemv``, ``int4_gemv``, ``gguf_gemv``): with them too the Llama-3-8B
-int4 step was slower, not faster (docs/benchmarks.md).
+(``tests/kernels/sm90_decode_compile_check.py`` compiles each for sm_90), and the one-row
+dense GEMV (``octavo.kernels.triton.dense_gemv``), which loads its first weight tile before
+its wait (weights are never written in a step). Not the small-M quantized GEMV kernels
+(``fp8_gemv``, ``int4_gemv``, ``gguf_gemv``): waiting first, as the others do, the
+Llama-3-8B int4 step was slower, not faster (docs/benchmarks.md).
 
 Contract for a kernel launched with ``**pdl_launch(device)``: it takes ``USE_PDL:
 tl.constexpr`` and calls ``pdl_begin(USE_PDL)`` before it loads anything a kernel may have

@@ -19,7 +19,8 @@ a cast after made three); with 1 they store the result directly. ``split_k = 0``
    token on the 8B shape (docs/benchmarks.md). A GPU without a table of its own takes the
    table of another GPU of the same chip (the same compute capability and number of SMs, as
    the H200 and the H100: their kernels differ only in memory speed), which a table records
-   under ``"chip"``. ``OCTAVO_SKINNY_CONFIG_TABLES=0`` ignores the tables;
+   under ``"chip"``; where both exist, a case missing from the GPU's own table is taken from
+   the other's. ``OCTAVO_SKINNY_CONFIG_TABLES=0`` ignores the tables;
 2. else the first time the shape is seen outside CUDA-graph capture, by timing a few
    candidates (whole calls, on a flushed L2 via
    ``triton.testing.do_bench``), kept for the process;
@@ -225,22 +226,37 @@ def chip_of(properties: Any) -> dict[str, object]:
             "multi_processor_count": properties.multi_processor_count}
 
 
-def find_config_table(device_name: str, chip: dict[str, object],
-                      config_dir: Path = CONFIG_DIR) -> tuple[Path, bool] | None:
-    """The table for a GPU named ``device_name`` whose ``chip_of`` is ``chip``: its own, else
-    the first (by file name) of another GPU of the same chip; ``(path, is_its_own)``, or None.
-    A table that does not parse is an error naming it (``read_config_table``)."""
+def find_config_tables(device_name: str, chip: dict[str, object],
+                       config_dir: Path = CONFIG_DIR) -> list[tuple[Path, bool]]:
+    """The tables for a GPU named ``device_name`` whose ``chip_of`` is ``chip``, in the order
+    their cases count: its own first, then (by file name) those of other GPUs of the same
+    chip; each as ``(path, is_its_own)``. A table that does not parse is an error naming it
+    (``read_config_table``)."""
     own = config_dir / config_table_path(device_name).name
-    if own.is_file():
-        return own, True
+    found = [(own, True)] if own.is_file() else []
     for path in sorted(config_dir.glob("skinny_*.json")):
+        if path == own:
+            continue
         try:
             recorded = json.loads(path.read_text()).get("chip")
         except (OSError, ValueError) as exc:
             raise _unreadable(path, exc) from exc
         if recorded == chip:
-            return path, False
-    return None
+            found.append((path, False))
+    return found
+
+
+def merge_config_tables(
+        tables: Sequence[dict[str, dict[str, SkinnyConfig]]]) -> dict[str, dict[str, SkinnyConfig]]:
+    """One table of every case in ``tables``; a case in several takes the first one's config
+    (a GPU's own sweep over its chip-mates'; kernels swept on only one of them still count)."""
+    merged: dict[str, dict[str, SkinnyConfig]] = {}
+    for table in tables:
+        for kernel, entries in table.items():
+            into = merged.setdefault(kernel, {})
+            for key, config in entries.items():
+                into.setdefault(key, config)
+    return merged
 
 
 @functools.cache
@@ -249,19 +265,16 @@ def _device_table(device_index: int) -> dict[str, dict[str, SkinnyConfig]]:
         return {}
     name = torch.cuda.get_device_name(device_index)
     chip = chip_of(torch.cuda.get_device_properties(device_index))
-    found = find_config_table(name, chip)
-    if found is None:
-        return {}
-    path, own = found
-    table = read_config_table(path)
-    cases = sum(len(entries) for entries in table.values())
-    if own:
-        logger.info("small-M kernels: launch configs from %s (%d cases)", path.name, cases)
-    else:
-        logger.info("small-M kernels: launch configs from %s (%d cases): %s has no table of "
-                    "its own, and that one was tuned on the same chip (compute capability "
-                    "%s, %s SMs)", path.name, cases, name, chip["compute_capability"],
-                    chip["multi_processor_count"])
+    found = find_config_tables(name, chip)
+    table = merge_config_tables([read_config_table(path) for path, _ in found])
+    for path, own in found:
+        if own:
+            logger.info("small-M kernels: launch configs from %s", path.name)
+        else:
+            logger.info("small-M kernels: launch configs from %s for cases %s has none of its "
+                        "own (tuned on the same chip: compute capability %s, %s SMs)",
+                        path.name, name, chip["compute_capability"],
+                        chip["multi_processor_count"])
     return table
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from octavo.kernels.dense import dense_linear
 from octavo.model_executor.layers.weights import DENSE_LAYOUT, ParamLayout, set_layout
 
 
@@ -161,7 +161,8 @@ def replace_param(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A dense weight ``[output_size, input_size]`` in the model dtype; ``F.linear``."""
+    """A dense weight ``[output_size, input_size]`` in the model dtype; ``F.linear``, or a
+    one-row GEMV at batch 1 where it is faster (``octavo.kernels.dense``)."""
 
     def create_weights(self, layer: nn.Module, shape: LinearShape) -> None:
         add_param(layer, "weight", torch.empty(shape.output_size, shape.input_size,
@@ -169,4 +170,4 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)

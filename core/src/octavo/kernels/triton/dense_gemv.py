@@ -1,0 +1,159 @@
+"""One-row GEMV for dense (bfloat16 / float16) weights that reads its weights while the kernel
+before it still runs: ``x @ W^T (+ bias)`` for ``x`` ``[1, K]``.
+
+At batch 1 a decode step is a chain of small kernels, and cuBLAS's GEMVs at a 0.5B model's
+shapes take 4-7 µs each for weights that the memory reads in 0.4-4 µs
+(docs/benchmarks.md): the launch, the first round trip to memory and the reduction are
+exposed, one kernel after another. Nothing in a step writes the weights, so with
+programmatic dependent launch (``octavo.kernels.triton.pdl``) this kernel loads its first
+``[BLOCK_N, BLOCK_K]`` weight tile *before* it waits for the kernel before it (the RMS norm,
+the attention, SiLU-and-mul that produce ``x``): the read overlaps that kernel, and what is
+left after the wait is ``x``'s load (from L2), the products and the store. Programs whose
+whole K range fits in one tile (the 0.5B shapes) have all their weights in registers by
+the time ``x`` is ready.
+
+Each program takes ``BLOCK_N`` weight rows (K contiguous: wide loads along the rows) and a
+range of K; products are summed per lane over the steps and reduced once at the end, in
+float32; split-K programs add their partial sums in the kernel
+(``octavo.kernels.triton.skinny_gemm``). The bias is added by the first split's programs.
+
+``EARLY_TRIGGER`` chooses when the next kernel may launch: with the wait, once the first tile's loads are issued (the default:
+in the chain benchmark it was as fast or faster at 6 of 8 shapes) or after the K loop (its
+programs then take no SM slots while this GEMV's later waves still need them).
+
+Reference: ``torch.nn.functional.linear`` in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from octavo.kernels.triton.cache_write import store_skinny_output
+from octavo.kernels.triton.pdl import pdl_launch
+from octavo.kernels.triton.skinny_gemm import (
+    SkinnyConfig,
+    SkinnyOutput,
+    SkinnyTuner,
+    choose_split_k,
+    k_per_split,
+    tune_key,
+)
+
+TUNER = SkinnyTuner("dense_gemv")
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr,  # [1, K] activations
+    w_ptr,  # [N, K] weights, rows contiguous
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    out_ptr,  # [1, N] in x's dtype (float32 zeros: a split without a workspace)
+    sums_ptr,  # float32 split-K workspace (store_skinny_output)
+    arrivals_ptr,  # int32 arrival counts per block of outputs
+    N,
+    K,
+    k_split,  # inputs per split, a multiple of BLOCK_K
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    IN_KERNEL_SUM: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,  # let the next kernel launch before the K loop, not after
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    k_start = pid_k * k_split
+    k_end = tl.minimum(k_start + k_split, K)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_end
+    # The first tile before the wait: no kernel of the step writes the weights.
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if USE_PDL:
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    # x as a [BLOCK_N, BLOCK_K] broadcast (repeats hit L1): w's register layout, no shuffle
+    # through shared memory.
+    x = tl.load(x_ptr + offs_k[None, :] + offs_n[:, None] * 0, mask=k_mask[None, :], other=0.0)
+    acc_lanes = w.to(tl.float32) * x.to(tl.float32)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        x = tl.load(x_ptr + offs_k[None, :] + offs_n[:, None] * 0, mask=k_mask[None, :],
+                    other=0.0)
+        acc_lanes += w.to(tl.float32) * x.to(tl.float32)
+    if USE_PDL and not EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.sum(acc_lanes, axis=1)  # [BLOCK_N]
+    if HAS_BIAS:  # noqa: SIM102  (a compile-time branch around a run-time one)
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    store_skinny_output(out_ptr, acc, tl.arange(0, 1), tl.arange(0, 1) < 1, offs_n, n_mask, N,
+                        1, SPLIT_K, sums_ptr, arrivals_ptr, IN_KERNEL_SUM)
+
+
+def default_config(n: int, k: int) -> SkinnyConfig:
+    """The untuned launch: 8 rows x 1024 inputs (16 KiB of bfloat16) per program and step."""
+    return SkinnyConfig(block_n=8, block_k=1024)
+
+
+def candidate_configs() -> list[SkinnyConfig]:
+    """What the tuner times."""
+    return [SkinnyConfig(8, 1024), SkinnyConfig(4, 1024), SkinnyConfig(16, 512),
+            SkinnyConfig(8, 512), SkinnyConfig(16, 1024, num_warps=8),
+            SkinnyConfig(32, 256), SkinnyConfig(4, 2048, num_warps=8),
+            SkinnyConfig(8, 1024, split_k=1), SkinnyConfig(4, 1024, split_k=1),
+            SkinnyConfig(8, 1024, split_k=4), SkinnyConfig(16, 512, split_k=8)]
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           config: SkinnyConfig, early_trigger: bool = True,
+           use_pdl: bool | None = None) -> torch.Tensor:
+    """One launch with ``config`` (``use_pdl=None``: as ``pdl_launch`` says for the device)."""
+    n, k = weight.shape
+    split = choose_split_k(n, k, config, x.device)
+    out = SkinnyOutput.make(1, n, config.block_n, split, x.dtype, x.device)
+    pdl = pdl_launch(x.device)
+    if use_pdl is False:
+        pdl = {"USE_PDL": False}
+    grid = (triton.cdiv(n, config.block_n), split)
+    _dense_gemv_kernel[grid](
+        x, weight, bias if bias is not None else weight, out.out, out.sums, out.arrivals, n, k,
+        k_per_split(k, split, config.block_k), weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum, EARLY_TRIGGER=early_trigger,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+    )
+    return out.result()
+
+
+def dense_gemv(
+    x: torch.Tensor,  # [1, K] bfloat16 / float16
+    weight: torch.Tensor,  # [N, K] in x's dtype, rows contiguous
+    bias: torch.Tensor | None = None,  # [N] or None
+    config: SkinnyConfig | None = None,  # None: table, tuned (GPU) or default_config
+) -> torch.Tensor:  # [1, N] in x's dtype
+    """``x @ weight^T + bias`` for one row (module docstring)."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1] \
+            or weight.dtype != x.dtype or weight.stride(1) != 1:
+        raise ValueError(f"dense_gemv: x {tuple(x.shape)} {x.dtype} and weight "
+                         f"{tuple(weight.shape)} {weight.dtype} are not one [1, K] row and a "
+                         "row-contiguous [N, K] weight of its dtype")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"dense_gemv: bias {tuple(bias.shape)} for {weight.shape[0]} outputs")
+    x = x.contiguous()
+    n, k = weight.shape
+    if config is None:
+        config = TUNER.choose(tune_key(n=n, k=k, m=1, dtype=x.dtype), x.device,
+                              default_config(n, k), candidate_configs(),
+                              lambda c: launch(x, weight, bias, c))
+    return launch(x, weight, bias, config)
