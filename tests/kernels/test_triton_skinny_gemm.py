@@ -193,10 +193,11 @@ def fresh_workspace(monkeypatch):
 
 
 def test_split_k_sums_in_the_kernel_and_leaves_the_workspace_at_zero(fresh_workspace):
-    """Launches of different shapes one after another share the workspace: each result is
-    right and each leaves the sums and the arrival counts at zero for the next."""
+    """One-row launches of different shapes one after another share the workspace (a
+    several-row launch between them adds into its own float32 output): each result is right
+    and each leaves the sums and the arrival counts at zero for the next."""
     config = SkinnyConfig(block_n=16, block_k=32, split_k=3)
-    for n, k, m in [(40, 200, 1), (72, 130, 5), (40, 200, 16)]:
+    for n, k, m in [(40, 200, 1), (72, 130, 1), (40, 200, 5), (24, 64, 1)]:
         weight, scale = (t.to(DEVICE) for t in fp8_weight(n, k, seed=n))
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
         out = fp8_gemv(x, weight, scale, config)
@@ -215,9 +216,9 @@ def test_split_k_during_capture_without_a_workspace_zeroes_and_casts(fresh_works
     adds into a zeroed float32 output and casts it, with the same sums."""
     config = SkinnyConfig(block_n=16, block_k=32, split_k=3)
     weight, scale = (t.to(DEVICE) for t in fp8_weight(40, 200))
-    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x = torch.randn(1, 200, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     monkeypatch.setattr(skinny_gemm_module, "capturing", lambda device: True)
-    plan = SkinnyOutput.make(3, 40, 16, 3, torch.bfloat16, x.device)
+    plan = SkinnyOutput.make(1, 40, 16, 3, torch.bfloat16, x.device)
     assert not plan.in_kernel_sum and plan.out.dtype == torch.float32
     assert fresh_workspace.current == {}
     without = [fp8_gemv(x.to(dtype), weight, scale, config)
@@ -231,6 +232,13 @@ def test_split_k_during_capture_without_a_workspace_zeroes_and_casts(fresh_works
     # (the interpreter's rounding may differ from torch's by one unit).
     assert with_workspace[1].dtype == without[1].dtype == torch.bfloat16
     assert relative_error(with_workspace[1], without[1]) < TOLERANCES[torch.bfloat16][1]
+
+
+def test_split_k_of_several_rows_adds_into_a_zeroed_float32_output(fresh_workspace):
+    plan = SkinnyOutput.make(4, 40, 16, 3, torch.bfloat16, torch.device(DEVICE))
+    assert not plan.in_kernel_sum and plan.out.dtype == torch.float32
+    assert fresh_workspace.current == {}
+    assert SkinnyOutput.make(1, 40, 16, 3, torch.bfloat16, torch.device(DEVICE)).in_kernel_sum
 
 
 def test_split_k_workspace_grows_and_keeps_what_it_replaced(fresh_workspace):
@@ -248,7 +256,7 @@ def test_split_k_in_kernel_sum_can_be_switched_off(fresh_workspace, monkeypatch)
     monkeypatch.setenv("OCTAVO_SKINNY_IN_KERNEL_SUM", "0")
     skinny_gemm_module.in_kernel_sum.cache_clear()  # read once per process
     try:
-        plan = SkinnyOutput.make(2, 40, 16, 3, torch.bfloat16, torch.device(DEVICE))
+        plan = SkinnyOutput.make(1, 40, 16, 3, torch.bfloat16, torch.device(DEVICE))
     finally:
         skinny_gemm_module.in_kernel_sum.cache_clear()
     assert not plan.in_kernel_sum and plan.out.dtype == torch.float32
@@ -460,7 +468,8 @@ def test_int4_gemv_one_row_inline_asm_equals_the_plain_triton_unpacking_on_gpu(d
 def test_split_k_in_kernel_sums_stay_right_over_many_launches_and_replays_on_gpu(m):
     """On the GPU the programs of a split really race: 200 launches of 16-way splits at
     Llama-3-8B shapes, eagerly and replayed from one captured graph, each within the
-    reference's tolerance, and the workspace back at zero after them."""
+    reference's tolerance, and the workspace back at zero after them (summed in the kernel
+    at one row, into a zeroed float32 output at four)."""
     config = SkinnyConfig(64, 128, split_k=16)
     qweight, scales, zeros, _ = (t.cuda() if t is not None else None
                                  for t in full_size_int4(4096, 4096, False))
