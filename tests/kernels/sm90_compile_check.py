@@ -33,7 +33,7 @@ FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr
            "sums_ptr": "*fp32", "arrivals_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
            "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "IN_KERNEL_SUM": "constexpr",
-           "UPCAST_DOT": "constexpr"}
+           "UPCAST_DOT": "constexpr", "USE_PDL": "constexpr"}
 INT4_SIG = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp16", "zeros_ptr": "*fp16",
             "g_idx_ptr": "*i32", "out_ptr": "*bf16", "sums_ptr": "*fp32",
             "arrivals_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
@@ -44,11 +44,11 @@ ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "sums_ptr", "arrivals_ptr",
 
 
 def int4_constexprs(m: int, config: SkinnyConfig, has_g_idx: bool = False, split: int = 2,
-                    dtype: torch.dtype = torch.bfloat16) -> dict:
+                    dtype: torch.dtype = torch.bfloat16, use_pdl: bool = False) -> dict:
     """What a launch of ``int4_gemv`` at N = K = 4096, group 128, with ``m`` rows compiles
     (a split summed in the kernel, as launches with the workspace are)."""
     x = torch.empty(m, 4096, dtype=dtype)  # on the CPU: only its dtype and alignment count
-    return {**kernel_constexprs(x, 4096, 4096, 128, has_g_idx, config, split),
+    return {**kernel_constexprs(x, 4096, 4096, 128, has_g_idx, config, split, use_pdl),
             "IN_KERNEL_SUM": split > 1}
 
 
@@ -103,7 +103,11 @@ def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> di
     kernel = compile_kernel(fn, signature, constexprs, num_warps)
     body = loop_body(kernel.asm["ptx"])
     code = sass(kernel)
-    return {"loop_barriers": body.count("bar.sync"),
+    ptx = kernel.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    return {"grid_dependency_control": "griddepcontrol.launch_dependents" in ptx and wait >= 0,
+            "loads_before_wait": ptx[:wait].count("ld.global") if wait >= 0 else None,
+            "loop_barriers": body.count("bar.sync"),
             "loop_global_loads": len(re.findall(r"ld\.global", body)),
             "loop_vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body)),
             "local_memory_ops": sum(op in ("LDL", "STL") for op in sass_opcodes(code)),
@@ -111,15 +115,18 @@ def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> di
 
 
 def main() -> None:
-    for block_m in (1, 16):
+    # (rows, launched with PDL): PDL is for one row only (octavo.kernels.triton.pdl)
+    for block_m, use_pdl in ((1, False), (1, True), (16, False)):
         consts = {"BLOCK_M": block_m, "BLOCK_N": 16 if block_m == 1 else 32,
                   "BLOCK_K": 512 if block_m == 1 else 256, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
-                  "UPCAST_DOT": False}
+                  "UPCAST_DOT": False, "USE_PDL": use_pdl}
         print(json.dumps({"kernel": "fp8_gemv", **consts,
                           **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
         for has_g_idx in (False, True):
+            if use_pdl and has_g_idx:
+                continue  # act-order launches without PDL
             config = SkinnyConfig(128 if block_m == 1 else 64, 128)
-            consts = int4_constexprs(block_m, config, has_g_idx)
+            consts = int4_constexprs(block_m, config, has_g_idx, use_pdl=use_pdl)
             signature = INT4_SIG  # split-K summed in the kernel: bf16 out, float32 sums
             print(json.dumps({"kernel": "int4_gemv", **consts,
                               **compile_variant(_int4_gemv_kernel, signature, consts, 4)}))

@@ -7,6 +7,8 @@ without the interpreter).
   tile's register layout, not shuffled through shared memory each step;
 - the weight loads are 16-byte vectors (``ld.global.v4.b32``);
 - no register spills (no local-memory instructions in the SASS);
+- at one row, launched with PDL: the first step's weight loads come before the grid-dependency
+  wait, and the loops keep the properties above;
 - the int4 one-row K loop stays under 3.6 SASS instructions per weight (it was ~5.5 before
   the ``prmt`` nibble unpacking; ~5 is where an H100 stops keeping up with memory).
 """
@@ -44,9 +46,15 @@ def test_skinny_kernels_compile_for_sm90_without_barriers_in_one_row_loops():
                           env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     variants = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(variants) == 6, done.stdout
+    assert len(variants) == 8, done.stdout
+    assert sum(v["USE_PDL"] for v in variants) == 2  # fp8 and int4 at one row
     for variant in variants:
         assert variant["local_memory_ops"] == 0, variant
+        # With PDL: the grid-dependency trigger and wait, the first step's weights loaded
+        # before the wait; without: neither.
+        assert variant["grid_dependency_control"] == variant["USE_PDL"], variant
+        assert (variant["loads_before_wait"] or 0) > 0 if variant["USE_PDL"] else \
+            variant["loads_before_wait"] is None, variant
         if variant["BLOCK_M"] == 1:
             assert variant["loop_barriers"] == 0, variant
             assert variant["loop_vector_loads"] >= 1, variant

@@ -16,8 +16,10 @@ from octavo.kernels.triton.pdl import pdl_launch
 def fresh_choice():
     """Each test decides anew (the choice is read once per process)."""
     pdl_module._launch_for.cache_clear()
+    pdl_module._skinny_on.cache_clear()
     yield
     pdl_module._launch_for.cache_clear()
+    pdl_module._skinny_on.cache_clear()
 
 
 def test_off_on_the_cpu():
@@ -44,6 +46,22 @@ def test_on_for_cuda_gpus_of_compute_capability_9_and_later(fresh_choice, monkey
         monkeypatch.setenv("OCTAVO_PDL", env)
     expected = {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
     assert pdl_launch(torch.device("cuda", 0)) == expected
+
+
+@pytest.mark.parametrize("rows, env, on", [(1, None, True), (2, None, False), (16, None, False),
+                                           (1, "0", False), (0, None, False)])
+def test_small_m_kernels_launch_with_pdl_at_one_row_only(fresh_choice, monkeypatch, rows, env,
+                                                          on):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(cache_write, "interpreting", lambda: False)
+    monkeypatch.delenv("OCTAVO_PDL", raising=False)
+    if env is None:
+        monkeypatch.delenv("OCTAVO_SKINNY_PDL", raising=False)
+    else:
+        monkeypatch.setenv("OCTAVO_SKINNY_PDL", env)
+    expected = {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+    assert pdl_module.skinny_pdl_launch(torch.device("cuda", 0), rows) == expected
 
 
 def _chain(x: torch.Tensor, weight: torch.Tensor, steps: int) -> list[torch.Tensor]:

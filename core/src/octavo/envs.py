@@ -15,6 +15,7 @@
 | ``OCTAVO_SKINNY_IN_KERNEL_SUM`` | ``0``: split-K launches of the small-M Triton kernels add into a zeroed float32 output and cast it after, instead of summing in the kernel through a per-device workspace (read once per process; default ``1``; for A/B runs) |
 | ``OCTAVO_PDL`` | ``0``: the decode step's Triton kernels launch in plain stream order instead of with programmatic dependent launch on compute capability 9.0+ (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_ROTARY_CACHE_WRITE`` | ``0``: the Triton attention backend rotates the keys, then writes the cache, in two kernels instead of one (``apply_rotary_write_kv``; read when a layer's kernels are made; default ``1``) |
+| ``OCTAVO_SKINNY_PDL`` | ``0``: ``fp8_gemv`` and ``int4_gemv`` at one row launch in plain stream order instead of with PDL, loading their first step's weights before they wait (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_DENSE_GEMV`` | ``0``: dense (unquantized) linear layers at one row run ``F.linear`` (cuBLAS) instead of the Triton one-row GEMV that reads its weights before it waits for the kernel before it (``octavo.kernels.dense``; compute capability 9.0+ with PDL on; read once per process; default ``1``) |
 | ``OCTAVO_CPU_PIN_STEPS`` | ``0`` leaves the CPU backend's calling thread unpinned during steps (``octavo_cpu.threads``; default ``1``: pinned to its core while a step computes) |
 | ``OCTAVO_CPU_ATTENTION_HEAD_TILES`` | ``0`` turns off the CPU decode attention's head tiles (all KV heads of a sequence in one tile; read by the C++ kernels once per process; default ``1``) |
@@ -121,6 +122,14 @@ def skinny_config_tables() -> bool:
     configs from the GPU's table when it has one (default yes; ``0``/``false``: timed)."""
     return os.environ.get("OCTAVO_SKINNY_CONFIG_TABLES", "1").strip() not in ("0", "false",
                                                                                "False")
+
+
+def skinny_pdl() -> bool:
+    """``OCTAVO_SKINNY_PDL``: whether ``fp8_gemv`` and ``int4_gemv`` at one row launch with
+    programmatic dependent launch where the other decode kernels do, loading their first
+    step's weights before they wait (default yes; ``0``/``false``: plain stream order;
+    ``octavo.kernels.triton.pdl``; read once per process; for A/B runs)."""
+    return os.environ.get("OCTAVO_SKINNY_PDL", "1").strip() not in ("0", "false", "False")
 
 
 def skinny_in_kernel_sum() -> bool:

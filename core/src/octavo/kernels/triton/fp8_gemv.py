@@ -11,7 +11,9 @@ e4m3 tile (exact in bf16/fp16/fp32) and accumulates in float32:
 - one row (``M == 1``): ``acc[n] += sum_k W[n, k] * x[k]`` elementwise, no tensor cores;
 - 2 to 16 rows: ``tl.dot`` of the rows (padded to a 16-row block) with the upcast tile.
 
-The per-channel scale multiplies the sums once at the end. Split-K programs add partial sums
+The per-channel scale multiplies the sums once at the end. At one row on GPUs with PDL the
+first step's weights are loaded before the kernel waits for the one before it
+(``octavo.kernels.triton.pdl.skinny_pdl_launch``). Split-K programs add partial sums
 with float32 atomics, summed in the kernel (``octavo.kernels.triton.skinny_gemm``).
 
 Reference: ``octavo.kernels.fp8.fp8_linear_reference`` (dequantize, then matmul).
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from octavo.kernels.skinny import m_bucket
 from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
+from octavo.kernels.triton.pdl import pdl_begin, skinny_pdl_launch
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyOutput,
@@ -58,6 +61,7 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     IN_KERNEL_SUM: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,  # one row: launched with PDL (octavo.kernels.triton.pdl)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -68,13 +72,24 @@ def _fp8_gemv_kernel(
     k_end = tl.minimum(k_start + k_split, K)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
+    first_k = k_start
     if BLOCK_M == 1:
         # Products summed per lane across steps, reduced over K once at the end (no
-        # cross-thread reduction inside the loop).
-        acc_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # cross-thread reduction inside the loop). The first step's weights are loaded
+        # before the PDL wait (no kernel of the step writes them): the read overlaps the
+        # kernel before.
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        pdl_begin(USE_PDL)
+        x = tl.load(x_ptr + offs_k[None, :] + offs_n[:, None] * 0, mask=k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc_lanes = w.to(tl.float32) * x
+        first_k = k_start + BLOCK_K
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(first_k, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
@@ -130,6 +145,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum, UPCAST_DOT=upcast_dot(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **skinny_pdl_launch(x.device, m),
     )
     return out.result()
 

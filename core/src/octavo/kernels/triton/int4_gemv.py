@@ -58,6 +58,7 @@ from octavo.kernels.triton.cache_write import (
     store_skinny_output,
     upcast_dot,
 )
+from octavo.kernels.triton.pdl import pdl_begin, skinny_pdl_launch
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyOutput,
@@ -189,62 +190,79 @@ def _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS: t
 
 
 @triton.jit
+def _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end, offs_r, offs_n,
+                  n_mask, N, c43, BLOCK_K: tl.constexpr, SLICE_ROWS: tl.constexpr,
+                  SLICES: tl.constexpr, GROUP_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
+                  X_BF16_PAIRS: tl.constexpr, NIBBLE_ASM: tl.constexpr):
+    """The ``[SLICE_ROWS, BLOCK_N]`` partial sums of the step at ``k0`` from its words."""
+    # Nibble-major over the slices: every slice's words are needed from the start, so
+    # ptxas issues all of a step's loads together (slice by slice, it sinks each slice's
+    # loads to just before its sums).
+    lo0 = c0 & 0x0F0F0F0F
+    hi0 = (c0 >> 4) & 0x0F0F0F0F
+    x0 = _x_of_slice(x_ptr, k0, 0, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+    xs = ((x0[0] + x0[1]) + (x0[2] + x0[3])) + ((x0[4] + x0[5]) + (x0[6] + x0[7]))
+    if SLICES > 1:
+        lo1 = c1 & 0x0F0F0F0F
+        hi1 = (c1 >> 4) & 0x0F0F0F0F
+        x1 = _x_of_slice(x_ptr, k0, 1, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+        xs += ((x1[0] + x1[1]) + (x1[2] + x1[3])) + ((x1[4] + x1[5]) + (x1[6] + x1[7]))
+    if SLICES > 2:
+        lo2 = c2 & 0x0F0F0F0F
+        hi2 = (c2 >> 4) & 0x0F0F0F0F
+        lo3 = c3 & 0x0F0F0F0F
+        hi3 = (c3 >> 4) & 0x0F0F0F0F
+        x2 = _x_of_slice(x_ptr, k0, 2, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+        x3 = _x_of_slice(x_ptr, k0, 3, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
+        xs += ((x2[0] + x2[1]) + (x2[2] + x2[3])) + ((x2[4] + x2[5]) + (x2[6] + x2[7]))
+        xs += ((x3[0] + x3[1]) + (x3[2] + x3[3])) + ((x3[4] + x3[5]) + (x3[6] + x3[7]))
+    qx = tl.zeros((SLICE_ROWS, c0.shape[1]), dtype=tl.float32)  # sum x * (128 + q)
+    for j in tl.static_range(8):
+        qx += x0[j] * _nibble_128(lo0, hi0, j, c43, NIBBLE_ASM)
+        if SLICES > 1:
+            qx += x1[j] * _nibble_128(lo1, hi1, j, c43, NIBBLE_ASM)
+        if SLICES > 2:
+            qx += x2[j] * _nibble_128(lo2, hi2, j, c43, NIBBLE_ASM)
+            qx += x3[j] * _nibble_128(lo3, hi3, j, c43, NIBBLE_ASM)
+    # The group's scales and zeros broadcast over the rows in the load itself (repeats hit
+    # L1), to stay in the words' register layout (no shared-memory shuffle).
+    g = (k0 // BLOCK_K) // GROUP_STEPS
+    sz = g * N + offs_n[None, :] + offs_r[:, None] * 0  # [R, BLOCK_N]
+    scale = tl.load(scales_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    zero = tl.load(zeros_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    return (qx - xs * (zero + 128.0)) * scale
+
+
+@triton.jit
 def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start, k_end,
                            offs_n, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SLICE_ROWS: tl.constexpr, GROUP_STEPS: tl.constexpr,
                            EVEN_K: tl.constexpr, X_BF16_PAIRS: tl.constexpr,
-                           NIBBLE_ASM: tl.constexpr):
+                           NIBBLE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """``[BLOCK_N]`` float32 sums of one row over ``k_start .. k_end`` (natural-order groups).
 
     A step's ``BLOCK_K / 8`` word rows are loaded as 1, 2 or 4 ``[SLICE_ROWS, BLOCK_N]``
     slices (sized so that a thread holds one word row of each). A thread sums its words of
-    all slices against ``x`` (nibble-major, so all of a step's loads are issued together at
-    its start) before the group's zero and scale are applied, once per output and step."""
+    all slices against ``x`` (``_one_row_step``) before the group's zero and scale are
+    applied, once per output and step. The first step's words are loaded before the PDL
+    wait (no kernel of the step writes them): their read overlaps the kernel before."""
     SLICES: tl.constexpr = BLOCK_K // (8 * SLICE_ROWS)
     # 0x43 that the compiler cannot see as a constant (k_end >= 0): kept in a register for
     # prmt's second source, so that the selector stays an immediate
     c43 = (k_end >> 31) | 0x43
     offs_r = tl.arange(0, SLICE_ROWS)
-    acc = tl.zeros((SLICE_ROWS, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    c0, c1, c2, c3 = _step_words(qweight_ptr, k_start, k_end, offs_r, offs_n, n_mask, N,
+                                 SLICE_ROWS, SLICES, EVEN_K)
+    pdl_begin(USE_PDL)
+    acc = _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k_start, k_end, offs_r,
+                        offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES, GROUP_STEPS,
+                        EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
                                      SLICE_ROWS, SLICES, EVEN_K)
-        # Nibble-major over the slices: every slice's words are needed from the start, so
-        # ptxas issues all of a step's loads together (slice by slice, it sinks each
-        # slice's loads to just before its sums).
-        lo0 = c0 & 0x0F0F0F0F
-        hi0 = (c0 >> 4) & 0x0F0F0F0F
-        x0 = _x_of_slice(x_ptr, k0, 0, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
-        xs = ((x0[0] + x0[1]) + (x0[2] + x0[3])) + ((x0[4] + x0[5]) + (x0[6] + x0[7]))
-        if SLICES > 1:
-            lo1 = c1 & 0x0F0F0F0F
-            hi1 = (c1 >> 4) & 0x0F0F0F0F
-            x1 = _x_of_slice(x_ptr, k0, 1, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
-            xs += ((x1[0] + x1[1]) + (x1[2] + x1[3])) + ((x1[4] + x1[5]) + (x1[6] + x1[7]))
-        if SLICES > 2:
-            lo2 = c2 & 0x0F0F0F0F
-            hi2 = (c2 >> 4) & 0x0F0F0F0F
-            lo3 = c3 & 0x0F0F0F0F
-            hi3 = (c3 >> 4) & 0x0F0F0F0F
-            x2 = _x_of_slice(x_ptr, k0, 2, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
-            x3 = _x_of_slice(x_ptr, k0, 3, k_end, offs_r, SLICE_ROWS, EVEN_K, X_BF16_PAIRS)
-            xs += ((x2[0] + x2[1]) + (x2[2] + x2[3])) + ((x2[4] + x2[5]) + (x2[6] + x2[7]))
-            xs += ((x3[0] + x3[1]) + (x3[2] + x3[3])) + ((x3[4] + x3[5]) + (x3[6] + x3[7]))
-        qx = tl.zeros((SLICE_ROWS, BLOCK_N), dtype=tl.float32)  # sum x * (128 + q)
-        for j in tl.static_range(8):
-            qx += x0[j] * _nibble_128(lo0, hi0, j, c43, NIBBLE_ASM)
-            if SLICES > 1:
-                qx += x1[j] * _nibble_128(lo1, hi1, j, c43, NIBBLE_ASM)
-            if SLICES > 2:
-                qx += x2[j] * _nibble_128(lo2, hi2, j, c43, NIBBLE_ASM)
-                qx += x3[j] * _nibble_128(lo3, hi3, j, c43, NIBBLE_ASM)
-        # The group's scales and zeros broadcast over the rows in the load itself (repeats
-        # hit L1), to stay in the words' register layout (no shared-memory shuffle).
-        g = (k0 // BLOCK_K) // GROUP_STEPS
-        sz = g * N + offs_n[None, :] + offs_r[:, None] * 0  # [R, BLOCK_N]
-        scale = tl.load(scales_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
-        zero = tl.load(zeros_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
-        acc += (qx - xs * (zero + 128.0)) * scale
+        acc += _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end, offs_r,
+                             offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES, GROUP_STEPS,
+                             EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
     return tl.sum(acc, axis=0)
 
 
@@ -276,6 +294,7 @@ def _int4_gemv_kernel(
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no column masks
     X_BF16_PAIRS: tl.constexpr,  # x is bfloat16 and 4-byte aligned: loaded in int32 pairs
     NIBBLE_ASM: tl.constexpr,  # the nibble unpacking in inline PTX (not in the interpreter)
+    USE_PDL: tl.constexpr,  # one row, natural order: launched with PDL (octavo.kernels.triton.pdl)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -288,7 +307,8 @@ def _int4_gemv_kernel(
     if BLOCK_M == 1 and not HAS_G_IDX:
         acc = _one_row_natural_order(
             x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start, k_end, offs_n, n_mask,
-            BLOCK_N, BLOCK_K, SLICE_ROWS, GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
+            BLOCK_N, BLOCK_K, SLICE_ROWS, GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM,
+            USE_PDL)
     else:
         acc = _by_steps(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k_start, k_end,
                         stride_xm, offs_m, m_mask, offs_n, n_mask, HAS_G_IDX, BLOCK_M, BLOCK_N,
@@ -411,7 +431,7 @@ def slice_rows(block_n: int, block_k: int, num_warps: int) -> int:
 
 
 def kernel_constexprs(x: torch.Tensor, n: int, k: int, group_size: int, has_g_idx: bool,
-                      config: SkinnyConfig, split: int) -> dict:
+                      config: SkinnyConfig, split: int, use_pdl: bool = False) -> dict:
     """The compile-time arguments of ``_int4_gemv_kernel`` for a launch (also what
     ``benchmarks/gpu/sass_op_counts.py`` and ``tests/kernels/sm90_compile_check.py`` compile)."""
     m = x.shape[0]
@@ -429,6 +449,7 @@ def kernel_constexprs(x: torch.Tensor, n: int, k: int, group_size: int, has_g_id
         "EVEN_N": n % config.block_n == 0,
         "X_BF16_PAIRS": x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0,
         "NIBBLE_ASM": not interpreting(),
+        "USE_PDL": use_pdl,
     }
 
 
@@ -438,13 +459,17 @@ def _launch(x, qweight, scales, zeros, group_size, g_idx, config: SkinnyConfig) 
     block_k = fit_block_k(config.block_k, group_size, g_idx is not None)
     split = choose_split_k(n, k, SkinnyConfig(config.block_n, block_k, config.split_k), x.device)
     out = SkinnyOutput.make(m, n, config.block_n, split, x.dtype, x.device)
+    # PDL for the one-row natural-order path only (the one that loads before its wait)
+    pdl = skinny_pdl_launch(x.device, m if g_idx is None else 0)
     grid = (triton.cdiv(n, config.block_n), split)
     _int4_gemv_kernel[grid](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out.out, out.sums,
         out.arrivals, m, n, k, k_per_split(k, split, block_k), x.stride(0),
-        **kernel_constexprs(x, n, k, group_size, g_idx is not None, config, split),
+        **kernel_constexprs(x, n, k, group_size, g_idx is not None, config, split,
+                            use_pdl=pdl["USE_PDL"]),
         IN_KERNEL_SUM=out.in_kernel_sum,
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **{name: value for name, value in pdl.items() if name != "USE_PDL"},
     )
     return out.result()
 

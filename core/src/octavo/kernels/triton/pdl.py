@@ -13,9 +13,11 @@ Launched so: the RMS norms, rotary (and its variant that rotates the keys into t
 the KV-cache write, the decode attention's partition and reduce kernels, SiLU-and-mul
 (``tests/kernels/sm90_decode_compile_check.py`` compiles each for sm_90), and the one-row
 dense GEMV (``octavo.kernels.triton.dense_gemv``), which loads its first weight tile before
-its wait (weights are never written in a step). Not the small-M quantized GEMV kernels
-(``fp8_gemv``, ``int4_gemv``, ``gguf_gemv``): waiting first, as the others do, the
-Llama-3-8B int4 step was slower, not faster (docs/benchmarks.md).
+its wait (weights are never written in a step); ``fp8_gemv`` and ``int4_gemv`` at one row
+load their first step's weights so too, where ``OCTAVO_SKINNY_PDL`` is on
+(``skinny_pdl_launch``). Waiting first, as the other kernels do, those two had made the
+Llama-3-8B int4 step slower, not faster (docs/benchmarks.md). ``gguf_gemv`` is not
+launched so.
 
 Contract for a kernel launched with ``**pdl_launch(device)``: it takes ``USE_PDL:
 tl.constexpr`` and calls ``pdl_begin(USE_PDL)`` before it loads anything a kernel may have
@@ -61,6 +63,19 @@ def _launch_for(device_index: int) -> dict[str, bool]:
 
 
 _OFF = {"USE_PDL": False}
+
+
+@functools.cache
+def _skinny_on() -> bool:
+    return envs.skinny_pdl()
+
+
+def skinny_pdl_launch(device: torch.device, rows: int) -> dict[str, bool]:
+    """``pdl_launch`` for a launch of ``fp8_gemv`` / ``int4_gemv`` over ``rows`` rows: on for
+    one row where PDL is on and ``OCTAVO_SKINNY_PDL`` is (read once per process)."""
+    if rows != 1 or not _skinny_on():
+        return _OFF
+    return pdl_launch(device)
 
 
 def pdl_launch(device: torch.device) -> dict[str, bool]:
