@@ -21,13 +21,15 @@ launched so.
 
 Contract for a kernel launched with ``**pdl_launch(device)``: it takes ``USE_PDL:
 tl.constexpr`` and calls ``pdl_begin(USE_PDL)`` before it loads anything a kernel may have
-written in this step and before it stores anything (here: as its first statement). A kernel
-that never waits would let the kernel after it overtake the one before it. Kernels launched
+written in this step and before it stores anything or touches the split-K workspace (the
+norms, rotary, cache write, attention and SiLU: as their first statement; the GEMVs: after
+their first weight loads, and weights alone). A kernel that never waits would let the kernel
+after it overtake the one before it. Kernels launched
 without the option (torch's, cuBLAS's) keep plain stream order on both sides.
 
 Off (``{"USE_PDL": False}``, no launch attribute): under the interpreter, on other GPUs
-(compute capability below 9.0, ROCm), on the CPU, and with ``OCTAVO_PDL=0`` (A/B runs; read
-once per process).
+(compute capability below 9.0, ROCm), on the CPU, and with ``OCTAVO_PDL=0`` (every kernel
+above; A/B runs; read once per process).
 """
 
 from __future__ import annotations
