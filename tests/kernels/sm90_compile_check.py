@@ -99,6 +99,17 @@ def loop_body(ptx: str) -> str:
     return match.group(1) if match else ""
 
 
+def barrier_before_zeroing(ptx: str) -> bool | None:
+    """Whether the split-K epilogue's last program has a ``bar.sync`` between its reads of
+    the totals (the last ``ld.global.cg``) and its last store before resetting the arrival
+    count (the workspace's zeroing); None without such an epilogue."""
+    load = ptx.rfind("ld.global.cg")
+    reset = ptx.find("exch", load)
+    if load < 0 or reset < 0:
+        return None
+    return "bar.sync" in ptx[load:ptx.rfind("st.global", load, reset)]
+
+
 def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
     kernel = compile_kernel(fn, signature, constexprs, num_warps)
     body = loop_body(kernel.asm["ptx"])
@@ -107,6 +118,7 @@ def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> di
     wait = ptx.find("griddepcontrol.wait")
     return {"grid_dependency_control": "griddepcontrol.launch_dependents" in ptx and wait >= 0,
             "loads_before_wait": ptx[:wait].count("ld.global") if wait >= 0 else None,
+            "barrier_before_zeroing": barrier_before_zeroing(ptx),
             "loop_barriers": body.count("bar.sync"),
             "loop_global_loads": len(re.findall(r"ld\.global", body)),
             "loop_vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body)),

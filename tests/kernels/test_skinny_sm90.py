@@ -9,6 +9,8 @@ without the interpreter).
 - no register spills (no local-memory instructions in the SASS);
 - at one row, launched with PDL: the first step's weight loads come before the grid-dependency
   wait, and the loops keep the properties above;
+- split-K summed in the kernel: a barrier between the last program's reads of the totals and
+  its zeroing of the workspace;
 - the int4 one-row K loop stays under 3.6 SASS instructions per weight (it was ~5.5 before
   the ``prmt`` nibble unpacking; ~5 is where an H100 stops keeping up with memory).
 """
@@ -55,6 +57,11 @@ def test_skinny_kernels_compile_for_sm90_without_barriers_in_one_row_loops():
         assert variant["grid_dependency_control"] == variant["USE_PDL"], variant
         assert (variant["loads_before_wait"] or 0) > 0 if variant["USE_PDL"] else \
             variant["loads_before_wait"] is None, variant
+        # Split-K summed in the kernel: the last program reads every total before any of
+        # its threads zeroes the workspace (the 16-row tiles read and zero in different
+        # thread layouts).
+        if variant.get("IN_KERNEL_SUM"):
+            assert variant["barrier_before_zeroing"], variant
         if variant["BLOCK_M"] == 1:
             assert variant["loop_barriers"] == 0, variant
             assert variant["loop_vector_loads"] >= 1, variant

@@ -366,6 +366,11 @@ def store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N,
             # The totals read from L2, where the atomics landed (".cg": not through L1).
             total = tl.load(sums_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            # Every thread's totals read before any thread zeroes them: the compiler may lay
+            # the read and the zeroing (acc's layout) over the threads differently (it does
+            # for the 16-row tl.dot tiles, where without this barrier some totals were
+            # zeroed before they were read).
+            tl.debug_barrier()
             tl.store(sums_ptr + offsets, tl.zeros_like(acc), mask=mask)
             tl.atomic_xchg(arrivals_ptr + block, 0)
     else:

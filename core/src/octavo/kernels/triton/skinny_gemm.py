@@ -170,8 +170,10 @@ class SkinnyOutput:
         outputs: the workspace's in-kernel sum where it can be had (one row, outside graph
         capture or with a workspace made before it)."""
         # One row only: at 4 rows, 16-way splits summed in the kernel lost parts of their
-        # sums on an H200 in 1 to 5 of 5 runs of the GPU test, with or without PDL (cause not
-        # found; docs/benchmarks.md); the zeroed float32 output is right at any row count.
+        # sums on an H200 in 8 of 10 runs of the GPU test, with or without PDL. The likely
+        # cause, the last program zeroing totals other threads had not read yet, now has a
+        # barrier (store_skinny_output), not yet run on a GPU (docs/benchmarks.md); until
+        # it is, several rows take the zeroed float32 output, right at any row count.
         workspace = (SPLIT_K_WORKSPACE.get(device, m * n, triton.cdiv(n, block_n))
                      if split > 1 and m == 1 and in_kernel_sum() else None)
         if split == 1 or workspace is not None:
