@@ -210,6 +210,21 @@ def test_split_k_sums_in_the_kernel_and_leaves_the_workspace_at_zero(fresh_works
     assert arrivals.numel() == SplitKWorkspace.MIN_BLOCKS
 
 
+@pytest.mark.parametrize("m", [5, 16])
+def test_split_k_of_several_rows_sums_in_the_kernel_when_allowed(fresh_workspace, monkeypatch,
+                                                                  m):
+    """The several-row path of the in-kernel sum (off in layers until the GPU test passes:
+    ``IN_KERNEL_SUM_MAX_ROWS``) against the reference, the workspace left at zero."""
+    monkeypatch.setattr(skinny_gemm_module, "IN_KERNEL_SUM_MAX_ROWS", 16)
+    weight, scale = (t.to(DEVICE) for t in fp8_weight(72, 130, seed=m))
+    x = torch.randn(m, 130, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    out = fp8_gemv(x, weight, scale, SkinnyConfig(block_n=16, block_k=32, split_k=3))
+    assert relative_error(out, fp8_linear_reference(x, weight, scale, None)) \
+        < TOLERANCES[torch.float32][1]
+    (sums, arrivals), = fresh_workspace.current.values()
+    assert not sums.any() and not arrivals.any()
+
+
 def test_split_k_during_capture_without_a_workspace_zeroes_and_casts(fresh_workspace,
                                                                       monkeypatch):
     """A workspace that would have to be allocated inside a graph capture is not: the launch
@@ -235,6 +250,7 @@ def test_split_k_during_capture_without_a_workspace_zeroes_and_casts(fresh_works
 
 
 def test_split_k_of_several_rows_adds_into_a_zeroed_float32_output(fresh_workspace):
+    assert skinny_gemm_module.IN_KERNEL_SUM_MAX_ROWS == 1  # until the GPU test says more
     plan = SkinnyOutput.make(4, 40, 16, 3, torch.bfloat16, torch.device(DEVICE))
     assert not plan.in_kernel_sum and plan.out.dtype == torch.float32
     assert fresh_workspace.current == {}
@@ -465,11 +481,15 @@ def test_int4_gemv_one_row_inline_asm_equals_the_plain_triton_unpacking_on_gpu(d
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4], ids=lambda m: f"m{m}")
-def test_split_k_in_kernel_sums_stay_right_over_many_launches_and_replays_on_gpu(m):
+def test_split_k_in_kernel_sums_stay_right_over_many_launches_and_replays_on_gpu(m,
+                                                                                 monkeypatch):
     """On the GPU the programs of a split really race: 200 launches of 16-way splits at
     Llama-3-8B shapes, eagerly and replayed from one captured graph, each within the
-    reference's tolerance, and the workspace back at zero after them (summed in the kernel
-    at one row, into a zeroed float32 output at four)."""
+    reference's tolerance, and the workspace back at zero after them. Summed in the kernel at
+    four rows too, which layers do not do yet (``IN_KERNEL_SUM_MAX_ROWS``): this test is
+    what decides it."""
+    monkeypatch.setattr(skinny_gemm_module, "IN_KERNEL_SUM_MAX_ROWS", 16)
+    assert SkinnyOutput.make(m, 4096, 64, 16, torch.bfloat16, torch.device("cuda")).in_kernel_sum
     config = SkinnyConfig(64, 128, split_k=16)
     qweight, scales, zeros, _ = (t.cuda() if t is not None else None
                                  for t in full_size_int4(4096, 4096, False))

@@ -140,6 +140,14 @@ class SplitKWorkspace:
 
 SPLIT_K_WORKSPACE = SplitKWorkspace()
 
+#: Most rows a split-K launch sums in the kernel (more: the zeroed float32 output, right at
+#: any row count). One: at 4 rows, 16-way splits summed in the kernel lost parts of their
+#: sums on an H200 in 8 of 10 runs of the GPU test, with or without PDL. The likely cause,
+#: the last program zeroing totals other threads had not read yet, now has a barrier
+#: (``store_skinny_output``), not yet run on a GPU: the GPU test's 4-row case raises this to
+#: 16 to check it (docs/benchmarks.md); once it passes there, 16 is the value.
+IN_KERNEL_SUM_MAX_ROWS = 1
+
 
 @functools.cache
 def in_kernel_sum() -> bool:
@@ -169,13 +177,9 @@ class SkinnyOutput:
         """The output of an ``[M, N]`` launch of ``split`` programs per block of ``block_n``
         outputs: the workspace's in-kernel sum where it can be had (one row, outside graph
         capture or with a workspace made before it)."""
-        # One row only: at 4 rows, 16-way splits summed in the kernel lost parts of their
-        # sums on an H200 in 8 of 10 runs of the GPU test, with or without PDL. The likely
-        # cause, the last program zeroing totals other threads had not read yet, now has a
-        # barrier (store_skinny_output), not yet run on a GPU (docs/benchmarks.md); until
-        # it is, several rows take the zeroed float32 output, right at any row count.
         workspace = (SPLIT_K_WORKSPACE.get(device, m * n, triton.cdiv(n, block_n))
-                     if split > 1 and m == 1 and in_kernel_sum() else None)
+                     if split > 1 and m <= IN_KERNEL_SUM_MAX_ROWS and in_kernel_sum()
+                     else None)
         if split == 1 or workspace is not None:
             out = torch.empty(m, n, dtype=dtype, device=device)
             sums, arrivals = workspace if workspace is not None else (out, out)
