@@ -12,7 +12,7 @@
 | ``OCTAVO_GRAMMAR_ACCEPT`` | how the grammar thread advances the matchers of a step's constrained rows: ``parallel`` (default: llguidance's ``consume_token_par``, the GIL released; measured best on the H100) or ``loop`` (one ``consume_token`` after the other, holding the GIL) |
 | ``OCTAVO_GRAMMAR_SWITCH_INTERVAL_US`` | the GIL switch interval (``sys.setswitchinterval``) while the grammar thread works beside the engine thread, in µs (default 200; ``0`` leaves Python's 5,000 alone) |
 | ``OCTAVO_SKINNY_CONFIG_TABLES`` | ``0`` ignores the per-GPU launch-config tables of the small-M Triton kernels (``octavo.kernels.triton.skinny_gemm``): configs are then timed at start-up (default ``1``) |
-| ``OCTAVO_SKINNY_IN_KERNEL_SUM`` | ``0``: split-K launches of the small-M Triton kernels add into a zeroed float32 output and cast it after, instead of summing in the kernel through a per-device workspace (read once per process; default ``1``; for A/B runs) |
+| ``OCTAVO_SKINNY_IN_KERNEL_SUM`` | ``0``: one-row split-K launches of the small-M Triton kernels add into a zeroed float32 output and cast it after (as launches of more rows do), instead of summing in the kernel through a per-device workspace (read once per process; default ``1``; for A/B runs) |
 | ``OCTAVO_PDL`` | ``0``: the decode step's Triton kernels launch in plain stream order instead of with programmatic dependent launch on compute capability 9.0+ (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_ROTARY_CACHE_WRITE`` | ``0``: the Triton attention backend rotates the keys, then writes the cache, in two kernels instead of one (``apply_rotary_write_kv``; read when a layer's kernels are made; default ``1``) |
 | ``OCTAVO_SKINNY_PDL`` | ``0``: ``fp8_gemv`` and ``int4_gemv`` at one row launch in plain stream order instead of with PDL, loading their first step's weights before they wait (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
@@ -134,7 +134,8 @@ def skinny_pdl() -> bool:
 
 def skinny_in_kernel_sum() -> bool:
     """``OCTAVO_SKINNY_IN_KERNEL_SUM``: whether split-K launches of the small-M Triton kernels
-    sum their parts in the kernel through a per-device workspace (default yes; ``0``/``false``:
+    (up to ``skinny_gemm.IN_KERNEL_SUM_MAX_ROWS`` rows) sum their parts in the kernel through
+    a per-device workspace (default yes; ``0``/``false``:
     a zeroed float32 output and a cast after, three kernels per call; read once per process;
     for A/B runs)."""
     return os.environ.get("OCTAVO_SKINNY_IN_KERNEL_SUM", "1").strip() not in ("0", "false",

@@ -1,11 +1,13 @@
-"""Launch configs of the small-M quantized kernels (``fp8_gemv``, ``int4_gemv``) and their tuner.
+"""Launch configs of the small-M kernels (``fp8_gemv``, ``int4_gemv``, ``gguf_gemv``,
+``dense_gemv``) and their tuner.
 
-Both kernels give each program ``block_n`` output features and a range of the inputs: the
+The kernels give each program ``block_n`` output features and a range of the inputs: the
 grid is ``[cdiv(N, block_n), split_k]``. With ``split_k > 1`` the programs add float32 partial
 sums into a per-device workspace (``tl.atomic_add``) and the last program of each block of
 outputs stores the total in the activations' dtype and zeroes the workspace again
 (``SkinnyOutput``, ``SplitKWorkspace``: one kernel per call, where a zeroed buffer before and
-a cast after made three); with 1 they store the result directly. ``split_k = 0`` asks
+a cast after made three; launches of up to ``IN_KERNEL_SUM_MAX_ROWS`` rows, the others take
+the zeroed buffer); with 1 they store the result directly. ``split_k = 0`` asks
 ``choose_split_k`` to split until about two programs per SM stream the weight.
 
 ``SkinnyTuner`` picks a config per (kernel, N, K, row bucket, dtype, ...) and device:
@@ -175,8 +177,9 @@ class SkinnyOutput:
     def make(cls, m: int, n: int, block_n: int, split: int, dtype: torch.dtype,
              device: torch.device) -> SkinnyOutput:
         """The output of an ``[M, N]`` launch of ``split`` programs per block of ``block_n``
-        outputs: the workspace's in-kernel sum where it can be had (one row, outside graph
-        capture or with a workspace made before it)."""
+        outputs: the workspace's in-kernel sum where it can be had (at most
+        ``IN_KERNEL_SUM_MAX_ROWS`` rows, outside graph capture or with a workspace made
+        before it)."""
         workspace = (SPLIT_K_WORKSPACE.get(device, m * n, triton.cdiv(n, block_n))
                      if split > 1 and m <= IN_KERNEL_SUM_MAX_ROWS and in_kernel_sum()
                      else None)
