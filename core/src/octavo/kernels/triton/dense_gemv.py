@@ -46,6 +46,47 @@ TUNER = SkinnyTuner("dense_gemv")
 
 
 @triton.jit
+def _tile(w_rows, x_ptr, offs_n, n_mask, k0, k_end, BLOCK_K: tl.constexpr):
+    """The step at ``k0``: pointers and mask of its ``[BLOCK_N, BLOCK_K]`` weight tile, and
+    ``x`` as a ``[BLOCK_N, BLOCK_K]`` broadcast (repeats hit L1): the tile's register layout,
+    no shuffle through shared memory."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_end
+    return (w_rows + offs_k[None, :], n_mask[:, None] & k_mask[None, :],
+            x_ptr + offs_k[None, :] + offs_n[:, None] * 0, k_mask[None, :])
+
+
+@triton.jit
+def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.constexpr,
+                 EARLY_TRIGGER: tl.constexpr, USE_PDL: tl.constexpr):
+    """``[BLOCK_N]`` float32 sums ``sum_k W[n, k] * x[k]`` over ``k_start .. k_end`` for the
+    weight rows at ``w_rows`` (``[BLOCK_N, 1]`` pointers; 16-bit or e4m3 weights, upcast in
+    registers), products summed per lane over the steps and reduced once at the end.
+
+    The first step's weights are loaded before the PDL wait (no kernel of a step writes
+    weights): their read overlaps the kernel before. ``EARLY_TRIGGER``: the next kernel may
+    launch from the wait on; else after the K loop. Also ``fp8_gemv``'s one-row loop."""
+    w_ptrs, w_mask, x_ptrs, x_mask = _tile(w_rows, x_ptr, offs_n, n_mask, k_start, k_end,
+                                           BLOCK_K)
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if USE_PDL:
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    acc_lanes = w.to(tl.float32) * x.to(tl.float32)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        w_ptrs, w_mask, x_ptrs, x_mask = _tile(w_rows, x_ptr, offs_n, n_mask, k0, k_end,
+                                               BLOCK_K)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        acc_lanes += w.to(tl.float32) * x.to(tl.float32)
+    if USE_PDL and not EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    return tl.sum(acc_lanes, axis=1)
+
+
+@triton.jit
 def _dense_gemv_kernel(
     x_ptr,  # [1, K] activations
     w_ptr,  # [N, K] weights, rows contiguous
@@ -72,29 +113,8 @@ def _dense_gemv_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < k_end
-    # The first tile before the wait: no kernel of the step writes the weights.
-    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    if USE_PDL:
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    # x as a [BLOCK_N, BLOCK_K] broadcast (repeats hit L1): w's register layout, no shuffle
-    # through shared memory.
-    x = tl.load(x_ptr + offs_k[None, :] + offs_n[:, None] * 0, mask=k_mask[None, :], other=0.0)
-    acc_lanes = w.to(tl.float32) * x.to(tl.float32)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        x = tl.load(x_ptr + offs_k[None, :] + offs_n[:, None] * 0, mask=k_mask[None, :],
-                    other=0.0)
-        acc_lanes += w.to(tl.float32) * x.to(tl.float32)
-    if USE_PDL and not EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.sum(acc_lanes, axis=1)  # [BLOCK_N]
+    acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K, EARLY_TRIGGER,
+                       USE_PDL)  # [BLOCK_N]
     if HAS_BIAS:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from octavo.kernels.skinny import m_bucket
 from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
-from octavo.kernels.triton.pdl import pdl_begin, skinny_pdl_launch
+from octavo.kernels.triton.dense_gemv import one_row_sums
+from octavo.kernels.triton.pdl import skinny_pdl_launch
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyOutput,
@@ -72,44 +73,23 @@ def _fp8_gemv_kernel(
     k_end = tl.minimum(k_start + k_split, K)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    first_k = k_start
+    scale_ptrs = scale_ptr + offs_n  # [BLOCK_N]
     if BLOCK_M == 1:
-        # Products summed per lane across steps, reduced over K once at the end (no
-        # cross-thread reduction inside the loop). The first step's weights are loaded
-        # before the PDL wait (no kernel of the step writes them): the read overlaps the
-        # kernel before.
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        pdl_begin(USE_PDL)
-        x = tl.load(x_ptr + offs_k[None, :] + offs_n[:, None] * 0, mask=k_mask[None, :],
-                    other=0.0).to(tl.float32)
-        acc_lanes = w.to(tl.float32) * x
-        first_k = k_start + BLOCK_K
+        # The first step's weights loaded before the PDL wait (dense_gemv.one_row_sums)
+        acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K, True,
+                           USE_PDL)
+        acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(first_k, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
-        if BLOCK_M == 1:
-            # x loaded as a [BLOCK_N, BLOCK_K] broadcast (repeats hit L1): it then has w's
-            # register layout, where a [BLOCK_K] load would be shuffled through shared memory
-            # (barriers) every step.
-            x = tl.load(x_ptr + offs_k[None, :] + offs_n[:, None] * 0, mask=k_mask[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-            acc_lanes += w.to(tl.float32) * x
-        else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_end
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             acc += dot_fp32(x, tl.trans(w.to(x.dtype)), UPCAST_DOT, "ieee")
-    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)  # [BLOCK_N]
-    if BLOCK_M == 1:
-        acc = tl.sum(acc_lanes, axis=1) * scale
-    else:
-        acc = acc * scale[None, :]
+        acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)[None, :]
     store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K,
                         sums_ptr, arrivals_ptr, IN_KERNEL_SUM)
 
