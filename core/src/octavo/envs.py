@@ -134,8 +134,7 @@ def skinny_pdl() -> bool:
 
 def skinny_in_kernel_sum() -> bool:
     """``OCTAVO_SKINNY_IN_KERNEL_SUM``: whether split-K launches of the small-M Triton kernels
-    (up to ``skinny_gemm.IN_KERNEL_SUM_MAX_ROWS`` rows) sum their parts in the kernel through
-    a per-device workspace (default yes; ``0``/``false``:
+    sum their parts in the kernel through a per-device workspace (default yes; ``0``/``false``:
     a zeroed float32 output and a cast after, three kernels per call; read once per process;
     for A/B runs)."""
     return os.environ.get("OCTAVO_SKINNY_IN_KERNEL_SUM", "1").strip() not in ("0", "false",

@@ -6,8 +6,8 @@ grid is ``[cdiv(N, block_n), split_k]``. With ``split_k > 1`` the programs add f
 sums into a per-device workspace (``tl.atomic_add``) and the last program of each block of
 outputs stores the total in the activations' dtype and zeroes the workspace again
 (``SkinnyOutput``, ``SplitKWorkspace``: one kernel per call, where a zeroed buffer before and
-a cast after made three; launches of up to ``IN_KERNEL_SUM_MAX_ROWS`` rows, the others take
-the zeroed buffer); with 1 they store the result directly. ``split_k = 0`` asks
+a cast after made three; a launch during graph capture without a workspace made before it
+takes the zeroed buffer); with 1 they store the result directly. ``split_k = 0`` asks
 ``choose_split_k`` to split until about two programs per SM stream the weight.
 
 ``SkinnyTuner`` picks a config per (kernel, N, K, row bucket, dtype, ...) and device:
@@ -142,14 +142,6 @@ class SplitKWorkspace:
 
 SPLIT_K_WORKSPACE = SplitKWorkspace()
 
-#: Most rows a split-K launch sums in the kernel (more: the zeroed float32 output, right at
-#: any row count). One: at 4 rows, 16-way splits summed in the kernel lost parts of their
-#: sums on an H200 in 8 of 10 runs of the GPU test, with or without PDL. The likely cause,
-#: the last program zeroing totals other threads had not read yet, now has a barrier
-#: (``store_skinny_output``), not yet run on a GPU: the GPU test's 4-row case raises this to
-#: 16 to check it (docs/benchmarks.md); once it passes there, 16 is the value.
-IN_KERNEL_SUM_MAX_ROWS = 1
-
 
 @functools.cache
 def in_kernel_sum() -> bool:
@@ -177,11 +169,10 @@ class SkinnyOutput:
     def make(cls, m: int, n: int, block_n: int, split: int, dtype: torch.dtype,
              device: torch.device) -> SkinnyOutput:
         """The output of an ``[M, N]`` launch of ``split`` programs per block of ``block_n``
-        outputs: the workspace's in-kernel sum where it can be had (at most
-        ``IN_KERNEL_SUM_MAX_ROWS`` rows, outside graph capture or with a workspace made
-        before it)."""
+        outputs: the workspace's in-kernel sum where it can be had (outside graph capture, or
+        with a workspace made before it)."""
         workspace = (SPLIT_K_WORKSPACE.get(device, m * n, triton.cdiv(n, block_n))
-                     if split > 1 and m <= IN_KERNEL_SUM_MAX_ROWS and in_kernel_sum()
+                     if split > 1 and in_kernel_sum()
                      else None)
         if split == 1 or workspace is not None:
             out = torch.empty(m, n, dtype=dtype, device=device)
