@@ -149,3 +149,91 @@ def test_an_unreachable_server_is_one_clear_error():
 
     with pytest.raises(BenchServeError, match=r"cannot reach a server at .*--port"):
         _run(main())
+
+
+class RawStreamServer:
+    """Answers every POST with ``body`` (an SSE stream), written ``piece`` bytes at a time with
+    a pause between writes, so lines and events are cut across the client's reads."""
+
+    def __init__(self, body: bytes, piece: int) -> None:
+        self.body, self.piece = body, piece
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/completions"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(0, len(self.body), self.piece):
+            StandInServer._chunk(writer, self.body[i:i + self.piece])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        StandInServer._chunk(writer, b"")
+        await writer.drain()
+        writer.close()
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def _stream_once(body: bytes, piece: int):
+    async def main():
+        server = RawStreamServer(body, piece)
+        url = await server.start()
+        async with make_client() as client:
+            run = await run_requests(client, Target(url, "m"), _requests(1, 5), [0.0], None)
+        await server.stop()
+        return run
+
+    return _run(main())
+
+
+def _events(*events: dict, newline: bytes = b"\n") -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + newline + newline for e in events)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 10_000], ids=lambda p: f"{p}-byte-writes")
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+def test_chunks_cut_anywhere_across_reads_are_each_counted_once(piece, newline):
+    chunk = {"choices": [{"index": 0, "text": "x"}]}
+    body = (b": a comment line\n\n" + _events(*[chunk] * 5, newline=newline)
+            + _events({"choices": [], "usage": {"completion_tokens": 5}}, newline=newline)
+            + b"data: [DONE]" + newline + newline)
+    run = _stream_once(body, piece)
+    (result,) = run.results
+    assert result.success, result.error
+    assert result.output_len == 5 and len(result.chunk_times) == 5
+    assert result.chunk_times == sorted(result.chunk_times)
+    assert 0 < result.ttft <= result.latency
+    # One client process: its CPU over the run, at most the run's wall time (and a margin
+    # for the clock's granularity).
+    (cpu,) = run.client_cpu_s
+    assert 0 < cpu <= run.duration_s + 0.05
+
+
+def test_an_error_event_in_the_stream_fails_the_request_with_its_message():
+    body = (_events({"choices": [{"index": 0, "text": "x"}]})
+            + _events({"error": {"message": "the engine is gone", "type": "server_error"}}))
+    (result,) = _stream_once(body, 10_000).results
+    assert not result.success and result.error == "stream error: the engine is gone"
+
+
+def test_a_line_without_end_is_an_error_not_unbounded_memory(monkeypatch):
+    from octavo.benchmarks import serve_client
+
+    monkeypatch.setattr(serve_client, "MAX_SSE_LINE_BYTES", 4096)
+    body = b"data: " + b"x" * 20_000
+    (result,) = _stream_once(body, 1000).results
+    assert not result.success and "SSE line of more than 4096 bytes" in result.error
+
+
+def test_a_chunk_that_is_not_json_fails_the_request():
+    (result,) = _stream_once(b"data: {not json\n\n", 10_000).results
+    assert not result.success and result.error.startswith("DecodeError")

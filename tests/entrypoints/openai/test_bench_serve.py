@@ -49,6 +49,9 @@ def test_counts_are_exact_and_metrics_consistent(server, tiny_model, api_key, ca
     assert result["max_concurrent_requests"] == 24
     # One chunk per token at most (a server that lags merges steps into fewer).
     assert 24 <= result["total_chunks"] <= 24 * 9
+    # The client's own CPU over the run: some, never more than one core's worth.
+    assert result["client_processes"] == 1 and result["client_cpu_s"] > 0
+    assert 0 < result["client_busiest_cpu_fraction"] <= 1.05
     m = wait_idle(server)
     assert m["octavo:kv_cache_usage_perc"] == 0
 
@@ -77,6 +80,8 @@ def test_several_client_processes_send_every_request_once(server, tiny_model, ap
     assert result["completed"] == 13 and result["failed"] == 0
     assert result["total_input_tokens"] == 13 * 10 and result["total_output_tokens"] == 13 * 5
     assert 3 <= result["max_concurrent_requests"] <= 7
+    assert result["client_processes"] == 3 and result["client_cpu_s"] > 0
+    assert 0 < result["client_busiest_cpu_fraction"] <= 1.05
     assert result["output_throughput"] == pytest.approx(
         13 * 5 / result["duration"], rel=1e-3 + 0.5e-4 / result["duration"])  # 0.1 ms rounding
     after = wait_idle(server)

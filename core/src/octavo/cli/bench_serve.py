@@ -166,9 +166,18 @@ def run_serve(args: argparse.Namespace) -> int:
     except BenchServeError as exc:
         raise RuntimeError(str(exc)) from None
     metrics = calculate_metrics(run.results, run.duration_s, slos, percentiles)
+    busiest = client_busiest_fraction(run)
     result = _result_dict(args, base_url, model, metrics, run.max_in_flight)
-    _print_summary(metrics, percentiles, run.max_in_flight, slos)
+    result["client_processes"] = args.num_client_processes
+    result["client_cpu_s"] = round(sum(run.client_cpu_s), 3)
+    result["client_busiest_cpu_fraction"] = round(busiest, 3)
+    _print_summary(metrics, percentiles, run.max_in_flight, slos, busiest)
     print(json.dumps(result), flush=True)
+    if busiest >= CLIENT_SATURATED:
+        print(f"bench serve: warning: the busiest client process was on the CPU for "
+              f"{busiest:.0%} of the run, so the figures may be the client's limit rather than "
+              f"the server's; run again with more --num-client-processes (now "
+              f"{args.num_client_processes})", file=sys.stderr)
     if args.save_result:
         path = _result_path(args, model)
         with open(path, "w") as f:
@@ -224,6 +233,17 @@ async def _run(args: argparse.Namespace, base_url: str):
     return model, run
 
 
+#: A client process on the CPU for this share of the run or more may be what set its pace.
+CLIENT_SATURATED = 0.85
+
+
+def client_busiest_fraction(run) -> float:
+    """The largest share of the run's wall time that one client process spent on the CPU."""
+    if not run.client_cpu_s or run.duration_s <= 0:
+        return 0.0
+    return max(run.client_cpu_s) / run.duration_s
+
+
 def _result_dict(args: argparse.Namespace, base_url: str, model: str, m, max_in_flight: int) -> dict:
     result = {
         "bench": "serve",
@@ -265,7 +285,7 @@ def _result_dict(args: argparse.Namespace, base_url: str, model: str, m, max_in_
 
 
 def _print_summary(m, percentiles: tuple[float, ...], max_in_flight: int,
-                   slos: dict[str, float]) -> None:
+                   slos: dict[str, float], client_busiest: float) -> None:
     rows = [
         ("Successful requests", f"{m.completed}"),
         ("Failed requests", f"{m.failed}"),
@@ -281,6 +301,7 @@ def _print_summary(m, percentiles: tuple[float, ...], max_in_flight: int,
         ("Peak output token throughput (tok/s)", f"{m.peak_output_throughput:.2f}"),
         ("Peak concurrent requests", f"{max_in_flight}"),
         ("Total token throughput (tok/s)", f"{m.total_token_throughput:.2f}"),
+        ("Client CPU, busiest process (%)", f"{100 * client_busiest:.1f}"),
     ]
     print("{s:{c}^56}".format(s=" Serving Benchmark Result ", c="="))
     for label, value in rows:
