@@ -64,6 +64,15 @@ def test_bias_added_once_over_splits():
     assert relative_error(out, expected) < 1e-2
 
 
+def test_a_split_past_k_matches_linear():
+    """Regression: 8 splits of 19 steps of 32 are 7 programs; an 8th, empty, would run the
+    peeled first step past K."""
+    x, weight, bias = operands(n=32, k=608, dtype=torch.bfloat16, seed=3)
+    out = launch(x, weight, bias, SkinnyConfig(block_n=32, block_k=32, split_k=8))
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    assert relative_error(out, expected) < 1e-2
+
+
 @pytest.mark.parametrize("bad", ["two rows", "dtype", "k", "bias", "strided"])
 def test_bad_operands_are_refused(bad):
     x, weight, bias = operands(n=8, k=32, dtype=torch.bfloat16)

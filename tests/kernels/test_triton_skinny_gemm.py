@@ -36,6 +36,7 @@ from octavo.kernels.triton.skinny_gemm import (
     choose_split_k,
     config_table_path,
     find_config_tables,
+    k_per_split,
     merge_config_tables,
     read_config_table,
     tune_key,
@@ -253,6 +254,49 @@ def test_split_k_of_every_row_count_plans_the_in_kernel_sum(fresh_workspace):
         assert plan.in_kernel_sum and plan.out.dtype == torch.bfloat16
     plan = SkinnyOutput.make(4, 40, 16, 1, torch.bfloat16, torch.device(DEVICE))
     assert not plan.in_kernel_sum  # unsplit: stored directly
+
+
+@pytest.mark.parametrize("block_k", [32, 64, 128])
+@pytest.mark.parametrize("split_k", [0, 2, 3, 8, 16, 32])
+def test_every_program_of_a_split_gets_inputs(block_k, split_k):
+    """``choose_split_k`` cuts a split to the programs whose whole-step ranges start inside K
+    (16 splits of 38 steps of 128 are 13 programs of 3 steps), and those cover K."""
+    device = torch.device(DEVICE)
+    for k in (96, 200, 608, 4096, 4864, 14336):
+        split = choose_split_k(4096, k, SkinnyConfig(512, block_k, split_k), device)
+        per = k_per_split(k, split, block_k)
+        assert 1 <= split and (split - 1) * per < k <= split * per, (k, split, per)
+        if split_k:
+            assert split <= split_k
+
+
+# Splits whose last programs would have no inputs: 19 steps of 32 in 8 splits of 3 steps are
+# 7 programs (an 8th would have started past K).
+EMPTY_TAIL = SkinnyConfig(block_n=32, block_k=32, split_k=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_one_row_kernels_with_a_split_past_k_match_their_references(fresh_workspace, dtype):
+    """Regression: an empty program ran the one-row loops' first step (peeled to load before
+    the PDL wait) past K and read ``x`` and group scales out of range: all-NaN outputs at
+    Llama-3-8B's down_proj on an H200 with the tuner's auto split."""
+    n, k = 32, 608
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    qweight, scales, zeros = (t.to(DEVICE) for t in int4_weight(n, k, 32, sym=False,
+                                                                act_order=False)[:3])
+    out = int4_gemv(x, qweight, scales, zeros, 32, None, EMPTY_TAIL)
+    expected = int4_linear_reference(x.float(), qweight, scales, zeros, 32)
+    assert relative_error(out, expected) < TOLERANCES[dtype][0]
+    weight, scale = (t.to(DEVICE) for t in fp8_weight(n, k, seed=6))
+    out = fp8_gemv(x, weight, scale, EMPTY_TAIL)
+    assert relative_error(out, fp8_linear_reference(x, weight, scale, None)) \
+        < TOLERANCES[dtype][0]
+    blocks = gguf_weight("Q8_0", n, k, seed=6).to(DEVICE)
+    out = gguf_gemv(x, blocks, "Q8_0", k, EMPTY_TAIL)
+    assert relative_error(out, gguf_matmul_reference(x.float(), blocks, "Q8_0", k)) \
+        < TOLERANCES[dtype][0]
+    (sums, arrivals), = fresh_workspace.current.values()
+    assert not sums.any() and not arrivals.any()
 
 
 def test_split_k_workspace_grows_and_keeps_what_it_replaced(fresh_workspace):

@@ -82,16 +82,20 @@ def target_programs(device: torch.device) -> int:
 
 def choose_split_k(n: int, k: int, config: SkinnyConfig, device: torch.device) -> int:
     """Programs per block of outputs: ``config.split_k``, or doubling while the grid has fewer
-    than ``target_programs`` and each program keeps at least two K steps."""
-    if config.split_k:
-        return config.split_k
-    blocks = triton.cdiv(n, config.block_n)
-    steps = triton.cdiv(k, config.block_k)
-    target = target_programs(device)
-    split = 1
-    while blocks * split * 2 <= target and steps // (split * 2) >= 2:
-        split *= 2
-    return split
+    than ``target_programs`` and each program keeps at least two K steps; then cut to the
+    programs that get inputs (``k_per_split`` rounds each one's range up to whole steps, so
+    16 splits of 38 steps cover K with 13): a program with an empty range would still run
+    the one-row loops' first step, peeled to load before the PDL wait, reading ``x`` and
+    scales past K."""
+    split = config.split_k
+    if not split:
+        blocks = triton.cdiv(n, config.block_n)
+        steps = triton.cdiv(k, config.block_k)
+        target = target_programs(device)
+        split = 1
+        while blocks * split * 2 <= target and steps // (split * 2) >= 2:
+            split *= 2
+    return triton.cdiv(k, k_per_split(k, split, config.block_k))
 
 
 def capturing(device: torch.device) -> bool:
