@@ -12,13 +12,14 @@
 | ``OCTAVO_GRAMMAR_ACCEPT`` | how the grammar thread advances the matchers of a step's constrained rows: ``parallel`` (default: llguidance's ``consume_token_par``, the GIL released; measured best on the H100) or ``loop`` (one ``consume_token`` after the other, holding the GIL) |
 | ``OCTAVO_GRAMMAR_SWITCH_INTERVAL_US`` | the GIL switch interval (``sys.setswitchinterval``) while the grammar thread works beside the engine thread, in µs (default 200; ``0`` leaves Python's 5,000 alone) |
 | ``OCTAVO_SKINNY_CONFIG_TABLES`` | ``0`` ignores the per-GPU launch-config tables of the small-M Triton kernels (``octavo.kernels.triton.skinny_gemm``): configs are then timed at start-up (default ``1``) |
-| ``OCTAVO_SKINNY_IN_KERNEL_SUM`` | ``0``: one-row split-K launches of the small-M Triton kernels add into a zeroed float32 output and cast it after (as launches of more rows do), instead of summing in the kernel through a per-device workspace (read once per process; default ``1``; for A/B runs) |
+| ``OCTAVO_SKINNY_IN_KERNEL_SUM`` | ``0``: split-K launches of the small-M Triton kernels add into a zeroed float32 output and cast it after, instead of summing in the kernel through a per-device workspace (read once per process; default ``1``; for A/B runs) |
 | ``OCTAVO_PDL`` | ``0``: the decode step's Triton kernels launch in plain stream order instead of with programmatic dependent launch on compute capability 9.0+ (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_ROTARY_CACHE_WRITE`` | ``0``: the Triton attention backend rotates the keys, then writes the cache, in two kernels instead of one (``apply_rotary_write_kv``; read when a layer's kernels are made; default ``1``) |
 | ``OCTAVO_SKINNY_PDL`` | ``0``: ``fp8_gemv`` and ``int4_gemv`` at one row launch in plain stream order instead of with PDL, loading their first step's weights before they wait (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_DENSE_GEMV`` | ``0``: dense (unquantized) linear layers at one row run ``F.linear`` (cuBLAS) instead of the Triton one-row GEMV that reads its weights before it waits for the kernel before it (``octavo.kernels.dense``; compute capability 9.0+ with PDL on; read once per process; default ``1``) |
 | ``OCTAVO_CPU_PIN_STEPS`` | ``0`` leaves the CPU backend's calling thread unpinned during steps (``octavo_cpu.threads``; default ``1``: pinned to its core while a step computes) |
 | ``OCTAVO_CPU_ATTENTION_HEAD_TILES`` | ``0`` turns off the CPU decode attention's head tiles (all KV heads of a sequence in one tile; read by the C++ kernels once per process; default ``1``) |
+| ``OCTAVO_GC_THRESHOLD`` | the cyclic garbage collector's thresholds (``gc.set_threshold``) in the processes the engine owns (the API server, the engine core, ``octavo bench``), three comma-separated integers (default ``50000,20,100``; ``700,10,10`` is Python's own; ``octavo.engine_core.gc_heap``) |
 | ``OCTAVO_ALLOW_RUNTIME_LORA_UPDATING`` | ``1`` adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` to ``octavo serve`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) |
 """
 
@@ -91,6 +92,20 @@ def cpu_fused_layers() -> bool:
     (GGUF weights on its C++ kernels) as one C++ call (``octavo_cpu.fused_layer``; default
     yes; ``0``/``false``: the layers' Python forward runs)."""
     return os.environ.get("OCTAVO_CPU_FUSED_LAYERS", "1").strip() not in ("0", "false", "False")
+
+
+def gc_threshold() -> tuple[int, int, int]:
+    """``OCTAVO_GC_THRESHOLD``: ``gc.set_threshold``'s three integers for the processes the
+    engine owns (default ``50000,20,100``; ``octavo.engine_core.gc_heap``)."""
+    raw = os.environ.get("OCTAVO_GC_THRESHOLD", "50000,20,100")
+    try:
+        values = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or values[0] < 1 or min(values) < 0:
+        raise ValueError(f"OCTAVO_GC_THRESHOLD must be three comma-separated integers (the "
+                         f"first >= 1), e.g. 700,10,10 for Python's own; got {raw!r}")
+    return values
 
 
 def grammar_accept() -> str:

@@ -8,6 +8,17 @@ machine; docs/benchmarks.md, "Host work per step"). ``freeze_startup_objects`` m
 exists after start-up out of the collector's sight (``gc.freeze``), so full collections walk only
 what was allocated since. vLLM's engine core does the same.
 
+It also raises the collector's thresholds (``OCTAVO_GC_THRESHOLD``, default 50,000 / 20 /
+100 against Python's 700 / 10 / 10). A served request allocates thousands of container
+objects (its prompt list, the pydantic request, parameters, the response's per-chunk
+objects); with hundreds in flight, a youngest-generation collection every 700 allocations
+finds most of them alive and walks them again (a 512-token prompt list is 512 visits each
+time), and promotes them into the next generation's more costly collections: 270-380 µs of
+an API process's ~2-3 ms of CPU per short streamed request on the CPU machine
+(``benchmarks/cpu/gc_per_request.py``, docs/benchmarks.md), 115-180 µs with larger thresholds.
+The price is rarer, longer pauses (tens of ms with 512 requests in flight, as the full
+collections the defaults also run) and cyclic garbage that lives longer before it is freed.
+
 Only for a process the engine owns (the engine core's process, the API server, ``octavo
 bench``): frozen objects are never freed by cycle collection, so in a caller's process (the
 offline ``LLM`` in a notebook or a test session that builds many engines) reference cycles that
@@ -19,11 +30,15 @@ from __future__ import annotations
 import atexit
 import gc
 
+from octavo import envs
+
 
 def freeze_startup_objects() -> None:
-    """Collect once, then freeze every object left (see the module docstring); they are
-    unfrozen at exit, so the interpreter's last collection still sees them (extension modules
-    such as triton's nanobind bindings report objects never freed as leaks)."""
+    """Collect once, then freeze every object left, and set the thresholds (see the module
+    docstring); the objects are unfrozen at exit, so the interpreter's last collection still
+    sees them (extension modules such as triton's nanobind bindings report objects never
+    freed as leaks)."""
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
+    gc.set_threshold(*envs.gc_threshold())

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import logging
 import os
 import signal
@@ -40,6 +39,7 @@ from octavo.engine.arg_utils import EngineArgs
 from octavo.engine.async_llm import AsyncLLM
 from octavo.engine.core_client import CoreAddresses, EngineShuttingDownError
 from octavo.engine.processor import check_text
+from octavo.engine_core.gc_heap import freeze_startup_objects
 from octavo.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from octavo.entrypoints.openai.metrics import PrometheusStatLogger
 from octavo.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -136,9 +136,9 @@ def build_app(args: ServerArgs, attach: CoreAddresses | None = None) -> FastAPI:
                                                                 on_supervisor_gone))
             # What start-up made (modules, the tokenizer, the app: ~400k objects) lives as long
             # as the server: out of the collector's sight, so that a full collection, which
-            # would stop every stream for 0.1-0.2 s, only scans what requests allocate.
-            gc.collect()
-            gc.freeze()
+            # would stop every stream for 0.1-0.2 s, only scans what requests allocate; and
+            # the collector's thresholds raised (octavo.engine_core.gc_heap).
+            freeze_startup_objects()
             yield
         finally:
             if watcher is not None:
