@@ -94,9 +94,9 @@ def add_serve_parser(modes) -> None:
                       help="send ignore_eos so every request makes exactly its max_tokens")
     load.add_argument("--num-client-processes", type=_positive_int, default=1,
                       help="split the client over N processes, requests dealt round robin "
-                           "(one process parses a few thousand streamed chunks a second: use "
-                           "more against a fast server; --max-concurrency is divided between "
-                           "them)")
+                           "(one process takes in some tens of thousands of streamed chunks a "
+                           "second: use more when the report's busiest client process nears "
+                           "100%% CPU; --max-concurrency is divided between them)")
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                      help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:5000 (milliseconds)")
