@@ -40,6 +40,18 @@ import time
 import urllib.request
 from pathlib import Path
 
+# `octavo serve` options of these runs: the tiny model's KV pool and batch sized for 256 streams.
+DEFAULT_SERVE_ARGS = "--dtype float32 --num-gpu-blocks-override 4096 --max-num-seqs 256"
+
+
+def model_or_tiny(model: str | None) -> str:
+    """``model``, or a tiny random Llama made in a temporary folder when None."""
+    if model is not None:
+        return model
+    from octavo.testing.tiny_models import make_tiny_model
+
+    return str(make_tiny_model(Path(tempfile.mkdtemp(prefix="octavo-tiny-")), "llama"))
+
 
 def cpu_seconds(pids: list[int]) -> float:
     total = 0
@@ -150,14 +162,10 @@ def main() -> None:
     parser.add_argument("--num-client-processes", type=int, default=1)
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="environment of the server (A/B switches)")
-    parser.add_argument("--serve-args", default="--dtype float32 --num-gpu-blocks-override 4096 "
-                        "--max-num-seqs 256", help="extra `octavo serve` options")
+    parser.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS,
+                        help="extra `octavo serve` options")
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from octavo.testing.tiny_models import make_tiny_model
-
-        model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="octavo-tiny-")), "llama"))
+    model = model_or_tiny(args.model)
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="octavo-serve-bench-", suffix=".log")[1])
     env = {**os.environ, **dict(item.split("=", 1) for item in args.serve_env)}
@@ -191,7 +199,7 @@ def main() -> None:
                 "core_cpu_us_per_token": round(1e6 * core / tokens, 1),
                 "output_throughput": round(result["output_throughput"], 1),
                 "tokens_per_event": round(tokens / events, 2) if events else None,
-                "load": open("/proc/loadavg").read().split()[0],
+                "load": f"{os.getloadavg()[0]:.2f}",
                 "wall_s": round(wall, 2), "serve_env": args.serve_env,
             }), flush=True)
     finally:

@@ -24,7 +24,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_cpu_per_token import cpu_seconds, free_port, process_pids, wait_healthy
+from api_cpu_per_token import (
+    DEFAULT_SERVE_ARGS,
+    cpu_seconds,
+    free_port,
+    model_or_tiny,
+    process_pids,
+    wait_healthy,
+)
 
 _SITECUSTOMIZE = '''
 import gc, json, os, signal, time
@@ -127,14 +134,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=2)
-    parser.add_argument("--serve-args", default="--dtype float32 --num-gpu-blocks-override 4096 "
-                        "--max-num-seqs 256", help="extra `octavo serve` options")
+    parser.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS,
+                        help="extra `octavo serve` options")
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from octavo.testing.tiny_models import make_tiny_model
-
-        model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="octavo-tiny-")), "llama"))
+    model = model_or_tiny(args.model)
     records = [one_run(threshold, model, args, run)
                for run in range(args.rounds) for threshold in args.thresholds]
     for record in records:
