@@ -1,8 +1,8 @@
 """``octavo bench serve --num-client-processes N``: the client split over N processes.
 
 One Python process parsing every streamed chunk tops out at some tens of thousands of chunks
-per second (one core: aiohttp, JSON, the event loop), below what a fast server sends. The requests are
-then dealt round robin to N worker processes, each with its own event loop and HTTP client,
+per second (one core: aiohttp, JSON, the event loop), below what a fast server can send. The
+requests are then dealt round robin to N worker processes, each with its own event loop and HTTP client,
 which send them at the same absolute arrival times (``time.perf_counter`` is the system's
 monotonic clock on Linux and macOS, shared by every process of the host). Each worker writes
 its results as JSON to a file the parent reads back (nothing is unpickled); a shared counter

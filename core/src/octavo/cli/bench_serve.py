@@ -16,8 +16,12 @@ import os
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from octavo.cli.options import RawDescriptionHelpFormatter
+
+if TYPE_CHECKING:
+    from octavo.benchmarks.serve_client import RunResult
 
 _DESCRIPTION = """\
 Benchmark a running server (octavo serve, or any OpenAI-compatible one) over HTTP: random
@@ -237,7 +241,7 @@ async def _run(args: argparse.Namespace, base_url: str):
 CLIENT_SATURATED = 0.85
 
 
-def client_busiest_fraction(run) -> float:
+def client_busiest_fraction(run: RunResult) -> float:
     """The largest share of the run's wall time that one client process spent on the CPU."""
     if not run.client_cpu_s or run.duration_s <= 0:
         return 0.0

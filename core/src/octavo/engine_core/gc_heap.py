@@ -13,10 +13,10 @@ It also raises the collector's thresholds (``OCTAVO_GC_THRESHOLD``, default 50,0
 objects (its prompt list, the pydantic request, parameters, the response's per-chunk
 objects); with hundreds in flight, a youngest-generation collection every 700 allocations
 finds most of them alive and walks them again (a 512-token prompt list is 512 visits each
-time), and promotes them into the next generation's more costly collections: 270-380 µs of
-an API process's ~2-3 ms of CPU per short streamed request on the CPU machine
-(``benchmarks/cpu/gc_per_request.py``, docs/benchmarks.md), 115-180 µs with larger thresholds.
-The price is rarer, longer pauses (tens of ms with 512 requests in flight, as the full
+time), and promotes them into the next generation's more costly collections: 1.4-1.7 ms of
+an API process's ~10 ms of CPU per streamed 128-token request on the CPU machine, 0.2-0.3 ms
+with these thresholds (``benchmarks/cpu/gc_per_request.py``, docs/benchmarks.md). The price
+is rarer, longer pauses (tens of ms with hundreds of requests in flight, as the full
 collections the defaults also run) and cyclic garbage that lives longer before it is freed.
 
 Only for a process the engine owns (the engine core's process, the API server, ``octavo
