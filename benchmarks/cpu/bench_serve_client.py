@@ -8,9 +8,10 @@ SSE chunks shaped like Octavo's streamed completion chunks, as fast as its event
 write them (``--chunks-per-write`` of them per write, as when a lagging API process merges
 nothing but a socket read still carries several); ``octavo.benchmarks.serve_client``'s real
 ``run_requests`` streams ``--num-requests`` of them at once. The figure is the client
-process's CPU per chunk (as ``RunResult.client_cpu_s`` counts it): what bounds the chunks a second one
-client process can take in, so how many ``--num-client-processes`` a server's rate needs.
-Prints one line per repeat and a JSON line with the median.
+process's CPU per chunk (timed around the run here, as ``RunResult.client_cpu_s`` counts it,
+so that an older client can be timed too): what bounds the chunks a second one client
+process can take in, so how many ``--num-client-processes`` a server's rate needs. Prints
+one line per repeat and a JSON line with the median.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_cpu_per_token import free_port
 
 # What the stand-in writes per chunk: an Octavo text-only completion chunk.
 _CHUNK = (b'data: {"id":"cmpl-0123456789abcdef0123456789abcdef","object":"text_completion",'
@@ -65,12 +70,6 @@ asyncio.run(main())
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_listening(port: int, server: subprocess.Popen) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -110,7 +109,7 @@ def main() -> None:
     parser.add_argument("--chunks-per-write", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-c", _SERVER, str(port), _CHUNK.hex(),
                                str(args.chunks_per_write)])
     try:

@@ -172,11 +172,11 @@ async def send_request(client: aiohttp.ClientSession, target: Target,
                 for line in lines:
                     if not line.startswith(b"data:"):
                         continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
                         finished = True
                         break
-                    event = msgspec.json.decode(data)
+                    event = msgspec.json.decode(payload)
                     if "error" in event:
                         error = event["error"]
                         message = error.get("message", error) if isinstance(error, dict) else error
