@@ -24,6 +24,13 @@ to a config table (``octavo.kernels.triton.skinny_gemm``: the kernels read
     python benchmarks/gpu/bench_quant_gemv.py --rows 1,2,4,8,16 --sweep \
         --write-configs core/src/octavo/kernels/triton/configs/skinny_NVIDIA_H100_80GB_HBM3.json
 
+``--after-norm`` times every call as a *pair*: Octavo's RMS norm (Triton, launched with
+programmatic dependent launch where the GPU has it, as in the model), then the kernel on its
+output, so that a kernel which loads its first weights before it waits for the norm
+(``octavo.kernels.triton.pdl``) is timed with the overlap it gets in a decode step; the norm
+alone is printed as ``norm`` (``bench_dense_gemv.py`` times bf16 pairs so). ``quant-configs``
+sweeps this way.
+
 The last line is the whole result as one JSON object. Without CUDA it exits with a message.
 """
 
@@ -90,9 +97,18 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     from octavo.kernels.triton import fp8_gemv as fp8_module
     from octavo.kernels.triton import int4_gemv as int4_module
     from octavo.kernels.triton.int4_gemm import int4_gemm
+    from octavo.kernels.triton.rmsnorm import rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    x_in = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    if args.after_norm:
+        def h():
+            return rms_norm(x_in, norm_w, 1e-6)
+    else:
+        def h():
+            return x_in
+    x = h()  # what the kernels get (for the error checks)
     dense = torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
     fp8_w, fp8_s = quantize_fp8_per_channel(dense)
     groups = k // GROUP
@@ -109,20 +125,22 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     int4_ws = [qweight] + [qweight.clone() for _ in range(copies_for(int4_bytes) - 1)]
 
     def scaled_mm(w):
-        x_fp8, x_scale = quantize_fp8_per_token(x)
+        x_fp8, x_scale = quantize_fp8_per_token(h())
         return torch._scaled_mm(x_fp8, w.t(), scale_a=x_scale, scale_b=fp8_s.reshape(1, -1),
                                 out_dtype=torch.bfloat16)
 
     result = {
-        "shape": name, "n": n, "k": k, "m": m,
-        "bf16_us": time_per_call(lambda w: F.linear(x, w), bf16_ws),
+        "shape": name, "n": n, "k": k, "m": m, "after_norm": args.after_norm,
+        "norm_us": time_per_call(lambda w: h(), bf16_ws) if args.after_norm else 0.0,
+        "bf16_us": time_per_call(lambda w: F.linear(h(), w), bf16_ws),
         "bf16_floor_us": bf16_bytes / bandwidth * 1e6,
         "fp8_mm_us": time_per_call(scaled_mm, fp8_ws),
-        "fp8_gemv_us": time_per_call(lambda w: fp8_module.fp8_gemv(x, w, fp8_s), fp8_ws),
+        "fp8_gemv_us": time_per_call(lambda w: fp8_module.fp8_gemv(h(), w, fp8_s), fp8_ws),
         "fp8_floor_us": fp8_bytes / bandwidth * 1e6,
-        "int4_gemm_us": time_per_call(lambda w: int4_gemm(x, w, scales, zeros, GROUP), int4_ws),
+        "int4_gemm_us": time_per_call(lambda w: int4_gemm(h(), w, scales, zeros, GROUP),
+                                      int4_ws),
         "int4_gemv_us": time_per_call(
-            lambda w: int4_module.int4_gemv(x, w, scales, zeros, GROUP), int4_ws),
+            lambda w: int4_module.int4_gemv(h(), w, scales, zeros, GROUP), int4_ws),
         "int4_floor_us": int4_bytes / bandwidth * 1e6,
     }
     result["fp8_rel_err"] = rel_err(fp8_module.fp8_gemv(x, fp8_w, fp8_s),
@@ -132,9 +150,10 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
     del q
     if args.sweep:
         for label, module, ws, call in (
-                ("fp8", fp8_module, fp8_ws, lambda w, c: fp8_module.fp8_gemv(x, w, fp8_s, c)),
+                ("fp8", fp8_module, fp8_ws,
+                 lambda w, c: fp8_module.fp8_gemv(h(), w, fp8_s, c)),
                 ("int4", int4_module, int4_ws,
-                 lambda w, c: int4_module.int4_gemv(x, w, scales, zeros, GROUP, None, c))):
+                 lambda w, c: int4_module.int4_gemv(h(), w, scales, zeros, GROUP, None, c))):
             if label not in args.sweep_kernels.split(","):
                 continue
             best = None
@@ -179,7 +198,7 @@ def written_by_kernel(table: dict) -> dict[str, str]:
     return written_by
 
 
-def write_configs(path: str, results: list[dict]) -> None:
+def write_configs(path: str, results: list[dict], after_norm: bool) -> None:
     """Add each case's best swept config to the table at ``path`` under the key the kernels
     look up (``tune_key``: bf16 activations; int4 with groups of ``GROUP``, natural order)."""
     from pathlib import Path
@@ -193,7 +212,8 @@ def write_configs(path: str, results: list[dict]) -> None:
     # What lets a GPU of the same chip without a table of its own use this one.
     table["chip"] = chip_of(torch.cuda.get_device_properties())
     how = ("benchmarks/gpu/bench_quant_gemv.py --sweep (best of each case, CUDA-graph timing "
-           "over L2-cold weight copies)")
+           "over L2-cold weight copies" + (", each call after an RMS norm)" if after_norm
+                                          else ")"))
     kernels = table["kernels"]
     written_by = written_by_kernel(table)
     for kernel in ("fp8_gemv", "int4_gemv"):
@@ -223,6 +243,8 @@ def main() -> None:
                         help="also search the skinny kernels' launch configs")
     parser.add_argument("--sweep-kernels", default="fp8,int4",
                         help="with --sweep: which skinny kernels to search (fp8, int4)")
+    parser.add_argument("--after-norm", action="store_true",
+                        help="time each call after an RMS norm, as a pair (see above)")
     parser.add_argument("--write-configs", metavar="PATH",
                         help="with --sweep: add the best configs to this config table (JSON)")
     args = parser.parse_args()
@@ -242,8 +264,8 @@ def main() -> None:
                for m in rows for name, n, k in SHAPES if name in names]
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e9:.0f} GB/s  "
           "(us per call; floor = bytes / copy bandwidth)")
-    cols = ["bf16", "bf16_floor", "fp8_mm", "fp8_gemv", "fp8_floor", "int4_gemm", "int4_gemv",
-            "int4_floor"]
+    cols = ["norm", "bf16", "bf16_floor", "fp8_mm", "fp8_gemv", "fp8_floor", "int4_gemm",
+            "int4_gemv", "int4_floor"]
     header = f"{'shape':>8}{'N':>7}{'K':>7}{'M':>4}" + "".join(f"{c:>12}" for c in cols)
     print(header)
     print("-" * len(header))
@@ -263,7 +285,7 @@ def main() -> None:
                 for c in cols}
         print(f"  M={m:<3}" + "  ".join(f"{c} {v:.2f}" for c, v in step.items()))
     if args.write_configs:
-        write_configs(args.write_configs, results)
+        write_configs(args.write_configs, results, args.after_norm)
     print(json.dumps({"bench": "quant_gemv", "device": torch.cuda.get_device_name(),
                       "copy_bandwidth_gb_per_s": bandwidth / 1e9, "results": results}))
 

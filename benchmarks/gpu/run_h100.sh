@@ -366,13 +366,14 @@ for stage in "${stages[@]}"; do
     quant-configs)
       # The skinny kernels' config table for this GPU (octavo.kernels.triton.skinny_gemm):
       # the sweep's best config per Llama-3-8B projection and row bucket in $ROWS (default 1;
-      # kernels in $SWEEP_KERNELS, default fp8,int4;
+      # kernels in $SWEEP_KERNELS, default fp8,int4; each call timed after an RMS norm, as in
+      # a decode step, so that loads issued before the PDL wait count;
       # ~5 min per new row bucket's compiles), added to the repo's table, written to $OUT.
       table=$(python3 -c "import torch; from octavo.kernels.triton.skinny_gemm import \
 config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
       cp "$table" "$OUT/" 2>/dev/null || true
       OCTAVO_SKINNY_CONFIG_TABLES=0 python3 benchmarks/gpu/bench_quant_gemv.py \
-        --rows "${ROWS:-1}" --shapes qkv,o,gate_up,down --sweep \
+        --rows "${ROWS:-1}" --shapes qkv,o,gate_up,down --sweep --after-norm \
         --sweep-kernels "${SWEEP_KERNELS:-fp8,int4}" \
         --write-configs "$OUT/$(basename "$table")" \
         2>"$OUT/quant-configs.err" | tee "$OUT/quant-configs.log" | tail -12
