@@ -11,7 +11,9 @@ integers are accepted where numbers are expected.
 
 from __future__ import annotations
 
+import functools
 import time
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
@@ -27,10 +29,25 @@ class OpenAIResponse(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _can_hold_a_model(annotation: Any) -> bool:
+    """Whether a field of this type can hold a pydantic model (in a list or union too)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_can_hold_a_model(arg) for arg in typing.get_args(annotation))
+
+
+@functools.cache
+def _model_field_names(cls: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of ``cls`` that can hold nested models: the only ones worth walking (a
+    prompt of token ids is a list of thousands of ints)."""
+    return tuple(name for name, info in cls.model_fields.items()
+                 if _can_hold_a_model(info.annotation))
+
+
 def unsupported_fields(model: BaseModel, prefix: str = "") -> list[str]:
     """Dotted names of every field given but not modelled, nested models and lists included."""
     names = [f"{prefix}{key}" for key in (model.model_extra or {})]
-    for name in type(model).model_fields:
+    for name in _model_field_names(type(model)):
         value = getattr(model, name)
         items = value if isinstance(value, list) else [value]
         for i, item in enumerate(items):
