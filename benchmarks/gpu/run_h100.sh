@@ -12,6 +12,7 @@
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi] [bench-structured-gil]
+#                                    [bench-structured-process]
 #                                    [spec-tests] [bench-spec] [bench-spec-draft]
 #                                    [bench-spec-eagle3]
 #                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
@@ -317,6 +318,31 @@ for stage in "${stages[@]}"; do
           --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
           --max-num-seqs 256 --async-engine --structured json \
           2>>"$OUT/bench-structured-gil.err" | tee -a "$OUT/bench-structured-gil.log" | tail -4
+      done
+      ;;
+    bench-structured-process)
+      # The grammars on the engine core's threads (OCTAVO_GRAMMAR_PROCESS=0) or in a process of
+      # their own (1, with the accept through llguidance's pool or a loop): bench-structured's
+      # command alternating them, then profile_steps.py's plain window for each setting
+      # (~8 min; PROCESS_CONFIGS and PROFILE_CONFIGS override the lists).
+      [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
+        --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      for cfg in ${PROCESS_CONFIGS:-1:parallel 0:parallel 1:loop 1:parallel 0:parallel 1:loop}; do
+        echo "== OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:}" \
+          | tee -a "$OUT/bench-structured-process.log"
+        OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:} \
+          octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
+          --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+          --max-num-seqs 256 --async-engine --structured json \
+          2>>"$OUT/bench-structured-process.err" | tee -a "$OUT/bench-structured-process.log" \
+          | grep -E "ratio"
+      done
+      for cfg in ${PROFILE_CONFIGS:-1:parallel 0:parallel 1:loop}; do
+        echo "== profile: OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:}" \
+          | tee -a "$OUT/bench-structured-process.log"
+        OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:} \
+          python3 benchmarks/gpu/profile_steps.py --model $JSON_MODEL --structured json 2>&1 \
+          | tee -a "$OUT/bench-structured-process.log" | grep -E "plain window|unprofiled"
       done
       ;;
     profile-structured)

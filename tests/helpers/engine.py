@@ -114,3 +114,15 @@ def assert_speculation_survives_caching_and_preemption(folder, speculative_confi
                        num_gpu_blocks_override=16, preemption_mode=mode, swap_space=0.01)
         assert run(llm) == reference
         assert llm.llm_engine.stats().num_preemptions > 0
+
+
+def grammar_process(model: str | Path, vocab_size: int, **kwargs: Any):
+    """A ``GrammarProcess`` whose tokenizer is ``model``'s, loaded as the engine core does."""
+    import functools
+
+    from octavo.engine.arg_utils import EngineArgs
+    from octavo.structured_output.process import GrammarProcess, load_grammar_tokenizer
+
+    model_config = EngineArgs(model=str(model), device="cpu").create_engine_config().model_config
+    return GrammarProcess(functools.partial(load_grammar_tokenizer, model_config), vocab_size,
+                          **kwargs)

@@ -201,6 +201,7 @@ def test_the_grammar_threads_settings_change_no_output(
     params = [constrained(["json", "regex", "choice", "grammar", "json"][i])
               for i in range(len(PROMPTS))]
     want = [o.outputs[0].token_ids for o in run(llm, params)]
+    monkeypatch.setenv("OCTAVO_GRAMMAR_PROCESS", "0")  # the grammar thread under test
     monkeypatch.setenv("OCTAVO_GRAMMAR_ACCEPT", accept)
     monkeypatch.setenv("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", interval_us)
     default = sys.getswitchinterval()
@@ -227,11 +228,39 @@ def test_the_grammar_threads_settings_change_no_output(
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_grammars_in_a_process_of_their_own_give_the_same_outputs(
+        tiny_llama: Path, llm, monkeypatch, async_scheduling: bool) -> None:
+    """``OCTAVO_GRAMMAR_PROCESS=1``: the same greedy outputs as the in-process grammars, one
+    step at a time and with the sampling deferred, nothing held afterwards, and the grammar
+    process gone once the engine shuts down."""
+    from octavo.structured_output.process import GrammarProcess
+
+    params = [constrained(["json", "regex", "choice", "grammar", "json"][i])
+              for i in range(len(PROMPTS))]
+    want = [o.outputs[0].token_ids for o in run(llm, params)]
+    monkeypatch.setenv("OCTAVO_GRAMMAR_PROCESS", "1")
+    other = make_llm(tiny_llama, async_scheduling=async_scheduling)
+    structured = other.llm_engine.engine_core.structured_outputs
+    assert isinstance(structured, GrammarProcess)
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = run(other, params + [free], PROMPTS + PROMPTS[:1])  # a free one beside them
+    assert [o.outputs[0].token_ids for o in got[:-1]] == want
+    assert got[-1].outputs[0].token_ids == run(llm, free, PROMPTS[:1])[0].outputs[0].token_ids
+    assert_no_leaks(other)
+    child = structured._process
+    other.llm_engine.shutdown()
+    assert child.poll() == 0
+
+
+@pytest.mark.parametrize("async_scheduling, in_process", [
+    (False, "0"), (True, "0"), (True, "1")])
 def test_a_token_the_grammar_refuses_ends_only_its_request(
-        tiny_llama: Path, monkeypatch, async_scheduling: bool) -> None:
+        tiny_llama: Path, monkeypatch, async_scheduling: bool, in_process: str) -> None:
     """With the masks not applied (a sampler bug), the grammar refuses the tokens sampled:
     the request is aborted with what it had, the free requests beside it are unchanged and
-    nothing leaks, with the grammar advanced at record time or on the grammar thread."""
+    nothing leaks, with the grammar advanced at record time, on the grammar thread or in the
+    grammar process."""
+    monkeypatch.setenv("OCTAVO_GRAMMAR_PROCESS", in_process)
     llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in run(llm, free, PROMPTS[:2])]

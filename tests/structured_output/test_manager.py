@@ -1,5 +1,7 @@
 """``StructuredOutputManager``: compile off the caller's thread, masks per step, matchers
-advanced by sampled tokens, nothing kept after a request ends."""
+advanced by sampled tokens, nothing kept after a request ends; the same through
+``GrammarProcess`` (the manager in a process of its own), and what that process leaves behind
+(nothing) and does when it dies."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import numpy as np
 import pytest
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.manager import StructuredOutputManager
+from octavo.structured_output.process import GrammarProcess
+
+from tests.helpers.engine import grammar_process
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +24,21 @@ def tokenizer(tiny_llama):
     return AutoTokenizer.from_pretrained(tiny_llama)
 
 
-@pytest.fixture
-def manager(tokenizer):
-    vocab = 400  # wider than the tokenizer's 384 tokens, as padded embeddings are
-    m = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), vocab)
+VOCAB = 400  # wider than the tokenizer's 384 tokens, as padded embeddings are
+
+
+@pytest.fixture(params=["thread", "process"])
+def manager(request, tokenizer, tiny_llama):
+    if request.param == "thread":
+        m = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), VOCAB)
+    else:
+        m = grammar_process(tiny_llama, VOCAB, max_rows=64)
     yield m
     m.shutdown()
 
 
-def compile_all(manager: StructuredOutputManager, requests: dict[str, StructuredOutputsParams]):
+def compile_all(manager: StructuredOutputManager | GrammarProcess,
+                requests: dict[str, StructuredOutputsParams]):
     for request_id, params in requests.items():
         manager.submit(request_id, params)
     ready = []
@@ -39,7 +50,7 @@ def compile_all(manager: StructuredOutputManager, requests: dict[str, Structured
     assert all(r.error is None for r in ready)
 
 
-def allowed(manager: StructuredOutputManager, request_id: str) -> set[int]:
+def allowed(manager: StructuredOutputManager | GrammarProcess, request_id: str) -> set[int]:
     bitmask = manager.bitmask([request_id])
     words = np.frombuffer(bitmask.data, dtype="<u4").reshape(1, bitmask.num_words)[0]
     return {w * 32 + b for w, word in enumerate(words) for b in range(32) if word >> b & 1}
@@ -163,13 +174,35 @@ def allowed_rows_of(bitmask) -> list[set[int]]:
 
 @pytest.mark.parametrize("name, value", [("OCTAVO_GRAMMAR_ACCEPT", "threads"),
                                          ("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", "-5"),
-                                         ("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", "fast")])
+                                         ("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", "fast"),
+                                         ("OCTAVO_GRAMMAR_PROCESS", "yes")])
 def test_a_bad_grammar_setting_says_what_it_takes(monkeypatch, name, value) -> None:
     from octavo import envs
 
+    read = {"OCTAVO_GRAMMAR_ACCEPT": envs.grammar_accept,
+            "OCTAVO_GRAMMAR_SWITCH_INTERVAL_US": envs.grammar_switch_interval_s,
+            "OCTAVO_GRAMMAR_PROCESS": envs.grammar_process}[name]
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        envs.grammar_accept() if name.endswith("ACCEPT") else envs.grammar_switch_interval_s()
+        read()
+
+
+@pytest.mark.parametrize("value, async_scheduling, expected", [
+    ("auto", True, "GrammarProcess"), ("auto", False, "StructuredOutputManager"),
+    ("0", True, "StructuredOutputManager"), ("1", False, "GrammarProcess")])
+def test_where_the_grammars_run(tiny_llama, monkeypatch, value, async_scheduling,
+                                expected) -> None:
+    from octavo.engine.arg_utils import EngineArgs
+    from octavo.engine_core.core import make_structured_outputs
+
+    monkeypatch.setenv("OCTAVO_GRAMMAR_PROCESS", value)
+    config = EngineArgs(model=str(tiny_llama), device="cpu",
+                        async_scheduling=async_scheduling).create_engine_config()
+    structured = make_structured_outputs(config)
+    try:
+        assert type(structured).__name__ == expected
+    finally:
+        structured.shutdown()
 
 
 def test_llguidance_writes_every_word_of_a_row(tokenizer) -> None:
@@ -195,3 +228,61 @@ def test_llguidance_writes_every_word_of_a_row(tokenizer) -> None:
         filled.append(rows)
     assert np.array_equal(filled[0], filled[1])
     assert not (filled[1] == -1).all(axis=1).any()  # the masks constrain something
+
+
+# ---- the grammar process ----------------------------------------------------------------------
+
+
+def test_a_grammar_that_does_not_compile_is_reported(manager) -> None:
+    manager.submit("bad", StructuredOutputsParams(regex="(unclosed"))
+    deadline = time.monotonic() + 60
+    ready = []
+    while not ready and time.monotonic() < deadline:
+        manager.wait(1.0)
+        ready = manager.take_ready()
+    assert [r.request_id for r in ready] == ["bad"] and ready[0].error
+    assert not manager.is_constrained("bad") and manager.num_active == 0
+
+
+def test_the_grammar_process_leaves_nothing_behind(tiny_llama) -> None:
+    import os
+
+    process = grammar_process(tiny_llama, VOCAB, max_rows=4)
+    assert process._process is None  # started by the first constraint, not before
+    compile_all(process, {"a": StructuredOutputsParams(regex="a+")})
+    child = process._process
+    assert child.poll() is None
+    # The shared masks have no name while both processes use them: none can be left behind.
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("octavo-grammar")]
+    pending = process.accept_and_bitmask_async({"a": [5]}, ["a"])
+    pending.result()
+    process.remove("a")
+    process.shutdown()
+    assert child.poll() == 0
+    process.shutdown()  # idempotent
+
+
+def test_one_step_in_flight_at_a_time(tiny_llama) -> None:
+    process = grammar_process(tiny_llama, VOCAB, max_rows=2)
+    try:
+        compile_all(process, {"a": StructuredOutputsParams(regex="a+")})
+        with pytest.raises(ValueError, match="3 mask rows"):
+            process.bitmask(["a", "b", "c"])
+        pending = process.accept_and_bitmask_async({}, ["a"])
+        with pytest.raises(RuntimeError, match="still in flight"):
+            process.bitmask(["a"])
+        assert pending.result().bitmask.req_ids == ["a"]
+    finally:
+        process.shutdown()
+
+
+def test_a_dead_grammar_process_is_a_clear_error(tiny_llama) -> None:
+    process = grammar_process(tiny_llama, VOCAB, max_rows=4)
+    try:
+        compile_all(process, {"a": StructuredOutputsParams(regex="a+")})
+        process._process.kill()
+        process._process.wait()
+        with pytest.raises(RuntimeError, match="grammar process exited"):
+            process.bitmask(["a"])
+    finally:
+        process.shutdown()

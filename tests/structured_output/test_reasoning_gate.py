@@ -15,7 +15,7 @@ from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.structured_output.manager import StructuredOutputManager
 from octavo.structured_output.reasoning_gate import Phase, ReasoningGate
 
-from tests.helpers.engine import assert_no_leaks, make_llm
+from tests.helpers.engine import assert_no_leaks, grammar_process, make_llm
 from tests.helpers.tool_model import CASES, WEATHER_TOOL, render
 
 SCHEMA = WEATHER_TOOL["function"]["parameters"]
@@ -97,10 +97,15 @@ def allowed_rows(bitmask) -> list[set[int]]:
 
 
 @pytest.mark.parametrize("use_async", [False, True])
-def test_masks_while_thinking_and_after(tokenizer, use_async: bool) -> None:
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_masks_while_thinking_and_after(tokenizer, tool_model: Path, use_async: bool,
+                                        where: str) -> None:
     vocab = len(tokenizer)
-    manager = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), vocab,
-                                      reasoning_parser=get_reasoning_parser("qwen3"))
+    if where == "thread":
+        manager = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), vocab,
+                                          reasoning_parser=get_reasoning_parser("qwen3"))
+    else:  # the phases needs_mask reads come back from the grammar process with each step
+        manager = grammar_process(tool_model, vocab, max_rows=4, reasoning_parser="qwen3")
     try:
         params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
         prompt = ids(tokenizer, "<|im_start|>assistant\n")
@@ -146,12 +151,16 @@ def test_masks_while_thinking_and_after(tokenizer, use_async: bool) -> None:
 # ---- end to end -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling, in_process", [
+    (False, "0"), (True, "0"), (True, "1")])
 def test_the_model_thinks_then_writes_the_constrained_answer(
-        tool_model: Path, tokenizer, async_scheduling: bool) -> None:
+        tool_model: Path, tokenizer, monkeypatch, async_scheduling: bool,
+        in_process: str) -> None:
     """The tool model learned to think before calling a tool ("berlin"): with the reasoning
     parser its thinking is untouched and the JSON after the end tag follows the schema;
-    without it, the schema shapes the output from its first token."""
+    without it, the schema shapes the output from its first token (the grammars on the
+    engine core's threads or in their own process)."""
+    monkeypatch.setenv("OCTAVO_GRAMMAR_PROCESS", in_process)
     prompt = render(tokenizer, CASES["berlin"])
     params = SamplingParams(temperature=0.0, max_tokens=100, skip_special_tokens=False,
                             structured_outputs=StructuredOutputsParams(

@@ -117,6 +117,17 @@ def grammar_accept() -> str:
     return raw
 
 
+def grammar_process() -> bool | None:
+    """``OCTAVO_GRAMMAR_PROCESS``: where the engine core's grammars run
+    (``octavo.structured_output.process``): ``1`` in a process of their own, ``0`` on the
+    engine core's threads, ``auto`` (default, ``None`` here) in their own process under async
+    scheduling, where a constrained step's grammar work runs beside the engine thread."""
+    raw = os.environ.get("OCTAVO_GRAMMAR_PROCESS", "auto").strip().lower()
+    if raw not in ("0", "1", "auto"):
+        raise ValueError(f"OCTAVO_GRAMMAR_PROCESS must be 0, 1 or auto, got {raw!r}")
+    return None if raw == "auto" else raw == "1"
+
+
 def grammar_switch_interval_s() -> float | None:
     """``OCTAVO_GRAMMAR_SWITCH_INTERVAL_US``: the GIL switch interval in seconds while the
     grammar thread works beside the engine thread (default 200 µs); ``None`` for ``0``

@@ -15,10 +15,12 @@ Structured outputs (``octavo.structured_output``): a constrained request waits, 
 scheduler, until its grammar is compiled on a background thread; then every step it samples in
 carries its token bitmask. When that mask needs the token its previous step is still sampling
 (async scheduling), the step's forward pass is launched at once and its sampling later
-(``Executor.sample_tokens``): once the previous step is recorded, a grammar thread advances the
-matchers with its tokens and fills the masks while the outputs go out and the next step is
-scheduled, and the sampling is launched just before the next step. The device runs the forward
-pass while the host records, and the grammar thread works while the host schedules. With a
+(``Executor.sample_tokens``): once the previous step is recorded, the grammar work — on a
+thread, or in a process of its own (``octavo.structured_output.process``, the default under
+async scheduling) — advances the matchers with its tokens and fills the masks while the
+outputs go out and the next step is scheduled, and the sampling is launched just before the
+next step. The device runs the forward pass while the host records, and the grammar work runs
+while the host schedules. With a
 reasoning parser a constrained request's grammar starts after its reasoning: a step samples a
 thinking request without a mask, except under async scheduling, where its in-flight token may
 be the end tag, so its mask is deferred like any other.
@@ -31,7 +33,8 @@ samples), and the oldest step is recorded once the pipeline is full or nothing n
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
+import functools
 import logging
 import sys
 from collections import deque
@@ -51,7 +54,8 @@ from octavo.messages import (
 )
 from octavo.reasoning import get_reasoning_parser
 from octavo.scheduler.scheduler import Scheduler
-from octavo.structured_output.manager import AcceptedStep, StructuredOutputManager
+from octavo.structured_output.manager import PendingAccept, StructuredOutputManager
+from octavo.structured_output.process import GrammarProcess, load_grammar_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,26 @@ class _InFlightStep:
 
     scheduler_output: SchedulerOutput
     pending: PendingOutput
+
+
+def make_structured_outputs(config: EngineConfig) -> StructuredOutputManager | GrammarProcess:
+    """The engine core's grammars: in a process of their own (``OCTAVO_GRAMMAR_PROCESS``; by
+    default under async scheduling, where a step's grammar work runs beside the engine
+    thread's Python, whose GIL it would share in process: docs/benchmarks.md) or on the engine
+    core's threads."""
+    reasoning = config.model_config.reasoning_parser
+    tokenizer_loader = functools.partial(load_grammar_tokenizer, config.model_config)
+    in_a_process = envs.grammar_process()
+    if in_a_process is None:
+        in_a_process = config.scheduler_config.async_scheduling
+    if in_a_process:
+        return GrammarProcess(tokenizer_loader, config.model_config.vocab_size,
+                              max_rows=config.scheduler_config.max_num_seqs,
+                              reasoning_parser=reasoning,
+                              accept_parallel=envs.grammar_accept() == "parallel")
+    return StructuredOutputManager(
+        tokenizer_loader, config.model_config.vocab_size,
+        reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None)
 
 
 class EngineCore:
@@ -98,18 +122,17 @@ class EngineCore:
         # the step before it is recorded, then the grammar thread's work (the recorded
         # tokens accepted, the masks filled).
         self._deferred_rows: list[str] | None = None
-        self._grammar_step: concurrent.futures.Future[AcceptedStep] | None = None
-        # The GIL switch interval while the grammar thread works beside this one, and the one
-        # to restore after (see _start_grammar_window).
-        self._grammar_switch_interval = envs.grammar_switch_interval_s()
-        self._saved_switch_interval: float | None = None
+        self._grammar_step: PendingAccept | None = None
         self.max_in_flight = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
         # Constrained requests (structured outputs) whose grammar is being compiled.
         self._awaiting_grammar: dict[str, Request] = {}
-        reasoning = config.model_config.reasoning_parser
-        self.structured_outputs = StructuredOutputManager(
-            self._load_tokenizer, config.model_config.vocab_size,
-            reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None)
+        self.structured_outputs = make_structured_outputs(config)
+        # The GIL switch interval while the grammar thread works beside this one, and the one
+        # to restore after (see _start_grammar_window); none with the grammars in a process.
+        self._grammar_switch_interval = (
+            None if isinstance(self.structured_outputs, GrammarProcess)
+            else envs.grammar_switch_interval_s())
+        self._saved_switch_interval: float | None = None
         spec = config.speculative_config
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per step",
@@ -254,7 +277,10 @@ class EngineCore:
         pending, self._grammar_step = self._grammar_step, None
         self._deferred_rows = None
         if pending is not None:
-            concurrent.futures.wait([pending])  # the matchers are used until it is done
+            # The matchers are used until it is done; its errors no longer matter (the steps
+            # are being discarded after another error).
+            with contextlib.suppress(Exception):
+                pending.result()
         self._end_grammar_window()
 
     def _start_grammar_window(self) -> None:
@@ -276,13 +302,6 @@ class EngineCore:
             self._saved_switch_interval = None
 
     # ---- structured outputs ----------------------------------------------------------------
-
-    def _load_tokenizer(self) -> tuple[object, set[int]]:
-        """The tokenizer grammars compile against and its EOS ids (on the compile thread)."""
-        from octavo.transformers_utils.tokenizer import eos_token_ids, load_tokenizer
-
-        tokenizer = load_tokenizer(self.config.model_config)
-        return tokenizer, eos_token_ids(self.config.model_config, tokenizer)
 
     def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
         """Hand requests whose grammar compiled to the scheduler; end those whose grammar

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -55,6 +55,19 @@ class AcceptedStep:
 
     errors: dict[str, str]
     bitmask: GrammarBitmask
+
+
+class PendingAccept(Protocol):
+    """A step's grammar work under way (``accept_and_bitmask_async``): ``result()`` waits
+    for it and raises what it raised."""
+
+    def result(self) -> AcceptedStep: ...
+
+
+def needs_mask(phase: Phase | None, token_in_flight: bool) -> bool:
+    """Whether a constrained request's next token needs a mask: it is not thinking (``phase``
+    None: no reasoning parser), or its token still in flight may end the thinking."""
+    return token_in_flight or phase is None or phase is not Phase.THINKING
 
 
 def _consume(matcher: Any, token_ids: Sequence[int]) -> str | None:
@@ -120,11 +133,16 @@ class StructuredOutputManager:
     # ---- lifecycle -----------------------------------------------------------------------
 
     def submit(self, request_id: str, params: StructuredOutputsParams,
-               prompt_token_ids: Sequence[int] = ()) -> None:
+               prompt_token_ids: Sequence[int] = (),
+               on_done: Callable[[], None] | None = None) -> None:
         """Start compiling ``request_id``'s grammar; ``take_ready`` returns it when done. The
-        prompt tells the reasoning gate whether the output starts inside a think block."""
-        self._compiling[request_id] = self._compiler.submit(
-            self._compile, params, list(prompt_token_ids))
+        prompt tells the reasoning gate whether the output starts inside a think block.
+        ``on_done`` is called on the compile thread once the compilation ends (it must only
+        wake the caller's thread: the manager is not thread-safe)."""
+        future = self._compiler.submit(self._compile, params, list(prompt_token_ids))
+        if on_done is not None:
+            future.add_done_callback(lambda _: on_done())
+        self._compiling[request_id] = future
 
     @property
     def num_compiling(self) -> int:
@@ -189,8 +207,8 @@ class StructuredOutputManager:
         entry = self._matchers.get(request_id)
         if entry is None:
             return False
-        return (token_in_flight or entry.gate_state is None
-                or entry.gate_state.phase is not Phase.THINKING)
+        return needs_mask(None if entry.gate_state is None else entry.gate_state.phase,
+                          token_in_flight)
 
     def shutdown(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
@@ -209,22 +227,37 @@ class StructuredOutputManager:
             return None
         return _consume(entry.matcher, self._answer_tokens(entry, token_ids))
 
-    def accept_step(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, str]:
+    def accept_step(self, sampled: Mapping[str, Sequence[int]],
+                    parallel: bool = False) -> dict[str, str]:
         """``accept`` for every request of a step: the matcher's error of each request that
         sampled a token its grammar refuses (those requests must end); requests without a
-        matcher are skipped."""
-        return self._advance(self._advances(sampled), parallel=False)
+        matcher are skipped. ``parallel``: through llguidance's thread pool, the GIL released
+        (see ``_advance``)."""
+        return self._advance(self._advances(sampled), parallel=parallel)
 
     def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
         """The token bitmask of ``request_ids`` (one row each, in order). A request without a
         matcher (it finished while its step was in flight: what it samples is thrown away) or
         still thinking gets a row allowing everything; one that may start thinking gets its
         grammar's row plus the start tag."""
-        return self._fill(list(request_ids), self._row_matchers(request_ids))
+        bitmask, rows = self._new_bitmask(list(request_ids))
+        self._fill(bitmask.req_ids, self._row_matchers(request_ids), rows)
+        return bitmask
+
+    def bitmask_into(self, request_ids: list[str], out: np.ndarray) -> None:
+        """``bitmask`` written into ``out`` (int32, ``[len(request_ids), num_words]``, e.g. a
+        view of shared memory) instead of a new buffer."""
+        self._fill(list(request_ids), self._row_matchers(request_ids), out)
+
+    def phase(self, request_id: str) -> Phase | None:
+        """Where a request is in its output with a reasoning parser (None without one, or
+        for a request without a matcher)."""
+        entry = self._matchers.get(request_id)
+        return None if entry is None or entry.gate_state is None else entry.gate_state.phase
 
     def accept_and_bitmask_async(
         self, sampled: Mapping[str, Sequence[int]], request_ids: list[str]
-    ) -> concurrent.futures.Future[AcceptedStep]:
+    ) -> PendingAccept:
         """``accept_step(sampled)`` then ``bitmask(request_ids)`` on a background thread
         (llguidance releases the GIL while it fills masks), so the caller can go on with other
         work. No matcher may be used elsewhere until the future is done; removing requests is
@@ -237,9 +270,13 @@ class StructuredOutputManager:
         advances = self._advances(sampled)
         entries = self._row_matchers(request_ids)
         request_ids = list(request_ids)
-        return self._filler.submit(
-            lambda: AcceptedStep(self._advance(advances, parallel=self._accept_parallel),
-                                 self._fill(request_ids, entries)))
+        def run() -> AcceptedStep:
+            errors = self._advance(advances, parallel=self._accept_parallel)
+            bitmask, rows = self._new_bitmask(request_ids)
+            self._fill(request_ids, entries, rows)
+            return AcceptedStep(errors, bitmask)
+
+        return self._filler.submit(run)
 
     def _advances(
         self, sampled: Mapping[str, Sequence[int]]
@@ -297,16 +334,21 @@ class StructuredOutputManager:
         return [(entry, row) for row, request_id in enumerate(request_ids)
                 if (entry := matchers.get(request_id)) is not None]
 
-    def _fill(self, request_ids: list[str],
-              entries: list[tuple[_Constrained, int]]) -> GrammarBitmask:
+    def _new_bitmask(self, request_ids: list[str]) -> tuple[GrammarBitmask, np.ndarray]:
+        """A bitmask of ``request_ids`` to be filled, and its rows as an int32 array."""
+        data = bytearray(len(request_ids) * self.num_words * 4)
+        rows = np.frombuffer(data, dtype=np.int32).reshape(len(request_ids), self.num_words)
+        return GrammarBitmask(req_ids=request_ids, num_words=self.num_words, data=data), rows
+
+    def _fill(self, request_ids: list[str], entries: list[tuple[_Constrained, int]],
+              rows: np.ndarray) -> None:
+        """Write the rows of ``request_ids`` into ``rows`` (int32 ``[len, num_words]``; a
+        bytearray's view, so the GrammarBitmask carries these very bytes: no copy here, nor in
+        the runner, of about 1.5 MB per step for 256 rows of a 49k vocabulary)."""
         # llguidance.numpy, not llguidance.torch: importing the latter imports torch._dynamo
         # (seconds, on the engine thread, at the first constrained step).
         import llguidance.numpy as llg_numpy
 
-        # In a bytearray, so the GrammarBitmask carries these very bytes (no copy here, nor in
-        # the runner: about 1.5 MB per step for 256 rows of a 49k vocabulary).
-        data = bytearray(len(request_ids) * self.num_words * 4)
-        rows = np.frombuffer(data, dtype=np.int32).reshape(len(request_ids), self.num_words)
         if self._reasoning_parser is None:
             pairs = [(entry.matcher, row) for entry, row in entries]
             may_think: list[int] = []
@@ -329,7 +371,6 @@ class StructuredOutputManager:
             assert self._gate is not None and self._gate.start_token_id is not None
             word, bit = divmod(self._gate.start_token_id, 32)
             rows.view(np.uint32)[may_think, word] |= np.uint32(1 << bit)
-        return GrammarBitmask(req_ids=request_ids, num_words=self.num_words, data=data)
 
     # ---- compile thread ------------------------------------------------------------------
 

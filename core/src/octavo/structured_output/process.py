@@ -1,0 +1,505 @@
+"""``GrammarProcess``: the engine core's grammars in a process of their own.
+
+A constrained step's sampling waits for a chain of grammar work: every constrained request's
+matcher advanced with the token it just sampled, then the next step's masks filled. On the
+engine core's grammar thread that chain shares the GIL with the engine thread's Python
+(recording the step, sending outputs, scheduling the next one): each of its GIL hand-offs
+waits for the other thread, and the engine thread waits while the grammar thread holds it
+(docs/benchmarks.md, "Structured outputs"). Here the same ``StructuredOutputManager`` runs in
+a child process with a GIL of its own, and ``GrammarProcess`` gives the engine core the
+manager's interface:
+
+- the child is a fresh interpreter (not a multiprocessing spawn, which would run the
+  caller's script again: offline scripts without a ``__main__`` guard would fail); its
+  arguments (the tokenizer loader: a function and the model config) go pickled down its
+  stdin, a pipe only it reads, as spawn's own do;
+- messages: msgpack (msgspec) over a duplex pipe; nothing else is pickled;
+- masks: the child writes them into a shared-memory file of two buffers of ``max_rows`` rows,
+  used in turn, and the engine core hands the runner a view of the rows (read before the
+  buffer is filled again two steps later); the file is unlinked as soon as it is made and
+  reaches the child as an open descriptor, so nothing is left behind however either ends;
+- compilations run on the child's compile thread, as in process; the child reports each one
+  (``_Compiled``) when it ends;
+- a step: ``_Step`` (the tokens to accept, the rows to fill, into which buffer) answered by
+  ``_StepDone`` (the errors of refused tokens and, with a reasoning parser, each gated
+  request's phase, for ``needs_mask``);
+- removals are batched into the next message (a removed request is in no later step).
+
+The child is started, without waiting for it, at the first ``submit``: an engine that never
+sees a constraint starts no process. It exits when the engine core shuts it down or closes
+the pipe (it reads EOF when the engine core dies). ``OCTAVO_GRAMMAR_PROCESS`` chooses this over
+the in-process manager (``octavo.envs.grammar_process``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from octavo.messages import GrammarBitmask
+from octavo.sampling_params import StructuredOutputsParams
+from octavo.structured_output.manager import (
+    AcceptedStep,
+    CompiledRequest,
+    StructuredOutputManager,
+    needs_mask,
+)
+from octavo.structured_output.reasoning_gate import Phase
+
+logger = logging.getLogger(__name__)
+
+# How long shutdown waits for the child to exit before it is terminated.
+_EXIT_TIMEOUT_S = 5.0
+
+
+# ---- messages: engine core -> grammar process ---------------------------------------------
+
+
+class _Submit(msgspec.Struct, tag="submit"):
+    request_id: str
+    params: StructuredOutputsParams
+    prompt_token_ids: list[int]
+
+
+class _Remove(msgspec.Struct, tag="remove"):
+    request_ids: list[str]
+
+
+class _Step(msgspec.Struct, tag="step"):
+    # Tokens to accept per request, then (unless None) the rows to fill into ``buffer``.
+    accept: dict[str, list[int]]
+    rows: list[str] | None
+    buffer: int
+
+
+class _Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+_ToChild = _Submit | _Remove | _Step | _Shutdown
+
+
+# ---- messages: grammar process -> engine core ---------------------------------------------
+
+
+class _Compiled(msgspec.Struct, tag="compiled"):
+    request_id: str
+    error: str | None
+    phase: str | None  # a Phase's value, with a reasoning parser
+
+
+class _StepDone(msgspec.Struct, tag="done"):
+    errors: dict[str, str]
+    phases: dict[str, str]
+
+
+class _Failed(msgspec.Struct, tag="failed"):
+    error: str
+
+
+_FromChild = _Compiled | _StepDone | _Failed
+
+
+def load_grammar_tokenizer(model_config: Any) -> tuple[Any, set[int]]:
+    """The tokenizer grammars compile against and its EOS ids (run on a compile thread, in
+    either process)."""
+    from octavo.transformers_utils.tokenizer import eos_token_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(model_config)
+    return tokenizer, eos_token_ids(model_config, tokenizer)
+
+
+class _PendingStep:
+    """A step sent to the grammar process; ``result()`` waits for its answer (once)."""
+
+    def __init__(self, owner: GrammarProcess, rows: list[str] | None, buffer: int) -> None:
+        self._owner = owner
+        self._rows = rows
+        self._buffer = buffer
+        self._result: AcceptedStep | None = None
+
+    def result(self) -> AcceptedStep:
+        if self._result is None:
+            self._result = self._owner._finish_step(self._rows, self._buffer)
+        return self._result
+
+
+class GrammarProcess:
+    """See the module docstring: ``StructuredOutputManager``'s interface, its work in a child
+    process. Not thread-safe: the engine core calls it from one thread."""
+
+    def __init__(
+        self,
+        tokenizer_loader: Callable[[], tuple[Any, set[int]]],
+        vocab_size: int,
+        max_rows: int,
+        reasoning_parser: str | None = None,
+        accept_parallel: bool = True,
+    ) -> None:
+        """``tokenizer_loader`` is pickled to the child (a module-level function, or a
+        ``functools.partial`` of one); ``max_rows`` bounds the rows of one step's masks (the
+        scheduler's ``max_num_seqs``); ``reasoning_parser`` names one (``--reasoning-parser``);
+        ``accept_parallel``: the child advances a step's matchers through llguidance's pool
+        (``OCTAVO_GRAMMAR_ACCEPT``)."""
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._max_rows = max_rows
+        self._tokenizer_loader = tokenizer_loader
+        self._reasoning_parser = reasoning_parser
+        self._accept_parallel = accept_parallel
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(_FromChild)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        self._masks: np.ndarray | None = None  # [2, max_rows, num_words] int32, shared
+        self._mmap: mmap.mmap | None = None
+        # Submitted, not reported compiled yet; reported, not taken yet (with the phase).
+        self._compiling: set[str] = set()
+        self._ready: list[tuple[CompiledRequest, Phase | None]] = []
+        # Constrained requests (those taken ready) and their phase with a reasoning parser.
+        self._phases: dict[str, Phase | None] = {}
+        self._removed: list[str] = []
+        self._done: _StepDone | None = None
+        self._step_in_flight = False
+        self._next_buffer = 0
+        self._closed = False
+
+    # ---- lifecycle (the manager's interface) ------------------------------------------------
+
+    def submit(self, request_id: str, params: StructuredOutputsParams,
+               prompt_token_ids: Sequence[int] = ()) -> None:
+        """Start compiling ``request_id``'s grammar in the grammar process; ``take_ready``
+        returns it when done."""
+        self._start()
+        self._compiling.add(request_id)
+        self._send(_Submit(request_id, params, list(prompt_token_ids)))
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling) + len(self._ready)
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding a matcher or a compilation (0 once every request is done)."""
+        return len(self._phases) + self.num_compiling
+
+    def wait(self, timeout_s: float, for_all: bool = False) -> None:
+        """Block until a compilation finishes (every one, with ``for_all``) or ``timeout_s``
+        passes."""
+        deadline = time.monotonic() + timeout_s
+        while self._compiling and (for_all or not self._ready):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._read(remaining):
+                return
+
+    def take_ready(self) -> list[CompiledRequest]:
+        """Requests whose compilation finished since the last call."""
+        while self._conn is not None and self._read(0):
+            pass
+        ready, self._ready = self._ready, []
+        for compiled, phase in ready:  # the grammar process logged those that failed
+            if compiled.error is None:
+                self._phases[compiled.request_id] = phase
+        return [compiled for compiled, _ in ready]
+
+    def remove(self, request_id: str) -> None:
+        """Forget ``request_id`` (finished, aborted, failed), here at once and in the grammar
+        process with the next message."""
+        known = request_id in self._phases or request_id in self._compiling
+        self._phases.pop(request_id, None)
+        self._compiling.discard(request_id)
+        if any(compiled.request_id == request_id for compiled, _ in self._ready):
+            self._ready = [entry for entry in self._ready if entry[0].request_id != request_id]
+            known = True
+        if known:
+            self._removed.append(request_id)
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._phases
+
+    @property
+    def constrained_ids(self) -> Any:
+        """The constrained requests (a live, read-only view, as the manager's)."""
+        return self._phases.keys()
+
+    @property
+    def gates_reasoning(self) -> bool:
+        return self._reasoning_parser is not None
+
+    def needs_mask(self, request_id: str, token_in_flight: bool) -> bool:
+        """As ``StructuredOutputManager.needs_mask``, from the phases the grammar process
+        reported with its last step."""
+        if request_id not in self._phases:
+            return False
+        return needs_mask(self._phases[request_id], token_in_flight)
+
+    def shutdown(self) -> None:
+        """Stop the grammar process (terminated if it does not exit within a few seconds)
+        and release the shared masks. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._compiling.clear()
+        self._ready.clear()
+        self._phases.clear()
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.send_bytes(self._encoder.encode(_Shutdown()))
+        if self._process is not None:
+            try:
+                self._process.wait(_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("the grammar process did not exit; killing it")
+                self._process.kill()
+                self._process.wait()
+        if self._conn is not None:
+            self._conn.close()
+        self._masks = None
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):  # a bitmask view still held elsewhere
+                self._mmap.close()
+
+    # ---- per step -------------------------------------------------------------------------
+
+    def accept(self, request_id: str, token_ids: list[int]) -> str | None:
+        """Advance ``request_id``'s matcher with the tokens it sampled; the matcher's error
+        when one was not allowed, else None."""
+        if request_id not in self._phases:
+            return None
+        return self.accept_step({request_id: token_ids}).get(request_id)
+
+    def accept_step(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, str]:
+        """``accept`` for every request of a step (see the manager's)."""
+        accept = self._accepted(sampled)
+        if not accept:
+            return {}
+        self._send_step(accept, None)
+        return _PendingStep(self, None, -1).result().errors
+
+    def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
+        """The token bitmask of ``request_ids`` (see the manager's); its ``data`` is a view of
+        the shared masks, valid until the step after the next one."""
+        rows = list(request_ids)
+        buffer = self._send_step({}, rows)
+        return _PendingStep(self, rows, buffer).result().bitmask
+
+    def accept_and_bitmask_async(self, sampled: Mapping[str, Sequence[int]],
+                                 request_ids: list[str]) -> _PendingStep:
+        """``accept_step(sampled)`` then ``bitmask(request_ids)`` in the grammar process while
+        the caller goes on; ``result()`` of what it returns waits for them. One step at a
+        time: its result must be taken before the next call of any per-step method."""
+        rows = list(request_ids)
+        return _PendingStep(self, rows, self._send_step(self._accepted(sampled), rows))
+
+    def _accepted(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+        phases = self._phases
+        return {request_id: list(token_ids) for request_id, token_ids in sampled.items()
+                if token_ids and request_id in phases}
+
+    def _send_step(self, accept: dict[str, list[int]], rows: list[str] | None) -> int:
+        if self._step_in_flight:
+            raise RuntimeError("a grammar step is still in flight: take its result first")
+        if rows is not None and len(rows) > self._max_rows:
+            raise ValueError(f"{len(rows)} mask rows in one step, more than the "
+                             f"{self._max_rows} the grammar process holds")
+        self._start()
+        buffer = self._next_buffer
+        if rows is not None:
+            self._next_buffer ^= 1
+        self._send(_Step(accept, rows, buffer))
+        self._step_in_flight = True
+        return buffer
+
+    def _finish_step(self, rows: list[str] | None, buffer: int) -> AcceptedStep:
+        while self._done is None:
+            self._read(None)
+        done, self._done = self._done, None
+        self._step_in_flight = False
+        phases = self._phases
+        for request_id, phase in done.phases.items():
+            if request_id in phases:
+                phases[request_id] = Phase(phase)
+        if rows is None:
+            return AcceptedStep(done.errors, GrammarBitmask(req_ids=[], num_words=self.num_words,
+                                                            data=b""))
+        assert self._masks is not None
+        data = memoryview(self._masks[buffer, :len(rows)]).cast("B")
+        return AcceptedStep(done.errors, GrammarBitmask(req_ids=rows, num_words=self.num_words,
+                                                        data=data))
+
+    # ---- the pipe -------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._process is not None:
+            return
+        if self._closed:
+            raise RuntimeError("the grammar process was shut down")
+        size = 2 * self._max_rows * self.num_words * 4
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        # The file is unlinked at once and reaches the child as an open descriptor: no name
+        # is left behind, whichever process ends first and however.
+        fd, path = tempfile.mkstemp(prefix="octavo-grammar-masks-", dir=shm_dir)
+        os.unlink(path)
+        parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
+            # A fresh interpreter, not a multiprocessing child: spawn would run the caller's
+            # script again in it (every offline script would need a __main__ guard), fork
+            # would copy the engine's threads and device state. Its arguments go down its
+            # stdin (a pipe only it reads), as spawn's own do.
+            command = [sys.executable, "-c",
+                       "from octavo.structured_output.process import child_main; child_main()",
+                       str(child_conn.fileno()), str(fd)]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE,
+                                       pass_fds=[child_conn.fileno(), fd])
+        finally:
+            os.close(fd)
+            child_conn.close()
+        self._masks = np.frombuffer(self._mmap, dtype=np.int32).reshape(
+            2, self._max_rows, self.num_words)
+        assert process.stdin is not None
+        with process.stdin:
+            pickle.dump((size, self._tokenizer_loader, self.vocab_size, self._max_rows,
+                         self._reasoning_parser, self._accept_parallel), process.stdin)
+        self._process, self._conn = process, parent_conn
+        logger.info("structured outputs: grammars in their own process (pid %d)", process.pid)
+
+    def _send(self, message: _Submit | _Step) -> None:
+        assert self._conn is not None
+        try:
+            if self._removed:
+                removed, self._removed = self._removed, []
+                self._conn.send_bytes(self._encoder.encode(_Remove(removed)))
+            self._conn.send_bytes(self._encoder.encode(message))
+        except OSError:
+            raise self._gone() from None
+
+    def _gone(self) -> RuntimeError:
+        code = None
+        if self._process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._process.wait(1.0)
+        return RuntimeError(f"the grammar process exited (exit code {code}); see its log "
+                            "lines above")
+
+    def _read(self, timeout_s: float | None) -> bool:
+        """Read one message from the grammar process (waiting up to ``timeout_s``; None:
+        until one comes); False when none came."""
+        assert self._conn is not None
+        try:
+            if not self._conn.poll(timeout_s):
+                return False
+            raw = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            raise self._gone() from None
+        message = self._decoder.decode(raw)
+        if isinstance(message, _Compiled):
+            if message.request_id in self._compiling:
+                self._compiling.discard(message.request_id)
+                phase = None if message.phase is None else Phase(message.phase)
+                self._ready.append((CompiledRequest(message.request_id, message.error), phase))
+        elif isinstance(message, _StepDone):
+            self._done = message
+        elif isinstance(message, _Failed):
+            raise RuntimeError(f"the grammar process failed: {message.error}")  # noqa: TRY004
+        return True
+
+
+# ---- the grammar process ----------------------------------------------------------------------
+
+
+def child_main() -> None:
+    """The grammar process's entry point: its arguments from stdin (pickled by the engine
+    core that started it), the pipe's and the masks' descriptors from argv."""
+    arguments = pickle.load(sys.stdin.buffer)
+    conn = multiprocessing.connection.Connection(int(sys.argv[1]))
+    run_grammar_process(conn, int(sys.argv[2]), *arguments)
+
+
+def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: int, size: int,
+                        tokenizer_loader: Callable[[], tuple[Any, set[int]]], vocab_size: int,
+                        max_rows: int, reasoning_parser: str | None,
+                        accept_parallel: bool) -> None:
+    """The child's loop: one ``StructuredOutputManager``, driven by the
+    engine core's messages; compilations reported as they end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when this ends
+    from octavo.logger import configure_logging
+    from octavo.reasoning import get_reasoning_parser
+
+    configure_logging()
+
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(_ToChild)
+    shared = mmap.mmap(masks_fd, size)
+    os.close(masks_fd)
+    num_words = (vocab_size + 31) // 32
+    masks = np.frombuffer(shared, dtype=np.int32).reshape(2, max_rows, num_words)
+    parser = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
+    manager = StructuredOutputManager(tokenizer_loader, vocab_size, reasoning_parser=parser)
+    # The compile thread writes a byte here when a compilation ends: the loop wakes for it.
+    wake_read, wake_write = os.pipe()
+
+    def send(message: _FromChild) -> None:
+        conn.send_bytes(encoder.encode(message))
+
+    def phase_of(request_id: str) -> str | None:
+        phase = manager.phase(request_id)
+        return None if phase is None else phase.value
+
+    try:
+        while True:
+            ready = multiprocessing.connection.wait([conn, wake_read])
+            if wake_read in ready:
+                os.read(wake_read, 4096)
+                for compiled in manager.take_ready():
+                    send(_Compiled(compiled.request_id, compiled.error,
+                                   phase_of(compiled.request_id)))
+            if conn not in ready:
+                continue
+            try:
+                message = decoder.decode(conn.recv_bytes())
+            except (EOFError, OSError):  # the engine core is gone
+                break
+            if isinstance(message, _Step):
+                errors = (manager.accept_step(message.accept, parallel=accept_parallel)
+                          if message.accept else {})
+                if message.rows is not None:
+                    manager.bitmask_into(message.rows, masks[message.buffer, :len(message.rows)])
+                phases: dict[str, str] = {}
+                if parser is not None:
+                    phases = {request_id: phase for request_id in message.accept
+                              if (phase := phase_of(request_id)) is not None}
+                send(_StepDone(errors, phases))
+            elif isinstance(message, _Submit):
+                manager.submit(message.request_id, message.params, message.prompt_token_ids,
+                               on_done=lambda: os.write(wake_write, b"\0"))
+            elif isinstance(message, _Remove):
+                for request_id in message.request_ids:
+                    manager.remove(request_id)
+            else:
+                break
+    except Exception as exc:  # reported to the engine core, which raises it
+        logger.exception("the grammar process failed")
+        with contextlib.suppress(OSError):
+            send(_Failed(f"{type(exc).__name__}: {exc}"))
+    finally:
+        manager.shutdown()
+        conn.close()
