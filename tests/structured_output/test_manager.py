@@ -286,3 +286,22 @@ def test_a_dead_grammar_process_is_a_clear_error(tiny_llama) -> None:
             process.bitmask(["a"])
     finally:
         process.shutdown()
+
+
+def test_a_hung_grammar_process_is_a_clear_error(tiny_llama, monkeypatch) -> None:
+    import signal
+
+    from octavo.structured_output import process as process_module
+
+    process = grammar_process(tiny_llama, VOCAB, max_rows=4)
+    try:
+        compile_all(process, {"a": StructuredOutputsParams(regex="a+")})
+        monkeypatch.setattr(process_module, "_STEP_TIMEOUT_S", 0.5)
+        process._process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(RuntimeError, match="did not answer a step within"):
+                process.bitmask(["a"])
+        finally:
+            process._process.send_signal(signal.SIGCONT)
+    finally:
+        process.shutdown()

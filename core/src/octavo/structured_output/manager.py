@@ -270,6 +270,7 @@ class StructuredOutputManager:
         advances = self._advances(sampled)
         entries = self._row_matchers(request_ids)
         request_ids = list(request_ids)
+
         def run() -> AcceptedStep:
             errors = self._advance(advances, parallel=self._accept_parallel)
             bitmask, rows = self._new_bitmask(request_ids)

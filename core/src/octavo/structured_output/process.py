@@ -63,8 +63,11 @@ from octavo.structured_output.reasoning_gate import Phase
 
 logger = logging.getLogger(__name__)
 
-# How long shutdown waits for the child to exit before it is terminated.
+# How long shutdown waits for the child to exit before it is killed.
 _EXIT_TIMEOUT_S = 5.0
+# How long a step may take in the child (milliseconds, normally; llguidance bounds each mask's
+# work) before the engine core gives up on it: a hung child must not hang the engine.
+_STEP_TIMEOUT_S = 120.0
 
 
 # ---- messages: engine core -> grammar process ---------------------------------------------
@@ -82,7 +85,7 @@ class _Remove(msgspec.Struct, tag="remove"):
 
 class _Step(msgspec.Struct, tag="step"):
     # Tokens to accept per request, then (unless None) the rows to fill into ``buffer``.
-    accept: dict[str, list[int]]
+    accept: Mapping[str, Sequence[int]]
     rows: list[str] | None
     buffer: int
 
@@ -308,12 +311,13 @@ class GrammarProcess:
         rows = list(request_ids)
         return _PendingStep(self, rows, self._send_step(self._accepted(sampled), rows))
 
-    def _accepted(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    def _accepted(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]:
+        # Encoded before the call returns: the caller's lists are not kept.
         phases = self._phases
-        return {request_id: list(token_ids) for request_id, token_ids in sampled.items()
+        return {request_id: token_ids for request_id, token_ids in sampled.items()
                 if token_ids and request_id in phases}
 
-    def _send_step(self, accept: dict[str, list[int]], rows: list[str] | None) -> int:
+    def _send_step(self, accept: Mapping[str, Sequence[int]], rows: list[str] | None) -> int:
         if self._step_in_flight:
             raise RuntimeError("a grammar step is still in flight: take its result first")
         if rows is not None and len(rows) > self._max_rows:
@@ -328,8 +332,13 @@ class GrammarProcess:
         return buffer
 
     def _finish_step(self, rows: list[str] | None, buffer: int) -> AcceptedStep:
+        deadline = time.monotonic() + _STEP_TIMEOUT_S
         while self._done is None:
-            self._read(None)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._read(remaining):
+                raise RuntimeError(f"the grammar process did not answer a step within "
+                                   f"{_STEP_TIMEOUT_S:.0f} s (pid "
+                                   f"{None if self._process is None else self._process.pid})")
         done, self._done = self._done, None
         self._step_in_flight = False
         phases = self._phases
