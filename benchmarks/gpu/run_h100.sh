@@ -32,6 +32,13 @@ L8B=/tmp/llama3-8b-config
 L8B_GPTQ=/tmp/llama3-8b-gptq-config
 # Llama-3.2-1B shape (Llama-3's vocabulary), config + tokenizer only: the draft of bench-spec-draft.
 L1B=/tmp/llama3.2-1b-config
+# W1 with every request constrained to a JSON schema, then the same requests unconstrained
+# (bench-structured and its A/B stages; the caller redirects its output).
+structured_w1() {
+  octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
+    --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
+    --max-num-seqs 256 --async-engine --structured json
+}
 # Waits until the server started in the background as $1 (its pid) answers /health on port $2.
 wait_health() {
   python3 - "$1" "$2" <<'PY' || return 1
@@ -296,10 +303,7 @@ for stage in "${stages[@]}"; do
       # the same requests unconstrained with the same output lengths, same engine, one run.
       [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
-      octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
-        --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
-        --max-num-seqs 256 --async-engine --structured json \
-        2>"$OUT/bench-structured.err" | tee "$OUT/bench-structured.log"
+      structured_w1 2>"$OUT/bench-structured.err" | tee "$OUT/bench-structured.log"
       tail -3 "$OUT/bench-structured.err"
       ;;
     bench-structured-gil)
@@ -314,10 +318,8 @@ for stage in "${stages[@]}"; do
         echo "== OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:}" \
           | tee -a "$OUT/bench-structured-gil.log"
         OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:} \
-          octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
-          --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
-          --max-num-seqs 256 --async-engine --structured json \
-          2>>"$OUT/bench-structured-gil.err" | tee -a "$OUT/bench-structured-gil.log" | tail -4
+          structured_w1 2>>"$OUT/bench-structured-gil.err" \
+          | tee -a "$OUT/bench-structured-gil.log" | tail -4
       done
       ;;
     bench-structured-process)
@@ -331,11 +333,8 @@ for stage in "${stages[@]}"; do
         echo "== OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:}" \
           | tee -a "$OUT/bench-structured-process.log"
         OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:} \
-          octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
-          --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
-          --max-num-seqs 256 --async-engine --structured json \
-          2>>"$OUT/bench-structured-process.err" | tee -a "$OUT/bench-structured-process.log" \
-          | grep -E "ratio"
+          structured_w1 2>>"$OUT/bench-structured-process.err" \
+          | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio"
       done
       for cfg in ${PROFILE_CONFIGS:-1:parallel 0:parallel 1:loop}; do
         echo "== profile: OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:}" \
