@@ -20,10 +20,10 @@ thread, or in a process of its own (``octavo.structured_output.process``, the de
 async scheduling) — advances the matchers with its tokens and fills the masks while the
 outputs go out and the next step is scheduled, and the sampling is launched just before the
 next step. The device runs the forward pass while the host records, and the grammar work runs
-while the host schedules. With a
-reasoning parser a constrained request's grammar starts after its reasoning: a step samples a
-thinking request without a mask, except under async scheduling, where its in-flight token may
-be the end tag, so its mask is deferred like any other.
+while the host schedules. With a reasoning parser a constrained request's grammar starts after
+its reasoning: a step samples a thinking request without a mask, except under async
+scheduling, where its in-flight token may be the end tag, so its mask is deferred like any
+other.
 
 With pipeline parallelism up to one step per stage is in flight (vLLM's "virtual engines"): a
 new batch enters the first stage while earlier ones are still in later stages, so no stage
