@@ -74,24 +74,34 @@ _STEP_TIMEOUT_S = 120.0
 
 
 class _Submit(msgspec.Struct, tag="submit"):
+    """Compile a request's grammar (``StructuredOutputManager.submit``)."""
+
     request_id: str
+    # The request's constraint, as the front end validated it.
     params: StructuredOutputsParams
+    # Its prompt: tells the reasoning gate whether the output starts inside a think block.
     prompt_token_ids: list[int]
 
 
 class _Remove(msgspec.Struct, tag="remove"):
+    """Forget these requests (finished, aborted or failed since the last message)."""
+
     request_ids: list[str]
 
 
 class _Step(msgspec.Struct, tag="step"):
-    # Tokens to accept per request, then (unless None) the rows to fill into ``buffer``.
+    """One step's grammar work, answered by ``_StepDone``."""
+
+    # The tokens each constrained request sampled, to advance its matcher with (may be empty).
     accept: Mapping[str, Sequence[int]]
+    # Then the requests whose rows to fill, in row order (None: accept only).
     rows: list[str] | None
+    # Which of the two shared mask buffers the rows go into.
     buffer: int
 
 
 class _Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
+    """Stop: the child's manager shuts down and the process exits."""
 
 
 _ToChild = _Submit | _Remove | _Step | _Shutdown
@@ -101,17 +111,29 @@ _ToChild = _Submit | _Remove | _Step | _Shutdown
 
 
 class _Compiled(msgspec.Struct, tag="compiled"):
+    """A compilation ended (sent as soon as the child's compile thread finishes it)."""
+
     request_id: str
+    # The grammar engine's message when it did not compile; None when it did.
     error: str | None
-    phase: str | None  # a Phase's value, with a reasoning parser
+    # With a reasoning parser, the request's first phase (a ``Phase`` value); else None.
+    phase: str | None
 
 
 class _StepDone(msgspec.Struct, tag="done"):
+    """A ``_Step`` is done: the masks are in their buffer."""
+
+    # The requests whose sampled token the grammar refused, with the matcher's message.
     errors: dict[str, str]
+    # With a reasoning parser, each accepting request's phase after the step (``Phase``
+    # values); empty without one.
     phases: dict[str, str]
 
 
 class _Failed(msgspec.Struct, tag="failed"):
+    """The child hit an unexpected error and is exiting."""
+
+    # The exception, as ``Type: message``.
     error: str
 
 
