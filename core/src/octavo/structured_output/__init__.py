@@ -4,5 +4,10 @@
 - ``manager``: the engine core's grammars: compiled off the engine loop, one matcher per
   request, the token bitmask of every constrained request of a step, advanced with each
   sampled token. The bitmask is applied by the core's sampler (``octavo.sample``) on the
-  device, whatever the backend.
+  device, whatever the backend;
+- ``process``: ``GrammarProcess``, the manager's interface with the manager in a process of
+  its own (the default under async scheduling, so its work does not share the engine
+  thread's GIL);
+- ``reasoning_gate``: with a reasoning parser, where a constrained request is in its output
+  (its grammar starts after the thinking).
 """
