@@ -149,6 +149,15 @@ def load_grammar_tokenizer(model_config: Any) -> tuple[Any, set[int]]:
     return tokenizer, eos_token_ids(model_config, tokenizer)
 
 
+def saved_tokenizer(path: str) -> tuple[Any, set[int]]:
+    """The tokenizer saved in ``path`` (a Hugging Face folder) and its EOS id: the loader for
+    tools that have a tokenizer but no model (``benchmarks/cpu/bench_grammar_masks.py``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer, {tokenizer.eos_token_id}
+
+
 class _PendingStep:
     """A step sent to the grammar process; ``result()`` waits for its answer (once)."""
 
