@@ -478,8 +478,8 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
                         tokenizer_loader: Callable[[], tuple[Any, set[int]]], vocab_size: int,
                         max_rows: int, reasoning_parser: str | None,
                         accept_parallel: bool) -> None:
-    """The child's loop: one ``StructuredOutputManager``, driven by the
-    engine core's messages; compilations reported as they end."""
+    """The child's loop: one ``StructuredOutputManager``, driven by the engine core's
+    messages; compilations reported as they end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when this ends
     from octavo.logger import configure_logging
     from octavo.reasoning import get_reasoning_parser
