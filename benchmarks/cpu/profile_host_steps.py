@@ -31,7 +31,9 @@ thread's part of it).
 
 With ``--async-scheduling --structured json`` the grammar thread accepts the tokens and fills
 the masks beside the engine thread: ``grammar_*`` then count that thread's time, and ``other``
-(the step less the phases) can come out negative.
+(the step less the phases) can come out negative. The grammars run on the engine core's threads
+here (``OCTAVO_GRAMMAR_PROCESS=0`` unless set otherwise: the phases time the in-process
+manager's methods, which a grammar process would run out of sight).
 
 ``--py-spy OUT.svg`` records the timed windows with ``py-spy record --native`` (subprocess
 attached to this process) as well.
@@ -82,6 +84,7 @@ def make_model(folder: Path, tokenizer_dir: str | None = None) -> Path:
 
 
 def main() -> None:
+    os.environ.setdefault("OCTAVO_GRAMMAR_PROCESS", "0")  # see the module docstring
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
                         help="a model folder (default: a tiny Llama made in the temp dir)")

@@ -311,13 +311,14 @@ for stage in "${stages[@]}"; do
       # before the sixth round (loop:0 = OCTAVO_GRAMMAR_ACCEPT=loop with Python's 5 ms GIL
       # switch interval), the default (loop:200 = a 200 µs switch interval while the grammar
       # thread works) and the parallel accept (parallel:200), one lease (~9 min; GIL_CONFIGS
-      # overrides the list).
+      # overrides the list); the grammars on the engine core's threads (OCTAVO_GRAMMAR_PROCESS=0).
       [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
       for cfg in ${GIL_CONFIGS:-loop:0 loop:200 parallel:200 loop:0 loop:200 parallel:200}; do
         echo "== OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:}" \
           | tee -a "$OUT/bench-structured-gil.log"
-        OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:} \
+        OCTAVO_GRAMMAR_PROCESS=0 OCTAVO_GRAMMAR_ACCEPT=${cfg%%:*} \
+          OCTAVO_GRAMMAR_SWITCH_INTERVAL_US=${cfg##*:} \
           structured_w1 2>>"$OUT/bench-structured-gil.err" \
           | tee -a "$OUT/bench-structured-gil.log" | tail -4
       done
