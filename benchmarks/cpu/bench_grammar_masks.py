@@ -36,21 +36,20 @@ def main() -> None:
     from octavo.sample.sampler import unpack_bitmask
     from octavo.sampling_params import StructuredOutputsParams
     from octavo.structured_output.manager import StructuredOutputManager
+    from octavo.structured_output.tokenizer import GrammarTokenizer
     from octavo.testing.json_schemas import SCHEMA_CASES
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    grammar_tokenizer = GrammarTokenizer.from_transformers(tokenizer, {tokenizer.eos_token_id})
     vocab = len(tokenizer)
     if args.process:
-        import functools
+        from octavo.structured_output.process import GrammarProcess
 
-        from octavo.structured_output.process import GrammarProcess, saved_tokenizer
-
-        manager = GrammarProcess(functools.partial(saved_tokenizer, args.tokenizer), vocab,
-                                 max_rows=args.rows)
+        manager = GrammarProcess(lambda: grammar_tokenizer, vocab, max_rows=args.rows)
         threads = "the engine's default"
     else:
-        manager = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), vocab,
+        manager = StructuredOutputManager(lambda: grammar_tokenizer, vocab,
                                           num_threads=args.threads)
         threads = manager._num_threads
     start = time.perf_counter()

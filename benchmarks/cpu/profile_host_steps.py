@@ -33,7 +33,9 @@ With ``--async-scheduling --structured json`` the grammar thread accepts the tok
 the masks beside the engine thread: ``grammar_*`` then count that thread's time, and ``other``
 (the step less the phases) can come out negative. The grammars run on the engine core's threads
 here (``OCTAVO_GRAMMAR_PROCESS=0`` unless set otherwise: the phases time the in-process
-manager's methods, which a grammar process would run out of sight).
+manager's methods). With ``OCTAVO_GRAMMAR_PROCESS=1`` the grammar process's work is out of
+sight: ``grammar_fill`` and ``grammar_accept`` are then 0 and only the engine thread's part is
+timed (``grammar_rows``, ``grammar_apply``, and ``grammar_wait`` for the process's answer).
 
 ``--py-spy OUT.svg`` records the timed windows with ``py-spy record --native`` (subprocess
 attached to this process) as well.
@@ -197,8 +199,9 @@ def main() -> None:
     chain: list[dict[str, float]] = []
     if args.structured:
         manager = core.structured_outputs
-        timed(manager, "_fill", "grammar_fill")
-        timed(manager, "_advance", "grammar_accept")
+        if hasattr(manager, "_fill"):  # the in-process manager; a GrammarProcess's are unseen
+            timed(manager, "_fill", "grammar_fill")
+            timed(manager, "_advance", "grammar_accept")
         timed(core, "_constrained_rows", "grammar_rows")
         timed(core, "_constrained_tokens", "grammar_rows")
         timed(manager, "accept_and_bitmask_async", "grammar_rows")
@@ -335,8 +338,9 @@ def _time_grammar_chain(core, phases, clock) -> list[dict[str, float]]:
         return submit(*a, **k)
 
     manager.accept_and_bitmask_async = accept_and_bitmask_async
-    wrap(manager, "_advance", "accept")
-    wrap(manager, "_fill", "fill")
+    if hasattr(manager, "_fill"):  # the in-process manager; a GrammarProcess's are unseen
+        wrap(manager, "_advance", "accept")
+        wrap(manager, "_fill", "fill")
     original = core._launch_deferred_sampling
 
     def launch():

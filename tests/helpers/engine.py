@@ -116,12 +116,21 @@ def assert_speculation_survives_caching_and_preemption(folder, speculative_confi
         assert llm.llm_engine.stats().num_preemptions > 0
 
 
+def grammar_tokenizer(tokenizer: Any):
+    """``tokenizer`` (a ``transformers`` fast tokenizer) as grammars use it, its EOS id the
+    only one."""
+    from octavo.structured_output.tokenizer import GrammarTokenizer
+
+    return GrammarTokenizer.from_transformers(tokenizer, {tokenizer.eos_token_id})
+
+
 def grammar_process(model: str | Path, vocab_size: int, **kwargs: Any):
     """A ``GrammarProcess`` whose tokenizer is ``model``'s, loaded as the engine core does."""
     import functools
 
     from octavo.engine.arg_utils import EngineArgs
-    from octavo.structured_output.process import GrammarProcess, load_grammar_tokenizer
+    from octavo.structured_output.process import GrammarProcess
+    from octavo.structured_output.tokenizer import load_grammar_tokenizer
 
     model_config = EngineArgs(model=str(model), device="cpu").create_engine_config().model_config
     return GrammarProcess(functools.partial(load_grammar_tokenizer, model_config), vocab_size,

@@ -232,7 +232,7 @@ def test_grammars_in_a_process_of_their_own_give_the_same_outputs(
         tiny_llama: Path, llm, monkeypatch, async_scheduling: bool) -> None:
     """``OCTAVO_GRAMMAR_PROCESS=1``: the same greedy outputs as the in-process grammars, one
     step at a time and with the sampling deferred, nothing held afterwards, and the grammar
-    process gone once the engine shuts down."""
+    process started with the engine (before any constraint) and gone once it shuts down."""
     from octavo.structured_output.process import GrammarProcess
 
     params = [constrained(["json", "regex", "choice", "grammar", "json"][i])
@@ -242,6 +242,8 @@ def test_grammars_in_a_process_of_their_own_give_the_same_outputs(
     other = make_llm(tiny_llama, async_scheduling=async_scheduling)
     structured = other.llm_engine.engine_core.structured_outputs
     assert isinstance(structured, GrammarProcess)
+    structured._started()  # the engine's warm-up began it; nothing was submitted yet
+    assert structured._process is not None and structured.num_active == 0
     free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     got = run(other, params + [free], PROMPTS + PROMPTS[:1])  # a free one beside them
     assert [o.outputs[0].token_ids for o in got[:-1]] == want

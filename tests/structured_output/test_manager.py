@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.manager import StructuredOutputManager
 from octavo.structured_output.process import GrammarProcess
 
-from tests.helpers.engine import grammar_process
+from tests.helpers.engine import grammar_process, grammar_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ VOCAB = 400  # wider than the tokenizer's 384 tokens, as padded embeddings are
 @pytest.fixture(params=["thread", "process"])
 def manager(request, tokenizer, tiny_llama):
     if request.param == "thread":
-        m = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), VOCAB)
+        m = StructuredOutputManager(lambda: grammar_tokenizer(tokenizer), VOCAB)
     else:
         m = grammar_process(tiny_llama, VOCAB, max_rows=64)
     yield m
@@ -144,7 +145,7 @@ def test_the_grammar_threads_parallel_accept_equals_the_loop(tokenizer, monkeypa
     results = {}
     for mode in ("parallel", "loop"):
         monkeypatch.setenv("OCTAVO_GRAMMAR_ACCEPT", mode)
-        m = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), 400)
+        m = StructuredOutputManager(lambda: grammar_tokenizer(tokenizer), 400)
         try:
             requests = {f"d{i}": StructuredOutputsParams(regex=r"[0-9]{2}") for i in range(40)}
             compile_all(m, requests)
@@ -260,6 +261,48 @@ def test_the_grammar_process_leaves_nothing_behind(tiny_llama) -> None:
     process.shutdown()
     assert child.poll() == 0
     process.shutdown()  # idempotent
+
+
+def test_warm_up_starts_the_grammar_process_before_any_constraint(tiny_llama) -> None:
+    process = grammar_process(tiny_llama, VOCAB, max_rows=4)
+    try:
+        process.warm_up()
+        process.warm_up()  # idempotent: one process
+        process._started()
+        child = process._process
+        assert child is not None and child.poll() is None
+        # The tokenizer came as data: the child loads neither the model config nor
+        # transformers, so torch (which transformers imports) is not in it either.
+        maps = Path(f"/proc/{child.pid}/maps").read_text()
+        assert "libtorch" not in maps
+        compile_all(process, {"a": StructuredOutputsParams(regex="a+")})
+        assert process._process is child
+    finally:
+        process.shutdown()
+    assert child.poll() == 0
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_tokenizer_that_cannot_load_fails_each_constraint_only(where) -> None:
+    def loader():
+        raise ValueError("no tokenizer.json here")
+
+    manager = (StructuredOutputManager(loader, VOCAB) if where == "thread"
+               else GrammarProcess(loader, VOCAB, max_rows=4))
+    try:
+        manager.warm_up()
+        for request_id in ("a", "b"):  # each constraint says why; nothing raises
+            manager.submit(request_id, StructuredOutputsParams(regex="a+"))
+        ready = []
+        deadline = time.monotonic() + 30
+        while len(ready) < 2 and time.monotonic() < deadline:
+            manager.wait(1.0)
+            ready += manager.take_ready()
+        assert sorted(r.request_id for r in ready) == ["a", "b"]
+        assert all("no tokenizer.json here" in r.error for r in ready)
+        assert manager.num_active == 0
+    finally:
+        manager.shutdown()
 
 
 def test_one_step_in_flight_at_a_time(tiny_llama) -> None:

@@ -15,7 +15,7 @@ from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 from octavo.structured_output.manager import StructuredOutputManager
 from octavo.structured_output.reasoning_gate import Phase, ReasoningGate
 
-from tests.helpers.engine import assert_no_leaks, grammar_process, make_llm
+from tests.helpers.engine import assert_no_leaks, grammar_process, grammar_tokenizer, make_llm
 from tests.helpers.tool_model import CASES, WEATHER_TOOL, render
 
 SCHEMA = WEATHER_TOOL["function"]["parameters"]
@@ -102,7 +102,7 @@ def test_masks_while_thinking_and_after(tokenizer, tool_model: Path, use_async: 
                                         where: str) -> None:
     vocab = len(tokenizer)
     if where == "thread":
-        manager = StructuredOutputManager(lambda: (tokenizer, {tokenizer.eos_token_id}), vocab,
+        manager = StructuredOutputManager(lambda: grammar_tokenizer(tokenizer), vocab,
                                           reasoning_parser=get_reasoning_parser("qwen3"))
     else:  # the phases needs_mask reads come back from the grammar process with each step
         manager = grammar_process(tool_model, vocab, max_rows=4, reasoning_parser="qwen3")

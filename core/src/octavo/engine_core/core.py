@@ -55,7 +55,8 @@ from octavo.messages import (
 from octavo.reasoning import get_reasoning_parser
 from octavo.scheduler.scheduler import Scheduler
 from octavo.structured_output.manager import PendingAccept, StructuredOutputManager
-from octavo.structured_output.process import GrammarProcess, load_grammar_tokenizer
+from octavo.structured_output.process import GrammarProcess
+from octavo.structured_output.tokenizer import load_grammar_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +94,22 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor: Executor = create_executor(config)
+        self.structured_outputs = make_structured_outputs(config)
+        # The grammars' tokenizer loads (and their process starts) while the model does: a
+        # server's first constraint then waits only for its own compilation.
+        self.structured_outputs.warm_up()
+        try:
+            self.executor: Executor = create_executor(config)
+        except BaseException:
+            self.structured_outputs.shutdown()
+            raise
         swap = config.scheduler_config.preemption_mode == "swap"
         try:
             num_blocks = self.executor.initialize_kv_cache()
             num_host_blocks = self.executor.initialize_swap_space() if swap else 0
         except BaseException:
             self.executor.shutdown()
+            self.structured_outputs.shutdown()
             raise
         self.num_blocks = num_blocks
         # Host blocks for swapped-out requests (0 unless --preemption-mode swap).
@@ -126,7 +136,6 @@ class EngineCore:
         self.max_in_flight = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
         # Constrained requests (structured outputs) whose grammar is being compiled.
         self._awaiting_grammar: dict[str, Request] = {}
-        self.structured_outputs = make_structured_outputs(config)
         # The GIL switch interval while the grammar thread works beside this one, and the one
         # to restore after (see _start_grammar_window); none with the grammars in a process.
         self._grammar_switch_interval = (
@@ -389,19 +398,17 @@ class EngineCore:
                 manager.remove(output.request_id)
         return outputs
 
-    def _constrained_tokens(self, runner_output) -> dict[str, list[int]]:
-        """The tokens a step sampled for constrained requests, as ``update_from_output`` will
-        record them (a request speculates only without a grammar, so each row is its one
-        sampled token). Copies: the grammar thread reads them while the step is recorded.
+    @staticmethod
+    def _constrained_tokens(runner_output) -> dict[str, list[int]]:
+        """The tokens a step sampled, per request, as ``update_from_output`` will record them
+        for the constrained ones (a request speculates only without a grammar, so each such
+        row is its one sampled token); the grammars skip the others. Not copied: the grammars
+        read them before ``accept_and_bitmask_async`` returns.
 
         ``update_from_output`` drops the tokens of requests finished meanwhile; none of those
         holds a matcher here: every way a request ends removes its matcher first (abort, stop
         string, refused token) or when its finishing step is recorded (``_record``)."""
-        constrained = self.structured_outputs.constrained_ids
-        return {req_id: token_ids.copy()
-                for req_id, token_ids in zip(runner_output.req_ids,
-                                             runner_output.sampled_token_ids)
-                if token_ids and req_id in constrained}
+        return dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
 
     def _end_refused(self, refused: dict[str, str]) -> list[EngineCoreOutput]:
         """End the requests whose sampled token the grammar thread found refused (those

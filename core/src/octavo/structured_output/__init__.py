@@ -8,6 +8,8 @@
 - ``process``: ``GrammarProcess``, the manager's interface with the manager in a process of
   its own (the default under async scheduling, so its work does not share the engine
   thread's GIL);
+- ``tokenizer``: ``GrammarTokenizer``, the model's tokenizer as grammars use it, as data (what
+  the grammar process receives);
 - ``reasoning_gate``: with a reasoning parser, where a constrained request is in its output
   (its grammar starts after the thinking).
 """

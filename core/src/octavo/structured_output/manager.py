@@ -19,8 +19,9 @@ With a reasoning parser, a request's grammar shapes its answer only: its tokens 
 ``ReasoningGate`` first, its grammar consumes nothing while it thinks, and its row needs no
 mask then (``needs_mask``; see ``octavo.structured_output.reasoning_gate``).
 
-The tokenizer the grammars are compiled against is built once, lazily, on the background
-thread (about a second for a 150k-token vocabulary), with the reasoning gate.
+The tokenizer the grammars are compiled against (``GrammarTokenizer``) is built once on the
+background thread (about a second for a 150k-token vocabulary), with the reasoning gate: at the
+first ``submit``, or earlier with ``warm_up``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from octavo.messages import GrammarBitmask
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.grammar import grammar_text, parser_limits
 from octavo.structured_output.reasoning_gate import GateState, Phase, ReasoningGate
+from octavo.structured_output.tokenizer import GrammarTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -103,15 +105,15 @@ class StructuredOutputManager:
 
     def __init__(
         self,
-        tokenizer_factory: Callable[[], tuple[Any, set[int]]],
+        tokenizer_factory: Callable[[], GrammarTokenizer],
         vocab_size: int,
         num_threads: int | None = None,
         reasoning_parser: type[Any] | None = None,
     ) -> None:
-        """``tokenizer_factory`` returns the model's ``transformers`` tokenizer and its EOS
-        ids (called once, on the compile thread); ``vocab_size`` is the model's (the logits'
-        width, which may exceed the tokenizer's); ``reasoning_parser`` (a ``ReasoningParser``
-        class) makes constraints start after the reasoning."""
+        """``tokenizer_factory`` returns the model's tokenizer as grammars use it (called
+        once, on the compile thread); ``vocab_size`` is the model's (the logits' width, which
+        may exceed the tokenizer's); ``reasoning_parser`` (a ``ReasoningParser`` class) makes
+        constraints start after the reasoning."""
         self._tokenizer_factory = tokenizer_factory
         self._reasoning_parser = reasoning_parser
         self._gate: ReasoningGate | None = None
@@ -143,6 +145,12 @@ class StructuredOutputManager:
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
         self._compiling[request_id] = future
+
+    def warm_up(self) -> None:
+        """Build the tokenizer grammars compile against now, on the compile thread (without
+        waiting), so the first constraint waits only for its own compilation; a failure is
+        left for that compilation to report."""
+        self._compiler.submit(self._llg_tokenizer)
 
     @property
     def num_compiling(self) -> int:
@@ -261,13 +269,16 @@ class StructuredOutputManager:
         """``accept_step(sampled)`` then ``bitmask(request_ids)`` on a background thread
         (llguidance releases the GIL while it fills masks), so the caller can go on with other
         work. No matcher may be used elsewhere until the future is done; removing requests is
-        fine. The token lists of ``sampled`` are read on that thread: the caller must not
-        change them meanwhile."""
+        fine. ``sampled`` may hold requests without a matcher (skipped) and is read before
+        this returns: the constrained rows' tokens are copied for that thread."""
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="octavo-grammar-masks")
         self._mask_executor()  # created here, never on two threads at once
-        advances = self._advances(sampled)
+        matchers = self._matchers
+        advances = [(request_id, entry, list(token_ids))
+                    for request_id, token_ids in sampled.items()
+                    if token_ids and (entry := matchers.get(request_id)) is not None]
         entries = self._row_matchers(request_ids)
         request_ids = list(request_ids)
 
@@ -403,16 +414,14 @@ class StructuredOutputManager:
     def _llg_tokenizer(self) -> Any:
         """The llguidance tokenizer (and the reasoning gate), built on first use."""
         if self._tokenizer is None:
-            import llguidance.hf
-
-            tokenizer, eos_ids = self._tokenizer_factory()
+            grammar_tokenizer = self._tokenizer_factory()
             if self._reasoning_parser is not None:
-                self._gate = ReasoningGate(self._reasoning_parser(tokenizer), tokenizer)
+                codec = grammar_tokenizer.text_codec()
+                self._gate = ReasoningGate(self._reasoning_parser(codec), codec)
                 logger.info("structured outputs: constraints apply after the reasoning (%s)",
                             self._reasoning_parser.name)
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=self.vocab_size, eos_token=sorted(eos_ids) or None)
-            logger.info("structured outputs: grammars compile against a %d-token vocabulary",
+            self._tokenizer = grammar_tokenizer.llguidance_tokenizer(self.vocab_size)
+            logger.debug("structured outputs: grammars compile against a %d-token vocabulary",
                         self.vocab_size)
         return self._tokenizer
 

@@ -11,9 +11,9 @@ manager's interface:
 
 - the child is a fresh interpreter (not a multiprocessing spawn, which would run the
   caller's script again: offline scripts without a ``__main__`` guard would fail); its
-  arguments (the tokenizer loader: a function and the model config) go pickled down its
-  stdin, a pipe only it reads, as spawn's own do;
-- messages: msgpack (msgspec) over a duplex pipe; nothing else is pickled;
+  set-up (``_Setup``: the tokenizer as data, ``GrammarTokenizer``, loaded here) goes down its
+  stdin, a pipe only it reads; it imports neither ``transformers`` nor torch;
+- messages: msgpack (msgspec) over a duplex pipe, the set-up too; nothing is pickled;
 - masks: the child writes them into a shared-memory file of two buffers of ``max_rows`` rows,
   used in turn, and the engine core hands the runner a view of the rows (read before the
   buffer is filled again two steps later); the file is unlinked as soon as it is made and
@@ -25,9 +25,11 @@ manager's interface:
   request's phase, for ``needs_mask``);
 - removals are batched into the next message (a removed request is in no later step).
 
-The child is started, without waiting for it, at the first ``submit``: an engine that never
-sees a constraint starts no process. It exits when the engine core shuts it down or closes
-the pipe (it reads EOF when the engine core dies). ``OCTAVO_GRAMMAR_PROCESS`` chooses this over
+``warm_up`` (the engine core calls it as it starts, before the model loads) loads the tokenizer
+on a thread of its own and starts the child, which builds its grammar tokenizer at once: the
+first constraint then waits only for its compilation. Without it the first ``submit`` starts
+it. The child exits when the engine core shuts it down or closes the pipe (it reads EOF when
+the engine core dies). ``OCTAVO_GRAMMAR_PROCESS`` chooses this over
 the in-process manager (``octavo.envs.grammar_process``).
 """
 
@@ -39,11 +41,11 @@ import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -60,6 +62,7 @@ from octavo.structured_output.manager import (
     needs_mask,
 )
 from octavo.structured_output.reasoning_gate import Phase
+from octavo.structured_output.tokenizer import GrammarTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,20 @@ _STEP_TIMEOUT_S = 120.0
 
 
 # ---- messages: engine core -> grammar process ---------------------------------------------
+
+
+class _Setup(msgspec.Struct):
+    """The child's arguments, the one message on its stdin."""
+
+    # Bytes of the shared masks file (two buffers of max_rows x words int32).
+    size: int
+    tokenizer: GrammarTokenizer
+    vocab_size: int
+    max_rows: int
+    # ``--reasoning-parser``'s name, or None.
+    reasoning_parser: str | None
+    # Advance a step's matchers through llguidance's pool (``OCTAVO_GRAMMAR_ACCEPT``).
+    accept_parallel: bool
 
 
 class _Submit(msgspec.Struct, tag="submit"):
@@ -140,24 +157,6 @@ class _Failed(msgspec.Struct, tag="failed"):
 _FromChild = _Compiled | _StepDone | _Failed
 
 
-def load_grammar_tokenizer(model_config: Any) -> tuple[Any, set[int]]:
-    """The tokenizer grammars compile against and its EOS ids (run on a compile thread, in
-    either process)."""
-    from octavo.transformers_utils.tokenizer import eos_token_ids, load_tokenizer
-
-    tokenizer = load_tokenizer(model_config)
-    return tokenizer, eos_token_ids(model_config, tokenizer)
-
-
-def saved_tokenizer(path: str) -> tuple[Any, set[int]]:
-    """The tokenizer saved in ``path`` (a Hugging Face folder) and its EOS id: the loader for
-    tools that have a tokenizer but no model (``benchmarks/cpu/bench_grammar_masks.py``)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return tokenizer, {tokenizer.eos_token_id}
-
-
 class _PendingStep:
     """A step sent to the grammar process; ``result()`` waits for its answer (once)."""
 
@@ -179,14 +178,14 @@ class GrammarProcess:
 
     def __init__(
         self,
-        tokenizer_loader: Callable[[], tuple[Any, set[int]]],
+        tokenizer_loader: Callable[[], GrammarTokenizer],
         vocab_size: int,
         max_rows: int,
         reasoning_parser: str | None = None,
         accept_parallel: bool = True,
     ) -> None:
-        """``tokenizer_loader`` is pickled to the child (a module-level function, or a
-        ``functools.partial`` of one); ``max_rows`` bounds the rows of one step's masks (the
+        """``tokenizer_loader`` is called once, here, on the thread that starts the child
+        (``load_grammar_tokenizer``); ``max_rows`` bounds the rows of one step's masks (the
         scheduler's ``max_num_seqs``); ``reasoning_parser`` names one (``--reasoning-parser``);
         ``accept_parallel``: the child advances a step's matchers through llguidance's pool
         (``OCTAVO_GRAMMAR_ACCEPT``)."""
@@ -214,14 +213,21 @@ class GrammarProcess:
         self._step_in_flight = False
         self._next_buffer = 0
         self._closed = False
+        # The thread that loads the tokenizer and starts the child (warm_up or the first use),
+        # and why that failed (then every constraint fails with it; nothing else does).
+        self._starter: threading.Thread | None = None
+        self._start_error: str | None = None
 
     # ---- lifecycle (the manager's interface) ------------------------------------------------
 
     def submit(self, request_id: str, params: StructuredOutputsParams,
                prompt_token_ids: Sequence[int] = ()) -> None:
         """Start compiling ``request_id``'s grammar in the grammar process; ``take_ready``
-        returns it when done."""
-        self._start()
+        returns it when done (failed, when the grammar process could not start)."""
+        self._started()
+        if self._start_error is not None:
+            self._ready.append((CompiledRequest(request_id, self._start_error), None))
+            return
         self._compiling.add(request_id)
         self._send(_Submit(request_id, params, list(prompt_token_ids)))
 
@@ -290,6 +296,8 @@ class GrammarProcess:
         if self._closed:
             return
         self._closed = True
+        if self._starter is not None:
+            self._starter.join()
         self._compiling.clear()
         self._ready.clear()
         self._phases.clear()
@@ -338,7 +346,9 @@ class GrammarProcess:
                                  request_ids: list[str]) -> _PendingStep:
         """``accept_step(sampled)`` then ``bitmask(request_ids)`` in the grammar process while
         the caller goes on; ``result()`` of what it returns waits for them. One step at a
-        time: its result must be taken before the next call of any per-step method."""
+        time: its result must be taken before the next call of any per-step method.
+        ``sampled`` may hold requests without a grammar (skipped) and is encoded before this
+        returns."""
         rows = list(request_ids)
         return _PendingStep(self, rows, self._send_step(self._accepted(sampled), rows))
 
@@ -354,7 +364,9 @@ class GrammarProcess:
         if rows is not None and len(rows) > self._max_rows:
             raise ValueError(f"{len(rows)} mask rows in one step, more than the "
                              f"{self._max_rows} the grammar process holds")
-        self._start()
+        self._started()
+        if self._conn is None:
+            raise RuntimeError(f"the grammar process is not running: {self._start_error}")
         buffer = self._next_buffer
         if rows is not None:
             self._next_buffer ^= 1
@@ -386,11 +398,33 @@ class GrammarProcess:
 
     # ---- the pipe -------------------------------------------------------------------------
 
-    def _start(self) -> None:
-        if self._process is not None:
-            return
+    def warm_up(self) -> None:
+        """Load the tokenizer and start the grammar process on a thread of its own, without
+        waiting (see the module docstring). Idempotent."""
+        if self._starter is None and not self._closed:
+            self._starter = threading.Thread(target=self._start, name="octavo-grammar-start",
+                                             daemon=True)
+            self._starter.start()
+
+    def _started(self) -> None:
+        """Wait for the start ``warm_up`` began (began here without it)."""
         if self._closed:
             raise RuntimeError("the grammar process was shut down")
+        self.warm_up()
+        assert self._starter is not None
+        self._starter.join()
+
+    def _start(self) -> None:
+        """The starter thread: the tokenizer, the shared masks, the child. Nothing else
+        touches this object's state until it ends (``_started`` joins it)."""
+        try:
+            grammar_tokenizer = self._tokenizer_loader()
+            self._spawn(grammar_tokenizer)
+        except Exception as exc:  # noqa: BLE001 - each constraint fails with it
+            logger.error("structured outputs: the grammar process could not start: %s", exc)
+            self._start_error = f"the grammar process could not start: {exc}"
+
+    def _spawn(self, grammar_tokenizer: GrammarTokenizer) -> None:
         size = 2 * self._max_rows * self.num_words * 4
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         # The file is unlinked at once and reaches the child as an open descriptor: no name
@@ -403,22 +437,25 @@ class GrammarProcess:
             self._mmap = mmap.mmap(fd, size)
             # A fresh interpreter, not a multiprocessing child: spawn would run the caller's
             # script again in it (every offline script would need a __main__ guard), fork
-            # would copy the engine's threads and device state. Its arguments go down its
-            # stdin (a pipe only it reads), as spawn's own do.
+            # would copy the engine's threads and device state.
             command = [sys.executable, "-c",
                        "from octavo.structured_output.process import child_main; child_main()",
                        str(child_conn.fileno()), str(fd)]
             process = subprocess.Popen(command, stdin=subprocess.PIPE,
                                        pass_fds=[child_conn.fileno(), fd])
+        except BaseException:
+            parent_conn.close()
+            raise
         finally:
             os.close(fd)
             child_conn.close()
         self._masks = np.frombuffer(self._mmap, dtype=np.int32).reshape(
             2, self._max_rows, self.num_words)
         assert process.stdin is not None
+        setup = _Setup(size, grammar_tokenizer, self.vocab_size, self._max_rows,
+                       self._reasoning_parser, self._accept_parallel)
         with process.stdin:
-            pickle.dump((size, self._tokenizer_loader, self.vocab_size, self._max_rows,
-                         self._reasoning_parser, self._accept_parallel), process.stdin)
+            process.stdin.write(self._encoder.encode(setup))
         self._process, self._conn = process, parent_conn
         logger.info("structured outputs: grammars in their own process (pid %d)", process.pid)
 
@@ -467,19 +504,17 @@ class GrammarProcess:
 
 
 def child_main() -> None:
-    """The grammar process's entry point: its arguments from stdin (pickled by the engine
-    core that started it), the pipe's and the masks' descriptors from argv."""
-    arguments = pickle.load(sys.stdin.buffer)
+    """The grammar process's entry point: its set-up from stdin (``_Setup``, written by the
+    engine core that started it), the pipe's and the masks' descriptors from argv."""
+    setup = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=_Setup)
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
-    run_grammar_process(conn, int(sys.argv[2]), *arguments)
+    run_grammar_process(conn, int(sys.argv[2]), setup)
 
 
-def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: int, size: int,
-                        tokenizer_loader: Callable[[], tuple[Any, set[int]]], vocab_size: int,
-                        max_rows: int, reasoning_parser: str | None,
-                        accept_parallel: bool) -> None:
-    """The child's loop: one ``StructuredOutputManager``, driven by the engine core's
-    messages; compilations reported as they end."""
+def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: int,
+                        setup: _Setup) -> None:
+    """The child's loop: one ``StructuredOutputManager``, its tokenizer built at once,
+    driven by the engine core's messages; compilations reported as they end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when this ends
     from octavo.logger import configure_logging
     from octavo.reasoning import get_reasoning_parser
@@ -488,12 +523,16 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
 
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(_ToChild)
-    shared = mmap.mmap(masks_fd, size)
+    shared = mmap.mmap(masks_fd, setup.size)
     os.close(masks_fd)
-    num_words = (vocab_size + 31) // 32
-    masks = np.frombuffer(shared, dtype=np.int32).reshape(2, max_rows, num_words)
-    parser = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
-    manager = StructuredOutputManager(tokenizer_loader, vocab_size, reasoning_parser=parser)
+    num_words = (setup.vocab_size + 31) // 32
+    masks = np.frombuffer(shared, dtype=np.int32).reshape(2, setup.max_rows, num_words)
+    parser = (None if setup.reasoning_parser is None
+              else get_reasoning_parser(setup.reasoning_parser))
+    manager = StructuredOutputManager(lambda: setup.tokenizer, setup.vocab_size,
+                                      reasoning_parser=parser)
+    manager.warm_up()
+    accept_parallel = setup.accept_parallel
     # The compile thread writes a byte here when a compilation ends: the loop wakes for it.
     wake_read, wake_write = os.pipe()
 
