@@ -330,18 +330,26 @@ for stage in "${stages[@]}"; do
       # (~8 min; PROCESS_CONFIGS and PROFILE_CONFIGS override the lists).
       [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      # A config is process:accept[:spin µs] (OCTAVO_GRAMMAR_SPIN_US; default the engine's);
+      # PROFILE_REQUESTS sets profile_steps.py's --num-requests (default 256).
       for cfg in ${PROCESS_CONFIGS:-1:parallel 0:parallel 1:loop 1:parallel 0:parallel 1:loop}; do
-        echo "== OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:}" \
-          | tee -a "$OUT/bench-structured-process.log"
-        OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:} \
-          structured_w1 2>>"$OUT/bench-structured-process.err" \
+        IFS=: read -r proc accept spin <<< "$cfg"
+        echo "== OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept" \
+          "OCTAVO_GRAMMAR_SPIN_US=${spin:-default}" | tee -a "$OUT/bench-structured-process.log"
+        (export OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept
+         [ -z "$spin" ] || export OCTAVO_GRAMMAR_SPIN_US=$spin
+         structured_w1) 2>>"$OUT/bench-structured-process.err" \
           | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio"
       done
       for cfg in ${PROFILE_CONFIGS:-1:parallel 0:parallel 1:loop}; do
-        echo "== profile: OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:}" \
+        IFS=: read -r proc accept spin <<< "$cfg"
+        echo "== profile: OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept" \
+          "OCTAVO_GRAMMAR_SPIN_US=${spin:-default} --num-requests ${PROFILE_REQUESTS:-256}" \
           | tee -a "$OUT/bench-structured-process.log"
-        OCTAVO_GRAMMAR_PROCESS=${cfg%%:*} OCTAVO_GRAMMAR_ACCEPT=${cfg##*:} \
-          python3 benchmarks/gpu/profile_steps.py --model $JSON_MODEL --structured json 2>&1 \
+        (export OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept
+         [ -z "$spin" ] || export OCTAVO_GRAMMAR_SPIN_US=$spin
+         python3 benchmarks/gpu/profile_steps.py --model $JSON_MODEL --structured json \
+           --num-requests ${PROFILE_REQUESTS:-256}) 2>&1 \
           | tee -a "$OUT/bench-structured-process.log" | grep -E "plain window|unprofiled"
       done
       ;;

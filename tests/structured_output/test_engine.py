@@ -227,9 +227,10 @@ def test_the_grammar_threads_settings_change_no_output(
     assert_no_leaks(other)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling, spin_us", [(False, "0"), (True, "0"),
+                                                       (True, "1000")])
 def test_grammars_in_a_process_of_their_own_give_the_same_outputs(
-        tiny_llama: Path, llm, monkeypatch, async_scheduling: bool) -> None:
+        tiny_llama: Path, llm, monkeypatch, async_scheduling: bool, spin_us: str) -> None:
     """``OCTAVO_GRAMMAR_PROCESS=1``: the same greedy outputs as the in-process grammars, one
     step at a time and with the sampling deferred, nothing held afterwards, and the grammar
     process started with the engine (before any constraint) and gone once it shuts down."""
@@ -239,6 +240,7 @@ def test_grammars_in_a_process_of_their_own_give_the_same_outputs(
               for i in range(len(PROMPTS))]
     want = [o.outputs[0].token_ids for o in run(llm, params)]
     monkeypatch.setenv("OCTAVO_GRAMMAR_PROCESS", "1")
+    monkeypatch.setenv("OCTAVO_GRAMMAR_SPIN_US", spin_us)  # both ends poll, or both sleep
     other = make_llm(tiny_llama, async_scheduling=async_scheduling)
     structured = other.llm_engine.engine_core.structured_outputs
     assert isinstance(structured, GrammarProcess)

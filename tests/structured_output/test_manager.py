@@ -176,13 +176,16 @@ def allowed_rows_of(bitmask) -> list[set[int]]:
 @pytest.mark.parametrize("name, value", [("OCTAVO_GRAMMAR_ACCEPT", "threads"),
                                          ("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", "-5"),
                                          ("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", "fast"),
-                                         ("OCTAVO_GRAMMAR_PROCESS", "yes")])
+                                         ("OCTAVO_GRAMMAR_PROCESS", "yes"),
+                                         ("OCTAVO_GRAMMAR_SPIN_US", "-1"),
+                                         ("OCTAVO_GRAMMAR_SPIN_US", "busy")])
 def test_a_bad_grammar_setting_says_what_it_takes(monkeypatch, name, value) -> None:
     from octavo import envs
 
     read = {"OCTAVO_GRAMMAR_ACCEPT": envs.grammar_accept,
             "OCTAVO_GRAMMAR_SWITCH_INTERVAL_US": envs.grammar_switch_interval_s,
-            "OCTAVO_GRAMMAR_PROCESS": envs.grammar_process}[name]
+            "OCTAVO_GRAMMAR_PROCESS": envs.grammar_process,
+            "OCTAVO_GRAMMAR_SPIN_US": envs.grammar_spin_s}[name]
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         read()

@@ -53,6 +53,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from octavo import envs
 from octavo.messages import GrammarBitmask
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.manager import (
@@ -217,6 +218,7 @@ class GrammarProcess:
         # and why that failed (then every constraint fails with it; nothing else does).
         self._starter: threading.Thread | None = None
         self._start_error: str | None = None
+        self._spin_s = envs.grammar_spin_s()
 
     # ---- lifecycle (the manager's interface) ------------------------------------------------
 
@@ -375,7 +377,13 @@ class GrammarProcess:
         return buffer
 
     def _finish_step(self, rows: list[str] | None, buffer: int) -> AcceptedStep:
-        deadline = time.monotonic() + _STEP_TIMEOUT_S
+        now = time.monotonic()
+        deadline = now + _STEP_TIMEOUT_S
+        spin_until = now + self._spin_s
+        # The answer is due within a step's grammar work: poll without sleeping first (a
+        # wake-up from poll() costs tens of µs on a busy host), then sleep until it comes.
+        while self._done is None and time.monotonic() < spin_until:
+            self._read(0)
         while self._done is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._read(remaining):
@@ -543,9 +551,20 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
         phase = manager.phase(request_id)
         return None if phase is None else phase.value
 
+    # After a step's answer the next step is due within a step's time: the loop polls without
+    # sleeping until then (OCTAVO_GRAMMAR_SPIN_US), so it does not pay a wake-up for it.
+    spin_s = envs.grammar_spin_s()
+    spin_until = 0.0
     try:
         while True:
-            ready = multiprocessing.connection.wait([conn, wake_read])
+            ready = []
+            while time.monotonic() < spin_until:
+                if conn.poll(0):
+                    ready = [conn]
+                    break
+            # The compile thread's wake-ups are read here too (not while spinning: a
+            # compilation's end waits for at most the spin window).
+            ready = multiprocessing.connection.wait([conn, wake_read], 0 if ready else None)
             if wake_read in ready:
                 os.read(wake_read, 4096)
                 for compiled in manager.take_ready():
@@ -567,6 +586,7 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
                     phases = {request_id: phase for request_id in message.accept
                               if (phase := phase_of(request_id)) is not None}
                 send(_StepDone(errors, phases))
+                spin_until = time.monotonic() + spin_s
             elif isinstance(message, _Submit):
                 manager.submit(message.request_id, message.params, message.prompt_token_ids,
                                on_done=lambda: os.write(wake_write, b"\0"))
