@@ -147,10 +147,10 @@ def grammar_spin_s() -> float:
     """``OCTAVO_GRAMMAR_SPIN_US``: how long the grammar process and the engine core poll their
     pipe without sleeping, in seconds, when the other end's next message is due: the child
     after answering a step (the next comes within a step's time), the engine core while it
-    waits for a step's answer (default 1000 µs on a machine of 8 cores or more, else ``0``:
+    waits for a step's answer (default 3000 µs on a machine of 8 cores or more, else ``0``:
     always sleep until woken, leaving a small machine's cores to the engine). A sleeping
     process pays the scheduler's wake-up on each message, twice per constrained step."""
-    default = "1000" if (os.cpu_count() or 1) >= 8 else "0"
+    default = "3000" if (os.cpu_count() or 1) >= 8 else "0"
     raw = os.environ.get("OCTAVO_GRAMMAR_SPIN_US", default).strip()
     try:
         value = float(raw)
