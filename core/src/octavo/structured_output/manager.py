@@ -275,10 +275,7 @@ class StructuredOutputManager:
             self._filler = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="octavo-grammar-masks")
         self._mask_executor()  # created here, never on two threads at once
-        matchers = self._matchers
-        advances = [(request_id, entry, list(token_ids))
-                    for request_id, token_ids in sampled.items()
-                    if token_ids and (entry := matchers.get(request_id)) is not None]
+        advances = self._advances(sampled)
         entries = self._row_matchers(request_ids)
         request_ids = list(request_ids)
 
@@ -293,8 +290,10 @@ class StructuredOutputManager:
     def _advances(
         self, sampled: Mapping[str, Sequence[int]]
     ) -> list[tuple[str, _Constrained, Sequence[int]]]:
+        # Copies: the grammar thread may read them after the caller reuses its lists.
         matchers = self._matchers
-        return [(request_id, entry, token_ids) for request_id, token_ids in sampled.items()
+        return [(request_id, entry, list(token_ids))
+                for request_id, token_ids in sampled.items()
                 if token_ids and (entry := matchers.get(request_id)) is not None]
 
     def _answer_tokens(self, entry: _Constrained, token_ids: Sequence[int]) -> Sequence[int]:

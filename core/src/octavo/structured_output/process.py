@@ -80,8 +80,6 @@ _STEP_TIMEOUT_S = 120.0
 class _Setup(msgspec.Struct):
     """The child's arguments, the one message on its stdin."""
 
-    # Bytes of the shared masks file (two buffers of max_rows x words int32).
-    size: int
     tokenizer: GrammarTokenizer
     vocab_size: int
     max_rows: int
@@ -156,6 +154,11 @@ class _Failed(msgspec.Struct, tag="failed"):
 
 
 _FromChild = _Compiled | _StepDone | _Failed
+
+
+def _masks_bytes(max_rows: int, vocab_size: int) -> int:
+    """The shared masks file's size: two buffers of ``max_rows`` rows of int32 words."""
+    return 2 * max_rows * ((vocab_size + 31) // 32) * 4
 
 
 class _PendingStep:
@@ -433,7 +436,7 @@ class GrammarProcess:
             self._start_error = f"the grammar process could not start: {exc}"
 
     def _spawn(self, grammar_tokenizer: GrammarTokenizer) -> None:
-        size = 2 * self._max_rows * self.num_words * 4
+        size = _masks_bytes(self._max_rows, self.vocab_size)
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         # The file is unlinked at once and reaches the child as an open descriptor: no name
         # is left behind, whichever process ends first and however.
@@ -460,7 +463,7 @@ class GrammarProcess:
         self._masks = np.frombuffer(self._mmap, dtype=np.int32).reshape(
             2, self._max_rows, self.num_words)
         assert process.stdin is not None
-        setup = _Setup(size, grammar_tokenizer, self.vocab_size, self._max_rows,
+        setup = _Setup(grammar_tokenizer, self.vocab_size, self._max_rows,
                        self._reasoning_parser, self._accept_parallel)
         with process.stdin:
             process.stdin.write(self._encoder.encode(setup))
@@ -531,7 +534,7 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
 
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(_ToChild)
-    shared = mmap.mmap(masks_fd, setup.size)
+    shared = mmap.mmap(masks_fd, _masks_bytes(setup.max_rows, setup.vocab_size))
     os.close(masks_fd)
     num_words = (setup.vocab_size + 31) // 32
     masks = np.frombuffer(shared, dtype=np.int32).reshape(2, setup.max_rows, num_words)
