@@ -330,16 +330,19 @@ for stage in "${stages[@]}"; do
       # (~8 min; PROCESS_CONFIGS and PROFILE_CONFIGS override the lists).
       [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
-      # A config is process:accept[:spin µs] (OCTAVO_GRAMMAR_SPIN_US; default the engine's);
+      # A config is process:accept[:spin µs[:threads]] (OCTAVO_GRAMMAR_SPIN_US and
+      # OCTAVO_GRAMMAR_THREADS; empty: the engine's default);
       # PROFILE_REQUESTS sets profile_steps.py's --num-requests (default 256).
       for cfg in ${PROCESS_CONFIGS:-1:parallel 0:parallel 1:loop 1:parallel 0:parallel 1:loop}; do
-        IFS=: read -r proc accept spin <<< "$cfg"
+        IFS=: read -r proc accept spin threads <<< "$cfg"
         echo "== OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept" \
-          "OCTAVO_GRAMMAR_SPIN_US=${spin:-default}" | tee -a "$OUT/bench-structured-process.log"
+          "OCTAVO_GRAMMAR_SPIN_US=${spin:-default} OCTAVO_GRAMMAR_THREADS=${threads:-default}" \
+          | tee -a "$OUT/bench-structured-process.log"
         (export OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept
          [ -z "$spin" ] || export OCTAVO_GRAMMAR_SPIN_US=$spin
+         [ -z "$threads" ] || export OCTAVO_GRAMMAR_THREADS=$threads
          structured_w1) 2>>"$OUT/bench-structured-process.err" \
-          | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio"
+          | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio|grammar :"
       done
       for cfg in ${PROFILE_CONFIGS:-1:parallel 0:parallel 1:loop}; do
         IFS=: read -r proc accept spin <<< "$cfg"

@@ -120,6 +120,10 @@ def test_bench_throughput_structured_json(tiny_llama, engine):
     assert result["structured_vs_unconstrained"] == pytest.approx(
         result["output_tokens_per_s"] / result["unconstrained_output_tokens_per_s"], rel=0.01)
     assert "json / unconstrained" in done.stdout
+    # Every constrained request samples under a mask at least once; the waits are timed.
+    assert result["grammar_steps"] >= 1
+    assert result["grammar_wait_s"] > 0 and result["grammar_work_s"] > 0
+    assert "the engine thread waited" in done.stdout
     # Each timed run started from an empty prefix cache (through the engine core's utility
     # call with --async-engine).
     assert "prefix cache could not be emptied" not in done.stderr

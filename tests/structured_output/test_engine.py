@@ -256,6 +256,32 @@ def test_grammars_in_a_process_of_their_own_give_the_same_outputs(
     assert child.poll() == 0
 
 
+@pytest.mark.parametrize("async_scheduling, grammar_process", [
+    (False, "0"), (True, "0"), (False, "1"), (True, "1")])
+def test_stats_time_the_steps_that_waited_for_grammar_work(
+        tiny_llama: Path, monkeypatch, async_scheduling: bool, grammar_process: str) -> None:
+    """``SchedulerStats.structured_output_*``: one step per sampling under masks (a request's
+    tokens each in a step of its own, so at least its output's length), the grammar work
+    timed, and nothing counted for unconstrained requests."""
+    monkeypatch.setenv("OCTAVO_GRAMMAR_PROCESS", grammar_process)
+    llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
+    stats = llm.llm_engine.stats
+    before = stats()
+    assert (before.structured_output_steps, before.structured_output_wait_s,
+            before.structured_output_work_s) == (0, 0.0, 0.0)
+    run(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), PROMPTS[:2])
+    free = stats()
+    assert (free.structured_output_steps, free.structured_output_work_s) == (0, 0.0)
+    outputs = run(llm, constrained("regex"), PROMPTS[:3])
+    after = stats()
+    longest = max(len(o.outputs[0].token_ids) for o in outputs)
+    assert longest <= after.structured_output_steps <= 3 * longest + 4
+    assert after.structured_output_work_s > 0 and after.structured_output_wait_s > 0
+    if not async_scheduling:  # every wait is the work itself, done while the engine waits
+        assert after.structured_output_wait_s == pytest.approx(after.structured_output_work_s)
+    llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling, in_process", [
     (False, "0"), (True, "0"), (True, "1")])
 def test_a_token_the_grammar_refuses_ends_only_its_request(

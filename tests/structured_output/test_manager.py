@@ -136,6 +136,18 @@ def test_accept_step_advances_every_row_and_names_the_refused(manager, tokenizer
     assert all(allowed(manager, r) == {tokenizer.eos_token_id} for r in list(requests)[1:])
 
 
+def test_an_async_step_reports_how_long_its_grammar_work_took(manager, tokenizer) -> None:
+    """``AcceptedStep.work_s``: the accept and the fill, timed where they ran (the grammar
+    thread or the grammar process), no longer than the caller waited from the call on."""
+    requests = {f"d{i}": StructuredOutputsParams(regex=r"[0-9]{2}") for i in range(8)}
+    compile_all(manager, requests)
+    one = tokenizer.encode("1", add_special_tokens=False)[0]
+    start = time.perf_counter()
+    done = manager.accept_and_bitmask_async({r: [one] for r in requests}, list(requests)).result()
+    waited = time.perf_counter() - start
+    assert done.errors == {} and 0 < done.work_s <= waited
+
+
 def test_the_grammar_threads_parallel_accept_equals_the_loop(tokenizer, monkeypatch) -> None:
     """The grammar thread's accept (llguidance's consume_token_par, GIL released) and the
     one-after-the-other loop leave every matcher in the same state and name the same refused
@@ -178,17 +190,41 @@ def allowed_rows_of(bitmask) -> list[set[int]]:
                                          ("OCTAVO_GRAMMAR_SWITCH_INTERVAL_US", "fast"),
                                          ("OCTAVO_GRAMMAR_PROCESS", "yes"),
                                          ("OCTAVO_GRAMMAR_SPIN_US", "-1"),
-                                         ("OCTAVO_GRAMMAR_SPIN_US", "busy")])
+                                         ("OCTAVO_GRAMMAR_SPIN_US", "busy"),
+                                         ("OCTAVO_GRAMMAR_THREADS", "0"),
+                                         ("OCTAVO_GRAMMAR_THREADS", "2.5")])
 def test_a_bad_grammar_setting_says_what_it_takes(monkeypatch, name, value) -> None:
     from octavo import envs
 
     read = {"OCTAVO_GRAMMAR_ACCEPT": envs.grammar_accept,
             "OCTAVO_GRAMMAR_SWITCH_INTERVAL_US": envs.grammar_switch_interval_s,
             "OCTAVO_GRAMMAR_PROCESS": envs.grammar_process,
-            "OCTAVO_GRAMMAR_SPIN_US": envs.grammar_spin_s}[name]
+            "OCTAVO_GRAMMAR_SPIN_US": envs.grammar_spin_s,
+            "OCTAVO_GRAMMAR_THREADS": envs.grammar_threads}[name]
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         read()
+
+
+def test_the_mask_pool_takes_its_size_from_the_environment(monkeypatch, tokenizer) -> None:
+    """``OCTAVO_GRAMMAR_THREADS`` sizes llguidance's pool; unset, half the cores (1 to 8)."""
+    import os
+
+    from octavo import envs
+
+    monkeypatch.delenv("OCTAVO_GRAMMAR_THREADS", raising=False)
+    assert envs.grammar_threads() == max(1, min(8, (os.cpu_count() or 2) // 2))
+    monkeypatch.setenv("OCTAVO_GRAMMAR_THREADS", "3")
+    manager = StructuredOutputManager(lambda: grammar_tokenizer(tokenizer), VOCAB)
+    try:
+        assert manager._num_threads == 3
+        compile_all(manager, {"r": StructuredOutputsParams(regex="ab")})
+        mask = allowed(manager, "r")
+        first, = tokenizer.encode("a", add_special_tokens=False)
+        second, = tokenizer.encode("b", add_special_tokens=False)
+        assert first in mask and second not in mask
+    finally:
+        manager.shutdown()
 
 
 @pytest.mark.parametrize("value, async_scheduling, expected", [

@@ -161,6 +161,22 @@ def grammar_spin_s() -> float:
     return value * 1e-6
 
 
+def grammar_threads() -> int:
+    """``OCTAVO_GRAMMAR_THREADS``: the threads of llguidance's pool that fill a step's masks
+    and advance its matchers (default half the machine's cores, 1 to 8)."""
+    default = max(1, min(8, (os.cpu_count() or 2) // 2))
+    raw = os.environ.get("OCTAVO_GRAMMAR_THREADS", "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"OCTAVO_GRAMMAR_THREADS must be a whole number >= 1, got {raw!r}")
+    return value
+
+
 def skinny_config_tables() -> bool:
     """``OCTAVO_SKINNY_CONFIG_TABLES``: whether the small-M Triton kernels take their launch
     configs from the GPU's table when it has one (default yes; ``0``/``false``: timed)."""

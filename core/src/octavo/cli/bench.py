@@ -169,6 +169,16 @@ class _OctavoRun:
     output_lens: list[int]
     # Of num_preemptions, those that swapped the request's blocks to host memory.
     num_preemptions_swap: int = 0
+    # Structured outputs: the steps whose sampling waited for grammar work, the engine
+    # thread's seconds blocked on it, and that work's own seconds (SchedulerStats').
+    grammar: tuple[int, float, float] = (0, 0.0, 0.0)
+
+
+def _grammar_since(before, after) -> tuple[int, float, float]:
+    """The ``structured_output_*`` counters of a run, from the stats before and after it."""
+    return (after.structured_output_steps - before.structured_output_steps,
+            after.structured_output_wait_s - before.structured_output_wait_s,
+            after.structured_output_work_s - before.structured_output_work_s)
 
 
 def _throughput_params(output_lens: list[int], ignore_eos: bool):
@@ -207,15 +217,15 @@ def _check_reset(reset: bool) -> None:
 
 
 def _run_offline(llm, workload: Workload, params) -> _OctavoRun:
-    preempted_before = llm.llm_engine.stats().num_preemptions
-    swapped_before = llm.llm_engine.stats().num_preemptions_swap
+    before = llm.llm_engine.stats()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
     lens = [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
     stats = llm.llm_engine.stats()
-    return _OctavoRun(elapsed, sum(lens), stats.num_preemptions - preempted_before, lens,
-                      stats.num_preemptions_swap - swapped_before)
+    return _OctavoRun(elapsed, sum(lens), stats.num_preemptions - before.num_preemptions, lens,
+                      stats.num_preemptions_swap - before.num_preemptions_swap,
+                      _grammar_since(before, stats))
 
 
 async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
@@ -230,8 +240,7 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
 
     from tqdm.auto import tqdm
 
-    preempted_before = engine.scheduler_stats.num_preemptions
-    swapped_before = engine.scheduler_stats.num_preemptions_swap
+    before = engine.scheduler_stats
     run_id = uuid.uuid4().hex[:8]  # request ids unique across runs on one engine
     bar = tqdm(total=len(workload.prompts), desc="octavo (async engine)", unit="req",
                dynamic_ncols=True)
@@ -251,8 +260,9 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
         bar.close()
     elapsed = time.perf_counter() - start
     stats = engine.scheduler_stats
-    return _OctavoRun(elapsed, sum(counts), stats.num_preemptions - preempted_before,
-                      list(counts), stats.num_preemptions_swap - swapped_before)
+    return _OctavoRun(elapsed, sum(counts), stats.num_preemptions - before.num_preemptions,
+                      list(counts), stats.num_preemptions_swap - before.num_preemptions_swap,
+                      _grammar_since(before, stats))
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
@@ -378,6 +388,14 @@ def run_throughput(args: argparse.Namespace) -> int:
         print(f"free    : {free_tok_s:.1f} output tok/s (the same requests and output lengths, "
               f"unconstrained, {free.elapsed_s:.1f} s)")
         print(f"ratio   : json / unconstrained = {result['structured_vs_unconstrained']:.2f}x")
+        steps, wait_s, work_s = run.grammar
+        result["grammar_steps"] = steps
+        result["grammar_wait_s"] = round(wait_s, 4)
+        result["grammar_work_s"] = round(work_s, 4)
+        if steps:
+            print(f"grammar : {steps} steps sampled after grammar work; the engine thread waited "
+                  f"{1e3 * wait_s / steps:.3f} ms a step ({wait_s:.2f} s in all) for "
+                  f"{1e3 * work_s / steps:.3f} ms of that work")
     if args.compare_hf:
         from octavo.benchmarks.hf_baseline import run_hf_generate
 

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import logging
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ from octavo.kv_cache.hashing import block_hasher
 from octavo.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
+    GrammarBitmask,
     Request,
     RequestStatus,
     SchedulerOutput,
@@ -67,6 +69,23 @@ class _InFlightStep:
 
     scheduler_output: SchedulerOutput
     pending: PendingOutput
+
+
+@dataclass(slots=True)
+class _GrammarTimes:
+    """The engine thread's waits for grammar work since start (``SchedulerStats``'
+    ``structured_output_*``)."""
+
+    steps: int = 0
+    wait_s: float = 0.0
+    work_s: float = 0.0
+
+    def add(self, wait_s: float, work_s: float, step: bool) -> None:
+        """One wait of ``wait_s`` for ``work_s`` of grammar work; ``step``: a step's sampling
+        waited (masks), not only an accept."""
+        self.steps += step
+        self.wait_s += wait_s
+        self.work_s += work_s
 
 
 def make_structured_outputs(config: EngineConfig) -> StructuredOutputManager | GrammarProcess:
@@ -142,6 +161,7 @@ class EngineCore:
             None if isinstance(self.structured_outputs, GrammarProcess)
             else envs.grammar_switch_interval_s())
         self._saved_switch_interval: float | None = None
+        self._grammar_times = _GrammarTimes()
         spec = config.speculative_config
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per step",
@@ -211,7 +231,7 @@ class EngineCore:
         try:
             rows, _ = self._constrained_rows(scheduler_output)
             if rows:
-                scheduler_output.grammar_bitmask = self.structured_outputs.bitmask(rows)
+                scheduler_output.grammar_bitmask = self._bitmask_now(rows)
             runner_output = self.executor.execute_model(scheduler_output)
         except BaseException:
             # KeyboardInterrupt or a failed forward: the step's KV writes cannot be trusted.
@@ -230,7 +250,7 @@ class EngineCore:
                 refused = self._launch_deferred_sampling()
                 rows, deferred = self._constrained_rows(scheduler_output)
                 if rows and not deferred:
-                    scheduler_output.grammar_bitmask = self.structured_outputs.bitmask(rows)
+                    scheduler_output.grammar_bitmask = self._bitmask_now(rows)
                 scheduler_output.sampling_deferred = deferred
                 pending = self.executor.execute_model_async(scheduler_output)
                 self._in_flight.append(_InFlightStep(scheduler_output, pending))
@@ -275,10 +295,12 @@ class EngineCore:
         if self._grammar_step is None:
             return {}
         pending, self._grammar_step = self._grammar_step, None
+        start = time.perf_counter()
         try:
             accepted = pending.result()
         finally:
             self._end_grammar_window()
+        self._grammar_times.add(time.perf_counter() - start, accepted.work_s, step=True)
         self.executor.sample_tokens(accepted.bitmask)
         return accepted.errors
 
@@ -339,6 +361,15 @@ class EngineCore:
                                            finish_reason=request.status.finish_reason))
         return failed
 
+    def _bitmask_now(self, rows: list[str]) -> GrammarBitmask:
+        """The masks of ``rows`` for a step that samples without waiting for a token in
+        flight, filled while the engine thread waits (timed as the grammar work too)."""
+        start = time.perf_counter()
+        bitmask = self.structured_outputs.bitmask(rows)
+        elapsed = time.perf_counter() - start
+        self._grammar_times.add(elapsed, elapsed, step=True)
+        return bitmask
+
     def _constrained_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[str], bool]:
         """Constrained requests that sample in this step, and whether any of their masks
         needs a token still in flight (then the step's sampling is deferred)."""
@@ -388,7 +419,10 @@ class EngineCore:
         constrained = [output for output in outputs if output.request_id in ids] if ids else []
         if deferred_rows is None and constrained:
             sampled = {output.request_id: output.new_token_ids for output in constrained}
+            start = time.perf_counter()
             refused = manager.accept_step(sampled)
+            elapsed = time.perf_counter() - start
+            self._grammar_times.add(elapsed, elapsed, step=False)
             for output in constrained:
                 if output.request_id in refused and output.finish_reason is None:
                     self._abort_refused(output.request_id, refused[output.request_id])
@@ -436,7 +470,12 @@ class EngineCore:
             self.structured_outputs.remove(request_id)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        times = self._grammar_times
+        stats.structured_output_steps = times.steps
+        stats.structured_output_wait_s = times.wait_s
+        stats.structured_output_work_s = times.work_s
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix, so the next requests compute their prompts

@@ -148,6 +148,13 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # Structured outputs, since start: steps whose sampling waited for grammar work (the
+    # sampled tokens accepted, the masks filled), the engine thread's seconds blocked on it,
+    # and that work's own seconds, timed where it ran (the grammar thread or process; the
+    # difference is hand-off latency).
+    structured_output_steps: int = 0
+    structured_output_wait_s: float = 0.0
+    structured_output_work_s: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

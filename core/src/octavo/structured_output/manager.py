@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -57,6 +57,9 @@ class AcceptedStep:
 
     errors: dict[str, str]
     bitmask: GrammarBitmask
+    # Seconds the grammar work itself took (accepting, then filling the masks), timed where
+    # it ran: the caller's wait beyond it is hand-off latency.
+    work_s: float = 0.0
 
 
 class PendingAccept(Protocol):
@@ -119,7 +122,7 @@ class StructuredOutputManager:
         self._gate: ReasoningGate | None = None
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
-        self._num_threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._num_threads = num_threads or envs.grammar_threads()
         self._compiler = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="octavo-grammar")
         self._compiling: dict[str, concurrent.futures.Future[_Constrained]] = {}
@@ -280,10 +283,11 @@ class StructuredOutputManager:
         request_ids = list(request_ids)
 
         def run() -> AcceptedStep:
+            start = time.perf_counter()
             errors = self._advance(advances, parallel=self._accept_parallel)
             bitmask, rows = self._new_bitmask(request_ids)
             self._fill(request_ids, entries, rows)
-            return AcceptedStep(errors, bitmask)
+            return AcceptedStep(errors, bitmask, time.perf_counter() - start)
 
         return self._filler.submit(run)
 

@@ -144,6 +144,8 @@ class _StepDone(msgspec.Struct, tag="done"):
     # With a reasoning parser, each accepting request's phase after the step (``Phase``
     # values); empty without one.
     phases: dict[str, str]
+    # Seconds the child spent on the step (accepting, then filling the masks).
+    work_s: float = 0.0
 
 
 class _Failed(msgspec.Struct, tag="failed"):
@@ -401,11 +403,11 @@ class GrammarProcess:
                 phases[request_id] = Phase(phase)
         if rows is None:
             return AcceptedStep(done.errors, GrammarBitmask(req_ids=[], num_words=self.num_words,
-                                                            data=b""))
+                                                            data=b""), done.work_s)
         assert self._masks is not None
         data = memoryview(self._masks[buffer, :len(rows)]).cast("B")
         return AcceptedStep(done.errors, GrammarBitmask(req_ids=rows, num_words=self.num_words,
-                                                        data=data))
+                                                        data=data), done.work_s)
 
     # ---- the pipe -------------------------------------------------------------------------
 
@@ -580,6 +582,7 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
             except (EOFError, OSError):  # the engine core is gone
                 break
             if isinstance(message, _Step):
+                start = time.perf_counter()
                 errors = (manager.accept_step(message.accept, parallel=accept_parallel)
                           if message.accept else {})
                 if message.rows is not None:
@@ -588,7 +591,7 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
                 if parser is not None:
                     phases = {request_id: phase for request_id in message.accept
                               if (phase := phase_of(request_id)) is not None}
-                send(_StepDone(errors, phases))
+                send(_StepDone(errors, phases, time.perf_counter() - start))
                 spin_until = time.monotonic() + spin_s
             elif isinstance(message, _Submit):
                 manager.submit(message.request_id, message.params, message.prompt_token_ids,
