@@ -337,7 +337,7 @@ for stage in "${stages[@]}"; do
         IFS=: read -r proc accept spin threads <<< "$cfg"
         echo "== OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept" \
           "OCTAVO_GRAMMAR_SPIN_US=${spin:-default} OCTAVO_GRAMMAR_THREADS=${threads:-default}" \
-          | tee -a "$OUT/bench-structured-process.log"
+          "(at $(date +%s.%N))" | tee -a "$OUT/bench-structured-process.log"
         (export OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept
          [ -z "$spin" ] || export OCTAVO_GRAMMAR_SPIN_US=$spin
          [ -z "$threads" ] || export OCTAVO_GRAMMAR_THREADS=$threads
