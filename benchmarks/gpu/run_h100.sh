@@ -12,7 +12,7 @@
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi] [bench-structured-gil]
-#                                    [bench-structured-process]
+#                                    [bench-structured-process] [w1-timeline-structured]
 #                                    [spec-tests] [bench-spec] [bench-spec-draft]
 #                                    [bench-spec-eagle3]
 #                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
@@ -355,6 +355,16 @@ for stage in "${stages[@]}"; do
            --num-requests ${PROFILE_REQUESTS:-256}) 2>&1 \
           | tee -a "$OUT/bench-structured-process.log" | grep -E "plain window|unprofiled"
       done
+      ;;
+    w1-timeline-structured)
+      # bench-structured's pair of runs REPEAT times (default 5) on one AsyncLLM engine, each
+      # run's per-step messages timed by group beside the grammar counters (w1_timeline.py).
+      [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
+        --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      python3 benchmarks/gpu/w1_timeline.py --model $JSON_MODEL --structured json \
+        --async-engine --repeat ${REPEAT:-5} 2>"$OUT/w1-timeline-structured.err" \
+        | tee "$OUT/w1-timeline-structured.log" | grep -v '^{"bench"'
+      tail -3 "$OUT/w1-timeline-structured.err"
       ;;
     profile-structured)
       # Where a constrained step's time goes: per-phase step profile (benchmarks/gpu/

@@ -19,14 +19,18 @@ snapshot, so the grouping is the same); it also prints both processes' CPU time 
 ``--no-warmup`` skips the warm-up run, as ``octavo bench throughput`` does (no warm-up): the
 first-call costs of a fresh process then land in the timed run.
 
-``--structured json`` (in-process) runs W1 as ``octavo bench throughput --structured json``
+``--structured json`` runs W1 as ``octavo bench throughput --structured json``
 does: one untimed one-token request per schema of ``octavo.testing.json_schemas``, the timed
 run with request *i* constrained to schema *i* mod 12 (EOS ends it once its JSON is complete),
 then the same requests unconstrained with the output lengths the constrained run got, on the
 same engine. It prints both timelines with the engine thread's CPU per group, and where a
 constrained run spends time an unconstrained one does not: admitting requests (waiting for
 their grammars), waiting for the grammar thread before a deferred sampling, and the prompt
-tokens found in the prefix cache. For a CPU proxy of the H100 run: ``--tokenizer
+tokens found in the prefix cache. With ``--async-engine`` (as ``bench-structured`` runs)
+it runs ``--repeat N`` such pairs through ``AsyncLLM`` on one engine and prints each run's
+per-group seconds side by side with the engine core's grammar counters
+(``SchedulerStats.structured_output_*``) and the front end's collector time: where a slow
+constrained run lost its time. For a CPU proxy of the H100 run: ``--tokenizer
 .bench-assets/smollm2-tokenizer`` (a tiny Llama with SmolLM2's vocabulary, so the grammar work
 is the real one) and ``--fast-sample`` (no LM head; each constrained row picks an allowed
 token from its mask: ``benchmarks/cpu/profile_host_steps.py``), e.g.
@@ -163,8 +167,10 @@ def main() -> None:
                         help="in-process only: override a field of the CUDA backend's "
                              "TritonLaunchConfig (an int, or 'none'), for A/B runs; repeatable")
     parser.add_argument("--structured", choices=["json"], default=None,
-                        help="in-process only: the constrained run, then the same requests "
-                             "unconstrained (as octavo bench throughput --structured json)")
+                        help="the constrained run, then the same requests unconstrained (as "
+                             "octavo bench throughput --structured json)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="with --structured --async-engine: N pairs of runs on one engine")
     parser.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="with --structured: empty the prefix cache before each timed run, "
@@ -211,8 +217,9 @@ def main() -> None:
         engine_kwargs["cpu_threads"] = args.cpu_threads
     if args.structured:
         if args.async_engine:
-            parser.error("--structured runs in-process only")
-        run_structured(args, engine_kwargs)
+            run_structured_async(args, engine_kwargs)
+        else:
+            run_structured(args, engine_kwargs)
         return
     if args.async_engine:
         timeline, elapsed, total_out, cpu_note = run_async_engine(args, engine_kwargs, params)
@@ -508,6 +515,147 @@ def run_async_engine(args, engine_kwargs, params):
             await engine.shutdown()
 
     return asyncio.run(main())
+
+
+class FrontEndGC:
+    """This process's cyclic-collector time (``gc.callbacks``) since ``reset``."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds = 0.0
+        self.count = 0
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.count += 1
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.count = 0
+
+
+def _band_order(name: str) -> tuple[bool, int]:
+    return name.startswith("decode"), int(name.split()[1].split("-")[0]) \
+        if name.startswith("decode") else 0
+
+
+def run_structured_async(args, engine_kwargs) -> None:
+    """``--structured json --async-engine``: ``--repeat`` pairs of runs through AsyncLLM on one
+    engine, as ``octavo bench throughput --structured json --async-engine`` runs one pair (the
+    prefix cache emptied before each run), each run's per-step messages timed by group, with
+    the engine core's grammar counters (``SchedulerStats.structured_output_*``): which part of
+    a run a slow constrained run lost its time in."""
+    from octavo import SamplingParams
+    from octavo.cli.bench import (
+        _json_schema_params,
+        _warmup_workload,
+        make_workload,
+        workload_vocab_size,
+    )
+    from octavo.cli.serve import front_end_threads
+    from octavo.engine.arg_utils import EngineArgs
+    from octavo.engine.async_llm import AsyncLLM
+    from octavo.engine.output_processor import RequestOutputKind
+    from octavo.testing.json_schemas import SCHEMA_CASES
+
+    front_end_threads()
+    engine = AsyncLLM(EngineArgs(model=args.model, **engine_kwargs))
+    vocab = workload_vocab_size(engine.tokenizer, engine.config.model_config)
+    workload = make_workload(args.num_requests, args.input_len, args.output_len, vocab, 0)
+
+    class StepClock:
+        timeline: Timeline | None = None
+
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            if self.timeline is not None:
+                self.timeline.record(time.perf_counter(), scheduler_stats)
+
+    clock = StepClock()
+    engine.stat_loggers.append(clock)
+    gc_clock = FrontEndGC()
+
+    async def run(prompts, params, prefix: str, timed: bool) -> dict:
+        async def one(i: int) -> int:
+            num_out = 0
+            async for output in engine.generate({"prompt_token_ids": prompts[i]}, params[i],
+                                                f"{prefix}{i}",
+                                                output_kind=RequestOutputKind.FINAL_ONLY):
+                num_out = sum(len(c.token_ids) for c in output.outputs)
+            return num_out
+
+        if timed:
+            await engine.reset_prefix_cache()
+        before = engine.scheduler_stats
+        core_cpu = cpu_seconds(engine.core.pid)
+        gc_clock.reset()
+        start = time.perf_counter()
+        clock.timeline = Timeline(start, 0) if timed else None
+        lens = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        elapsed = time.perf_counter() - start
+        after = engine.scheduler_stats
+        timeline, clock.timeline = clock.timeline, None
+        return {"elapsed_s": elapsed, "lens": list(lens),
+                "core_cpu_s": cpu_seconds(engine.core.pid) - core_cpu,
+                "front_end_gc_s": gc_clock.seconds, "front_end_gc_collections": gc_clock.count,
+                "grammar_steps": after.structured_output_steps - before.structured_output_steps,
+                "grammar_wait_s": after.structured_output_wait_s - before.structured_output_wait_s,
+                "grammar_work_s": after.structured_output_work_s - before.structured_output_work_s,
+                "groups": {} if timeline is None else
+                {n: {"steps": g[0], "seconds": g[1]} for n, g in timeline.groups.items()}}
+
+    async def main() -> list[tuple[dict, dict]]:
+        await engine.start()
+        pairs = []
+        try:
+            warm = _warmup_workload(workload)
+            await run(warm.prompts, _json_schema_params([1] * len(SCHEMA_CASES)), "schema",
+                      False)
+            for r in range(args.repeat):
+                constrained = await run(workload.prompts,
+                                        _json_schema_params(workload.output_lens), f"json{r}-",
+                                        True)
+                free = await run(workload.prompts,
+                                 [SamplingParams(temperature=0.0, max_tokens=max(n, 1),
+                                                 ignore_eos=True) for n in constrained["lens"]],
+                                 f"free{r}-", True)
+                pairs.append((constrained, free))
+                ratio = ((sum(constrained["lens"]) / constrained["elapsed_s"])
+                         / (sum(free["lens"]) / free["elapsed_s"]))
+                print(f"pair {r}: json {constrained['elapsed_s']:.3f} s, unconstrained "
+                      f"{free['elapsed_s']:.3f} s, ratio {ratio:.2f}x; engine core CPU "
+                      f"{constrained['core_cpu_s']:.2f} / {free['core_cpu_s']:.2f} s; "
+                      f"front-end GC {constrained['front_end_gc_s']:.3f} / "
+                      f"{free['front_end_gc_s']:.3f} s; grammar "
+                      f"{constrained['grammar_steps']} steps, waited "
+                      f"{constrained['grammar_wait_s']:.3f} s for "
+                      f"{constrained['grammar_work_s']:.3f} s of work", flush=True)
+        finally:
+            await engine.shutdown()
+        return pairs
+
+    pairs = asyncio.run(main())
+    names = sorted({n for pair in pairs for run_ in pair for n in run_["groups"]},
+                   key=_band_order)
+    print("seconds per group, json / unconstrained, each pair:")
+    print(f"{'group':<22}" + "".join(f"{f'pair {r}':>16}" for r in range(len(pairs))))
+    for name in names:
+        cells = []
+        for constrained, free in pairs:
+            a = constrained["groups"].get(name, {"seconds": 0.0})["seconds"]
+            b = free["groups"].get(name, {"seconds": 0.0})["seconds"]
+            cells.append(f"{a:.3f}/{b:.3f}")
+        print(f"{name:<22}" + "".join(f"{c:>16}" for c in cells))
+    for constrained, free in pairs:
+        constrained.pop("lens")
+        free.pop("lens")
+    print(json.dumps({"bench": "w1_timeline", "structured": "json", "engine": "async",
+                      "pairs": pairs}))
 
 
 if __name__ == "__main__":
