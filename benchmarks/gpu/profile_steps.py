@@ -20,6 +20,65 @@ from collections import defaultdict
 import torch
 
 
+def host_clock(engine, steps: int, structured: bool) -> None:
+    """A window of ``steps`` steps with plain (non-synchronizing) timers around the engine
+    thread's calls: each call's share of a step's wall time, nested calls apart (the launch
+    of a deferred sampling inside its wait, the output processing after the step)."""
+    core = engine.engine_core
+    seconds: dict[str, float] = defaultdict(float)
+    calls: list[tuple[object, str, object, str]] = []
+
+    def clock(obj, name: str, label: str) -> None:
+        original = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                seconds[label] += time.perf_counter() - start
+
+        setattr(obj, name, wrapper)
+        calls.append((obj, name, original, label))
+
+    clock(core, "_admit_compiled_grammars", "admit grammars")
+    clock(core.scheduler, "schedule", "schedule")
+    clock(core, "_constrained_rows", "constrained rows")
+    clock(core, "_launch_deferred_sampling", "deferred sampling: wait + launch")
+    clock(core.executor, "sample_tokens", "  of which the sampling's launch")
+    clock(core.executor, "execute_model_async", "launch step (inputs + forward)")
+    clock(core, "_record", "record step")
+    if structured:
+        clock(core.structured_outputs, "accept_and_bitmask_async", "  of which grammar submit")
+    clock(core.scheduler, "update_from_output", "  of which update_from_output")
+    clock(engine.output_processor, "process_outputs", "output processing")
+    before = core.stats()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    after = core.stats()
+    for obj, name, original, _ in calls:
+        setattr(obj, name, original)
+    print(f"host clock over {steps} steps: {1e3 * wall / steps:.3f} ms per step")
+    accounted = 0.0
+    for _, _, _, label in calls:
+        total = seconds[label]
+        print(f"  {label:<40}{1e3 * total / steps:8.3f} ms")
+        if not label.startswith("  "):
+            accounted += total
+    if structured:
+        wait = after.structured_output_wait_s - before.structured_output_wait_s
+        work = after.structured_output_work_s - before.structured_output_work_s
+        print(f"  {'grammar counters: the engine waited':<40}{1e3 * wait / steps:8.3f} ms "
+              f"(their work {1e3 * work / steps:.3f} ms)")
+    rest = "the rest (the oldest step's result)"
+    print(f"  {rest:<40}"
+          f"{1e3 * (wall - accounted) / steps:8.3f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
@@ -43,6 +102,10 @@ def main() -> None:
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also run the window under cProfile and list the N functions of "
                              "most own time (where the engine thread's CPU per step goes)")
+    parser.add_argument("--host-clock", action="store_true",
+                        help="also time the engine thread's calls per step in a window without "
+                             "synchronizing (what a step's host time is spent on, waits for the "
+                             "GPU and for the grammars included)")
     parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
                         help="freeze start-up's objects out of the garbage collector's sight "
                              "(octavo.engine_core.gc_heap), as octavo bench does")
@@ -93,6 +156,9 @@ def main() -> None:
     plain_cpu_ms = (time.thread_time() - start_cpu) / args.steps * 1000
     print(f"plain window: {plain_ms:.3f} ms wall, {plain_cpu_ms:.3f} ms engine-thread CPU "
           "per step")
+
+    if args.host_clock:
+        host_clock(engine, args.steps, args.structured is not None)
 
     if args.cprofile:
         import cProfile
