@@ -177,6 +177,14 @@ def grammar_threads() -> int:
     return value
 
 
+def prepare_ahead() -> bool:
+    """``OCTAVO_PREPARE_AHEAD``: whether, under async scheduling with structured outputs, the
+    engine core prepares a step (its requests' state and inputs) while the grammar work of the
+    step before finishes, instead of after that step's sampling is launched (default yes;
+    ``0``/``false``: after; for A/B runs)."""
+    return os.environ.get("OCTAVO_PREPARE_AHEAD", "1").strip() not in ("0", "false", "False")
+
+
 def skinny_config_tables() -> bool:
     """``OCTAVO_SKINNY_CONFIG_TABLES``: whether the small-M Triton kernels take their launch
     configs from the GPU's table when it has one (default yes; ``0``/``false``: timed)."""

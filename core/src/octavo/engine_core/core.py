@@ -162,6 +162,10 @@ class EngineCore:
             else envs.grammar_switch_interval_s())
         self._saved_switch_interval: float | None = None
         self._grammar_times = _GrammarTimes()
+        # Prepare a step while the grammars finish the one before (Executor.prepares_ahead);
+        # not with a reasoning parser, whose gates' phases that grammar work updates.
+        self._prepare_ahead = (self.executor.prepares_ahead and envs.prepare_ahead()
+                               and not self.structured_outputs.gates_reasoning)
         spec = config.speculative_config
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per step",
@@ -245,16 +249,26 @@ class EngineCore:
         refused: dict[str, str] = {}
         try:
             if not scheduler_output.is_empty:
-                # The deferred step's sampling first: this step's forward pass may read the
-                # tokens it samples, and no matcher is used while the grammar thread runs.
-                refused = self._launch_deferred_sampling()
-                rows, deferred = self._constrained_rows(scheduler_output)
+                ahead = self._prepare_ahead and self._grammar_step is not None
+                if ahead:
+                    # This step is prepared while the grammars finish the step before
+                    # (the executor launches it after that sampling): unless its rows' masks
+                    # are wanted now, or the reasoning gates' phases, which that work updates.
+                    rows, deferred = self._constrained_rows(scheduler_output)
+                    ahead = deferred or not rows
+                if not ahead:
+                    # The deferred step's sampling first: this step's forward pass may read
+                    # the tokens it samples, and no matcher is used while the grammars work.
+                    refused = self._launch_deferred_sampling()
+                    rows, deferred = self._constrained_rows(scheduler_output)
                 if rows and not deferred:
                     scheduler_output.grammar_bitmask = self._bitmask_now(rows)
                 scheduler_output.sampling_deferred = deferred
                 pending = self.executor.execute_model_async(scheduler_output)
                 self._in_flight.append(_InFlightStep(scheduler_output, pending))
                 launched = True
+                if ahead:
+                    refused = self._launch_deferred_sampling()
                 if deferred:
                     self._deferred_rows = rows
             elif scheduler_output.has_worker_updates:

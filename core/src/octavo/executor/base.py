@@ -27,6 +27,12 @@ class PendingOutput(Protocol):
 class Executor(Protocol):
     """Runs the model's workers for the engine core."""
 
+    # Whether ``execute_model_async`` may come while the sampling of the step before it still
+    # waits for ``sample_tokens``: the step is then prepared at once (its host work done
+    # while the engine core waits for the grammar masks) and launched by ``sample_tokens``,
+    # right after that sampling. Otherwise ``sample_tokens`` must come first.
+    prepares_ahead: bool
+
     def initialize_kv_cache(self) -> int:
         """Size the KV cache on every worker, allocate it, and return the number of blocks
         (the same on every worker: the smallest any of them can hold)."""

@@ -69,6 +69,11 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 class MultiprocExecutor:
     """Implements ``octavo.executor.base.Executor`` with one process per rank."""
 
+    # Each rank handles its messages in order and finishes a step when the next one arrives,
+    # which a step prepared before the sampling of the one before it would break: the engine
+    # core launches that sampling first.
+    prepares_ahead = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel_config.world_size

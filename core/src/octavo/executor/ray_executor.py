@@ -98,6 +98,11 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
 class RayExecutor:
     """Implements ``octavo.executor.base.Executor`` with Ray actors."""
 
+    # Each rank handles its messages in order and finishes a step when the next one arrives,
+    # which a step prepared before the sampling of the one before it would break: the engine
+    # core launches that sampling first.
+    prepares_ahead = False
+
     def __init__(self, config: EngineConfig) -> None:
         import ray
 

@@ -19,6 +19,9 @@ class UniprocExecutor:
     Implements ``octavo.executor.base.Executor``.
     """
 
+    # The worker's runner prepares a step while the one before waits for its sampling.
+    prepares_ahead = True
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.worker: Worker = create_worker(config, get_plugin_manager())

@@ -110,5 +110,36 @@ class DeferredStepOutput:
         return self._attached().result()
 
 
+class PreparedStepOutput:
+    """A step prepared while the sampling of the step before it waits for its grammar masks
+    (``ModelRunner.execute_model_async`` then, ``sample_tokens`` launches both): it stands
+    for the step output its launch gives."""
+
+    def __init__(self) -> None:
+        self._inner: PendingStepOutput | DeferredStepOutput | None = None
+
+    def attach(self, inner: PendingStepOutput | DeferredStepOutput) -> None:
+        self._inner = inner
+
+    def _attached(self) -> PendingStepOutput | DeferredStepOutput:
+        if self._inner is None:
+            raise RuntimeError("the step was prepared but never launched (sample_tokens)")
+        return self._inner
+
+    @property
+    def sampled_token_ids(self) -> torch.Tensor | None:
+        return self._attached().sampled_token_ids
+
+    @property
+    def is_resolved(self) -> bool:
+        return self._inner is not None and self._inner.is_resolved
+
+    def wait_previous(self) -> None:
+        self._attached().wait_previous()
+
+    def result(self) -> ModelRunnerOutput:
+        return self._attached().result()
+
+
 # What ModelRunner.execute_model_async returns.
-StepOutput = PendingStepOutput | DeferredStepOutput
+StepOutput = PendingStepOutput | DeferredStepOutput | PreparedStepOutput

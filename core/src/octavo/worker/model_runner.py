@@ -44,7 +44,12 @@ from octavo.sampling_params import SamplingParams
 from octavo.spec_decode.proposals import params_may_speculate
 from octavo.spec_decode.rejection_sampler import rejection_sample, target_distribution
 from octavo.transfer import DeviceToHostCopy, host_to_device
-from octavo.worker.async_output import DeferredStepOutput, PendingStepOutput, StepOutput
+from octavo.worker.async_output import (
+    DeferredStepOutput,
+    PendingStepOutput,
+    PreparedStepOutput,
+    StepOutput,
+)
 from octavo.worker.block_table import BlockTable
 from octavo.worker.decode_rows import DecodeRows
 from octavo.worker.draft_model import DraftBatch, DraftModelProposer, DraftRequest
@@ -120,6 +125,29 @@ class _StepInputs:
     # verifies ([]: none; it then has one row in sample_indices, else 1 + len(drafts));
     # None when no request of the step has drafts.
     spec_drafts: list[list[int]] | None = None
+    # Inputs still on the device: their flat indices and their rows in the previous step's
+    # sampled tokens, read into input_ids just before the forward pass (``_read_pending``),
+    # so that the rest of the inputs can be built before that step's sampling is launched.
+    pending_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class _SamplePlan:
+    """A step's sampling bookkeeping, taken when its forward pass is launched: who samples,
+    who owns their rows then, and where the next step finds their tokens. The sampling may be
+    launched later (``sampling_deferred``), after the next step's requests were updated."""
+
+    # The requests that sample, in sample order, and their places among the step's requests
+    # (a range when every request samples).
+    states: list[CachedRequestState]
+    step_rows: list[int] | range
+    # Which of them append what they sample (None: all).
+    appends: np.ndarray | None
+    # Their rows' owners (``DecodeRows.epoch``) and ``DecodeRows.num_claims`` at the launch.
+    epochs: np.ndarray
+    num_claims: int
+    # The requests that asked for prompt logprobs, with how many top logprobs each.
+    prompt_logprobs: list[tuple[str, int]]
 
 
 class ModelRunner:
@@ -173,8 +201,13 @@ class ModelRunner:
         self.grammar_masks = GrammarMaskUpload(device, config.scheduler_config.max_num_seqs)
         # The last launched step; its sampled tokens may not be on the host yet.
         self._last_step: StepOutput | None = None
-        # A launched step waiting for sample_tokens: its output, hidden states and inputs.
-        self._deferred: tuple[DeferredStepOutput, torch.Tensor, _StepInputs] | None = None
+        # A launched step waiting for sample_tokens: its output, hidden states, inputs and
+        # sampling plan.
+        self._deferred: tuple[DeferredStepOutput, torch.Tensor, _StepInputs,
+                              _SamplePlan] | None = None
+        # A step prepared while _deferred waits, launched by sample_tokens: its scheduler
+        # output, inputs and the output that stands for it.
+        self._prepared: tuple[SchedulerOutput, _StepInputs, PreparedStepOutput] | None = None
         # Replays captured steps where it can (set by the worker once the KV cache exists;
         # see Worker.make_graph_runner); None: every step runs eagerly.
         self.graph_runner: GraphRunner | None = None
@@ -381,9 +414,12 @@ class ModelRunner:
         Contract: steps are launched in schedule order, and step N's result is taken before
         step N+2 is launched (at most one step in flight behind the one being launched). A
         step with ``sampling_deferred`` samples when ``sample_tokens`` is called, which must
-        come before its result is taken and before the next step is launched.
+        come before its result is taken. The next step may come before that call: it is then
+        prepared at once (requests updated, inputs built and their copies queued) and
+        launched by ``sample_tokens``, right after that sampling (its inputs may be tokens
+        that sampling picks), so its host work runs while the grammar masks are computed.
         """
-        assert self._deferred is None, "the previous step's sample_tokens was never called"
+        assert self._prepared is None, "a prepared step was never launched (sample_tokens)"
         if self._last_step is not None:
             self._last_step.wait_previous()  # keeps at most one step in flight behind this one
         self._update_states(scheduler_output)
@@ -391,7 +427,16 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return PendingStepOutput.ready(ModelRunnerOutput())
         inputs = self._prepare_inputs(scheduler_output)
+        if self._deferred is not None:
+            prepared = PreparedStepOutput()
+            self._prepared = (scheduler_output, inputs, prepared)
+            return prepared
+        return self._launch(scheduler_output, inputs)
+
+    def _launch(self, scheduler_output: SchedulerOutput, inputs: _StepInputs) -> StepOutput:
+        """Launch a prepared step: its forward pass, then its sampling unless deferred."""
         lora_step = self._prepare_lora(scheduler_output, inputs.req_ids)
+        self._read_pending(inputs)
         try:
             if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
                 hidden = self.graph_runner.run(inputs.input_ids, inputs.positions,
@@ -410,9 +455,9 @@ class ModelRunner:
             step = self._sample_speculative(hidden, inputs, scheduler_output)
         elif scheduler_output.sampling_deferred:
             step = DeferredStepOutput(self._last_step)
-            self._deferred = (step, hidden, inputs)
+            self._deferred = (step, hidden, inputs, self._plan_sampling(inputs))
         else:
-            step = self._sample(hidden, inputs, self._last_step,
+            step = self._sample(hidden, inputs, self._plan_sampling(inputs), self._last_step,
                                 scheduler_output.grammar_bitmask)
         self._last_step = step
         return step
@@ -424,15 +469,20 @@ class ModelRunner:
         empty step) it does nothing."""
         if self._deferred is None:
             return
-        step, hidden, inputs = self._deferred
+        step, hidden, inputs, plan = self._deferred
         self._deferred = None
-        step.attach(self._sample(hidden, inputs, step.previous, grammar_bitmask))
+        step.attach(self._sample(hidden, inputs, plan, step.previous, grammar_bitmask))
+        if self._prepared is not None:
+            scheduler_output, inputs, prepared = self._prepared
+            self._prepared = None
+            prepared.attach(self._launch(scheduler_output, inputs))
 
     def discard_in_flight(self) -> None:
         """Forget launched steps whose results will never be taken (the engine discarded
         them after an error); their requests' states are dropped by the next step."""
         self._last_step = None
         self._deferred = None
+        self._prepared = None
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -641,8 +691,8 @@ class ModelRunner:
             np.fromiter(input_ids, dtype=np.int64, count=num_tokens), positions, slots,
             np.array(pending_flat, dtype=np.int64), sampled_rows,
             np.array(sample_indices, dtype=np.int64)])
-        token_ids, flat_positions, slot_mapping, flat_sample_indices = self._flat_to_device(
-            flat_host, num_tokens, len(pending_flat))
+        token_ids, flat_positions, slot_mapping, flat_sample_indices, pending = (
+            self._flat_to_device(flat_host, num_tokens, len(pending_flat)))
         block_tables = self.block_table.gather(rows, int(num_blocks.max()))
         metadata = self._build_metadata(slot_mapping, query_start_loc, seq_lens, block_tables)
         return _StepInputs(
@@ -656,6 +706,7 @@ class ModelRunner:
             sample_rows=np.array(sample_rows, dtype=np.intp),
             prompt_logprob_positions=prompt_positions,
             spec_drafts=spec_drafts,
+            pending_inputs=pending,
         )
 
     def _positions_and_slots(self, rows: np.ndarray, query_start_loc: list[int],
@@ -717,7 +768,7 @@ class ModelRunner:
         flat_host = np.concatenate([input_ids, start, slots, pending_flat,
                                     rows_state.sampled_row[rows[pending_flat]],
                                     np.arange(num_reqs, dtype=np.int64)])
-        token_ids, positions, slot_mapping, sample_indices = self._flat_to_device(
+        token_ids, positions, slot_mapping, sample_indices, pending = self._flat_to_device(
             flat_host, num_reqs, len(pending_flat))
         seq_lens = (start + 1).tolist()
         block_tables = self.block_table.gather(rows, self.block_table.max_num_blocks(rows))
@@ -734,24 +785,36 @@ class ModelRunner:
             sample_rows=rows,
             prompt_logprob_positions={},
             spec_drafts=None,
+            pending_inputs=pending,
         )
 
-    def _flat_to_device(self, flat_host: np.ndarray, num_tokens: int, num_pending: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _flat_to_device(
+        self, flat_host: np.ndarray, num_tokens: int, num_pending: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+               tuple[torch.Tensor, torch.Tensor] | None]:
         """One host-to-device copy of a step's per-token vectors and indices: ``flat_host``
         (int64) holds the input ids, positions and slots (``num_tokens`` each), the flat
         indices of the inputs still on the device and their rows in the last step's sampled
         tokens (``num_pending`` each), then the sample indices. Returns the input ids (those
-        pending filled in on the device), positions, slot mapping and sample indices."""
+        pending still 0: ``_read_pending`` fills them), positions, slot mapping, sample
+        indices and the pending inputs (``_StepInputs.pending_inputs``)."""
         flat = host_to_device(torch.from_numpy(flat_host), self.device)
-        token_ids = flat[:num_tokens]
+        pending = None
         if num_pending:
-            assert self._last_step is not None and self._last_step.sampled_token_ids is not None
-            where = flat[3 * num_tokens : 3 * num_tokens + num_pending]
-            rows = flat[3 * num_tokens + num_pending : 3 * num_tokens + 2 * num_pending]
-            token_ids[where] = self._last_step.sampled_token_ids[rows]
-        return (token_ids, flat[num_tokens : 2 * num_tokens], flat[2 * num_tokens : 3 * num_tokens],
-                flat[3 * num_tokens + 2 * num_pending :])
+            pending = (flat[3 * num_tokens : 3 * num_tokens + num_pending],
+                       flat[3 * num_tokens + num_pending : 3 * num_tokens + 2 * num_pending])
+        return (flat[:num_tokens], flat[num_tokens : 2 * num_tokens],
+                flat[2 * num_tokens : 3 * num_tokens], flat[3 * num_tokens + 2 * num_pending :],
+                pending)
+
+    def _read_pending(self, inputs: _StepInputs) -> None:
+        """Fill the inputs still on the device from the previous step's sampled tokens
+        (queued after that step's sampling: the step is being launched)."""
+        if inputs.pending_inputs is None:
+            return
+        assert self._last_step is not None and self._last_step.sampled_token_ids is not None
+        where, rows = inputs.pending_inputs
+        inputs.input_ids[where] = self._last_step.sampled_token_ids[rows]
 
     def _build_metadata(
         self,
@@ -781,17 +844,9 @@ class ModelRunner:
             seq_lens_cpu=list(seq_lens),
         )
 
-    def _sample(
-        self,
-        hidden: torch.Tensor,
-        inputs: _StepInputs,
-        previous: StepOutput | None,
-        grammar_bitmask: GrammarBitmask | None,
-    ) -> PendingStepOutput:
-        """Launch sampling (and prompt logprobs) and the copies of their results to the host;
-        ``previous`` is the step launched before this one."""
-        if previous is not None and previous.is_resolved:
-            previous = None
+    def _plan_sampling(self, inputs: _StepInputs) -> _SamplePlan:
+        """The step's ``_SamplePlan``, taken at its launch; the next step reads its
+        requests' tokens from this step's sampled tokens, at the rows set here."""
         requests = self.requests
         sample_rows = inputs.sample_rows
         if len(sample_rows) == len(inputs.req_ids):  # every request samples (decode steps)
@@ -800,6 +855,35 @@ class ModelRunner:
         else:
             step_rows = [i for i, does_sample in enumerate(inputs.samples) if does_sample]
             states = [requests[inputs.req_ids[i]] for i in step_rows]
+        decode_rows = self.decode_rows
+        decode_rows.sampled_row[sample_rows] = np.arange(len(states))
+        # Which sampling requests append what they sample (None: all; not the beams', whose
+        # tokens the scheduler chooses, nor any under pipeline parallelism), and who owns
+        # their rows now (a request may be forgotten before this step's tokens are read).
+        appends: np.ndarray | None = None
+        if self.tokens_from_scheduler:
+            appends = np.zeros(len(states), dtype=bool)
+        elif self._scheduler_token_req_ids:
+            appends = np.array([not s.tokens_from_scheduler for s in states], dtype=bool)
+        prompt_logprobs = [(req_id, requests[req_id].sampling_params.prompt_logprobs)
+                           for req_id in inputs.prompt_logprob_positions]
+        return _SamplePlan(states, step_rows, appends, decode_rows.epoch[sample_rows],
+                           decode_rows.num_claims, prompt_logprobs)
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        inputs: _StepInputs,
+        plan: _SamplePlan,
+        previous: StepOutput | None,
+        grammar_bitmask: GrammarBitmask | None,
+    ) -> PendingStepOutput:
+        """Launch sampling (and prompt logprobs) and the copies of their results to the host;
+        ``previous`` is the step launched before this one."""
+        if previous is not None and previous.is_resolved:
+            previous = None
+        sample_rows = inputs.sample_rows
+        states, step_rows, appends = plan.states, plan.step_rows, plan.appends
         output = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[])
         sampler_output: SamplerOutput | None = None
         if not states:
@@ -822,21 +906,13 @@ class ModelRunner:
             sampler_output = self.sampler(logits, rows, grammar)
             sampled = sampler_output.sampled_token_ids
         decode_rows = self.decode_rows
-        decode_rows.sampled_row[sample_rows] = np.arange(len(states))
-        # Which sampling requests append what they sample (None: all; not the beams', whose
-        # tokens the scheduler chooses, nor any under pipeline parallelism), and who owns
-        # their rows now (a request may be forgotten before this step's tokens are read).
-        appends: np.ndarray | None = None
-        if self.tokens_from_scheduler:
-            appends = np.zeros(len(states), dtype=bool)
-        elif self._scheduler_token_req_ids:
-            appends = np.array([not s.tokens_from_scheduler for s in states], dtype=bool)
-        epochs, num_claims = decode_rows.epoch[sample_rows], decode_rows.num_claims
+        epochs, num_claims = plan.epochs, plan.num_claims
         device_tensors: list[torch.Tensor] = [] if sampled is None else [sampled]
         if sampler_output is not None and sampler_output.logprobs is not None:
             lp = sampler_output.logprobs
             device_tensors += [lp.token_ids, lp.logprobs, lp.ranks]
-        prompt_logprob_reqs = self._prompt_logprob_tensors(hidden, inputs, device_tensors)
+        prompt_logprob_reqs = plan.prompt_logprobs
+        self._prompt_logprob_tensors(hidden, inputs, prompt_logprob_reqs, device_tensors)
 
         def finalize(host: list[torch.Tensor]) -> ModelRunnerOutput:
             if sampled is None:
@@ -937,7 +1013,9 @@ class ModelRunner:
             num_top = min(metadata.max_num_logprobs, metadata.vocab_size)
             lp = compute_logprobs(logits, decided.row_token_ids, num_top)
             device_tensors += [lp.token_ids, lp.logprobs, lp.ranks]
-        prompt_logprob_reqs = self._prompt_logprob_tensors(hidden, inputs, device_tensors)
+        prompt_logprob_reqs = [(req_id, self.requests[req_id].sampling_params.prompt_logprobs)
+                               for req_id in inputs.prompt_logprob_positions]
+        self._prompt_logprob_tensors(hidden, inputs, prompt_logprob_reqs, device_tensors)
         with_logprobs = metadata.max_num_logprobs is not None
 
         def finalize(host: list[torch.Tensor]) -> ModelRunnerOutput:
@@ -1115,22 +1193,18 @@ class ModelRunner:
         ]
 
     def _prompt_logprob_tensors(self, hidden: torch.Tensor, inputs: _StepInputs,
-                                device_tensors: list[torch.Tensor]) -> list[tuple[str, int]]:
-        """Append the step's prompt-logprob tensors to ``device_tensors`` (three per request
-        that asked); returns each such request's (id, top logprobs asked), for ``finalize``,
-        which may run after the request is forgotten."""
-        reqs = [(req_id, self.requests[req_id].sampling_params.prompt_logprobs)
-                for req_id in inputs.prompt_logprob_positions]
-        for req_id, _ in reqs:
-            tensors = self._prompt_logprobs(hidden, req_id, inputs)
+                                reqs: list[tuple[str, int]],
+                                device_tensors: list[torch.Tensor]) -> None:
+        """Append the prompt-logprob tensors of ``reqs`` (each request that asked, with the
+        top logprobs it asked for) to ``device_tensors``, three per request."""
+        for req_id, num in reqs:
+            tensors = self._prompt_logprobs(hidden, req_id, num, inputs)
             device_tensors += [tensors.token_ids, tensors.logprobs, tensors.ranks]
-        return reqs
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, req_id: str, inputs: _StepInputs
+        self, hidden: torch.Tensor, req_id: str, num: int, inputs: _StepInputs
     ) -> LogprobsTensors:
         flat, targets = inputs.prompt_logprob_positions[req_id]
-        num = self.requests[req_id].sampling_params.prompt_logprobs
         # Indices and targets in one non-blocking copy (a host list would wait for the stream).
         both = host_to_device(torch.tensor(flat + targets, dtype=torch.long), self.device)
         indices, chosen = both[: len(flat)], both[len(flat) :]
