@@ -4,7 +4,8 @@ An executor owns every worker of the model (one today; one per rank once the mod
 over devices) and hides where they run. The engine core calls exactly these methods, in this
 order: ``initialize_kv_cache`` once (then ``initialize_swap_space`` once with
 ``--preemption-mode swap``), then ``execute_model`` / ``execute_model_async`` once per step
-(followed by ``sample_tokens`` for a step launched with ``sampling_deferred``;
+(followed by ``sample_tokens`` for a step launched with ``sampling_deferred``, before or,
+when ``prepares_ahead``, after the next step's ``execute_model_async``;
 ``discard_in_flight`` after a failed step), ``check_health`` whenever asked, and ``shutdown``
 last.
 """

@@ -15,7 +15,8 @@ Structured outputs: a step's ``grammar_bitmask`` masks the logits of its constra
 before sampling. When the masks need a token still in flight (async scheduling), the step
 comes with ``sampling_deferred``: its forward pass is launched at once and its sampling by
 ``sample_tokens`` once the engine core has the masks, so the device runs the forward pass while
-the host computes them.
+the host computes them. The next step may arrive before that call: it is prepared at once and
+launched by ``sample_tokens``, right after the sampling it may read tokens from.
 """
 
 from __future__ import annotations
@@ -465,8 +466,8 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
         """Launch the sampling of the step launched with ``sampling_deferred``, masked by
-        ``grammar_bitmask``. Without such a step (a pipeline stage that does not sample, or an
-        empty step) it does nothing."""
+        ``grammar_bitmask``, then the step prepared meanwhile, if any. Without such a step (a
+        pipeline stage that does not sample, or an empty step) it does nothing."""
         if self._deferred is None:
             return
         step, hidden, inputs, plan = self._deferred
