@@ -469,15 +469,6 @@ def run_async_engine(args, engine_kwargs, params):
     engine = AsyncLLM(EngineArgs(model=args.model, **engine_kwargs))
     vocab = workload_vocab_size(engine.tokenizer, engine.config.model_config)
 
-    class StepClock:
-        """A StatLogger: each call is one engine-core step's message."""
-
-        timeline: Timeline | None = None
-
-        def record(self, scheduler_stats, iteration_stats) -> None:
-            if self.timeline is not None:
-                self.timeline.record(time.perf_counter(), scheduler_stats)
-
     clock = StepClock()
     engine.stat_loggers.append(clock)
 
@@ -515,6 +506,17 @@ def run_async_engine(args, engine_kwargs, params):
             await engine.shutdown()
 
     return asyncio.run(main())
+
+
+class StepClock:
+    """A StatLogger for AsyncLLM: each call is one engine-core step's message, filed in
+    ``timeline`` while one is set."""
+
+    timeline: Timeline | None = None
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        if self.timeline is not None:
+            self.timeline.record(time.perf_counter(), scheduler_stats)
 
 
 class FrontEndGC:
@@ -568,13 +570,6 @@ def run_structured_async(args, engine_kwargs) -> None:
     engine = AsyncLLM(EngineArgs(model=args.model, **engine_kwargs))
     vocab = workload_vocab_size(engine.tokenizer, engine.config.model_config)
     workload = make_workload(args.num_requests, args.input_len, args.output_len, vocab, 0)
-
-    class StepClock:
-        timeline: Timeline | None = None
-
-        def record(self, scheduler_stats, iteration_stats) -> None:
-            if self.timeline is not None:
-                self.timeline.record(time.perf_counter(), scheduler_stats)
 
     clock = StepClock()
     engine.stat_loggers.append(clock)

@@ -73,57 +73,21 @@ class PendingStepOutput:
         return self._output
 
 
-class DeferredStepOutput:
-    """A launched step whose sampling is launched later (``ModelRunner.sample_tokens``), once
-    the engine core has its grammar bitmasks; it stands for the ``PendingStepOutput`` attached
-    then."""
+class _LaterStepOutput:
+    """A step output that stands for another one, attached later (``attach``)."""
 
-    def __init__(self, previous: StepOutput | None) -> None:
-        # The step launched before this one (its sampling resolves it first).
-        self.previous = previous
-        self._inner: PendingStepOutput | None = None
-
-    def attach(self, inner: PendingStepOutput) -> None:
-        self._inner = inner
-        self.previous = None
-
-    def _attached(self) -> PendingStepOutput:
-        if self._inner is None:
-            raise RuntimeError("the step's sampling was never launched (sample_tokens)")
-        return self._inner
-
-    @property
-    def sampled_token_ids(self) -> torch.Tensor | None:
-        return self._attached().sampled_token_ids
-
-    @property
-    def is_resolved(self) -> bool:
-        return self._inner is not None and self._inner.is_resolved
-
-    def wait_previous(self) -> None:
-        if self._inner is not None:
-            self._inner.wait_previous()
-        elif self.previous is not None:
-            self.previous.result()
-
-    def result(self) -> ModelRunnerOutput:
-        return self._attached().result()
-
-
-class PreparedStepOutput:
-    """A step prepared while the sampling of the step before it waits for its grammar masks
-    (``ModelRunner.execute_model_async`` then, ``sample_tokens`` launches both): it stands
-    for the step output its launch gives."""
+    # Why nothing was attached, for the error when the output is read anyway.
+    _never = "the step was never launched"
 
     def __init__(self) -> None:
-        self._inner: PendingStepOutput | DeferredStepOutput | None = None
+        self._inner: StepOutput | None = None
 
-    def attach(self, inner: PendingStepOutput | DeferredStepOutput) -> None:
+    def attach(self, inner: StepOutput) -> None:
         self._inner = inner
 
-    def _attached(self) -> PendingStepOutput | DeferredStepOutput:
+    def _attached(self) -> StepOutput:
         if self._inner is None:
-            raise RuntimeError("the step was prepared but never launched (sample_tokens)")
+            raise RuntimeError(self._never)
         return self._inner
 
     @property
@@ -139,6 +103,37 @@ class PreparedStepOutput:
 
     def result(self) -> ModelRunnerOutput:
         return self._attached().result()
+
+
+class DeferredStepOutput(_LaterStepOutput):
+    """A launched step whose sampling is launched later (``ModelRunner.sample_tokens``), once
+    the engine core has its grammar bitmasks; it stands for the ``PendingStepOutput`` attached
+    then."""
+
+    _never = "the step's sampling was never launched (sample_tokens)"
+
+    def __init__(self, previous: StepOutput | None) -> None:
+        super().__init__()
+        # The step launched before this one (its sampling resolves it first).
+        self.previous = previous
+
+    def attach(self, inner: StepOutput) -> None:
+        super().attach(inner)
+        self.previous = None
+
+    def wait_previous(self) -> None:
+        if self._inner is not None:
+            self._inner.wait_previous()
+        elif self.previous is not None:
+            self.previous.result()
+
+
+class PreparedStepOutput(_LaterStepOutput):
+    """A step prepared while the sampling of the step before it waits for its grammar masks
+    (``ModelRunner.execute_model_async`` then, ``sample_tokens`` launches both): it stands
+    for the step output its launch gives."""
+
+    _never = "the step was prepared but never launched (sample_tokens)"
 
 
 # What ModelRunner.execute_model_async returns.
