@@ -37,7 +37,7 @@ L1B=/tmp/llama3.2-1b-config
 structured_w1() {
   octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
     --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
-    --max-num-seqs 256 --async-engine --structured json
+    --max-num-seqs 256 --async-engine --structured json "$@"
 }
 # Waits until the server started in the background as $1 (its pid) answers /health on port $2.
 wait_health() {
@@ -354,6 +354,20 @@ for stage in "${stages[@]}"; do
          python3 benchmarks/gpu/profile_steps.py --model $JSON_MODEL --structured json \
            --num-requests ${PROFILE_REQUESTS:-256}) 2>&1 \
           | tee -a "$OUT/bench-structured-process.log" | grep -E "plain window|unprofiled"
+      done
+      ;;
+    bench-structured-mp)
+      # bench-structured with the one rank in a worker process (--distributed-executor-backend
+      # mp), alternating OCTAVO_PREPARE_AHEAD (1: the next step sent to the rank and prepared
+      # there while the grammars finish; 0: sent after the sampling); MP_CONFIGS overrides.
+      [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
+        --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      for ahead in ${MP_CONFIGS:-1 0 1 0}; do
+        echo "== --distributed-executor-backend mp OCTAVO_PREPARE_AHEAD=$ahead" \
+          "(at $(date +%s.%N))" | tee -a "$OUT/bench-structured-mp.log"
+        OCTAVO_PREPARE_AHEAD=$ahead structured_w1 --distributed-executor-backend mp \
+          2>>"$OUT/bench-structured-mp.err" | tee -a "$OUT/bench-structured-mp.log" \
+          | grep -E "^(json|free|ratio|grammar) "
       done
       ;;
     w1-timeline-structured)

@@ -155,6 +155,94 @@ def test_structured_outputs_when_split(model_folder, parallel):
         llm.llm_engine.shutdown()
 
 
+def mixed_requests():
+    """Constrained and free requests side by side: greedy, seeded sampling with n = 2, logprobs
+    and prompt logprobs."""
+    from octavo import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex=r"[a-z]{3}-\d{2,3}")
+    choice = StructuredOutputsParams(choice=["alpha", "beta", "gamma"])
+    return [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=regex, logprobs=2),
+            SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice,
+                           prompt_logprobs=1),
+            SamplingParams(temperature=1.0, seed=3, max_tokens=9, ignore_eos=True, n=2),
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)]
+
+
+def launches_ahead(llm) -> list[bool]:
+    """Spy on the executor: for each step launched, whether a step launched before it with its
+    sampling deferred was still waiting for ``sample_tokens`` (the step was prepared ahead)."""
+    executor = llm.llm_engine.engine_core.executor
+    launch, sample = executor.execute_model_async, executor.sample_tokens
+    waiting = [0]
+    ahead: list[bool] = []
+
+    def spy_launch(scheduler_output):
+        ahead.append(waiting[0] > 0)
+        waiting[0] += scheduler_output.sampling_deferred
+        return launch(scheduler_output)
+
+    def spy_sample(bitmask):
+        waiting[0] -= 1
+        return sample(bitmask)
+
+    executor.execute_model_async, executor.sample_tokens = spy_launch, spy_sample
+    return ahead
+
+
+def outputs_of(llm, params) -> list:
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(params)]]
+    return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs], o.prompt_logprobs)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("prepare_ahead", ["1", "0"])
+def test_structured_outputs_when_split_with_the_next_step_prepared_ahead(
+        model_folder, monkeypatch, prepare_ahead):
+    """With two ranks in worker processes under async scheduling, the next step is sent to the
+    ranks (and prepared there) before the sampling of the step before it, which waits for the
+    grammar masks; each rank finishes that step only after its sample message. Under
+    preemption and prompt chunks the outputs are one device's; with
+    ``OCTAVO_PREPARE_AHEAD=0`` no step goes ahead."""
+    folder = model_folder("llama")
+    params = mixed_requests()
+    one = make_llm(folder, device="cpu")
+    want = outputs_of(one, params)
+    one.llm_engine.shutdown()
+    monkeypatch.setenv("OCTAVO_PREPARE_AHEAD", prepare_ahead)
+    llm = make_llm(folder, device="cpu", tensor_parallel_size=2, async_scheduling=True,
+                   **STRESS)
+    try:
+        assert llm.llm_engine.engine_core.executor.prepares_ahead
+        ahead = launches_ahead(llm)
+        got = outputs_of(llm, params)
+        assert [ids for ids, _, _ in got] == [ids for ids, _, _ in want]
+        for (_, logprobs, prompt_logprobs), (_, want_logprobs, want_prompt) in zip(got, want):
+            assert_close_logprobs(logprobs, want_logprobs)
+            assert_close_logprobs([prompt_logprobs], [want_prompt])
+        assert any(ahead) == (prepare_ahead == "1")
+        assert llm.llm_engine.stats().num_preemptions > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def assert_close_logprobs(got, want) -> None:
+    """Logprob dictionaries (per completion, per position) equal in keys and within float32
+    rounding of a split model in value."""
+    for completion, want_completion in zip(got, want, strict=True):
+        if want_completion is None:
+            assert completion is None
+            continue
+        for position, want_position in zip(completion, want_completion, strict=True):
+            if want_position is None:
+                assert position is None
+                continue
+            assert position.keys() == want_position.keys()
+            for token, entry in position.items():
+                assert entry.logprob == pytest.approx(want_position[token].logprob, abs=2e-4)
+
+
 def test_tensor_parallel_with_speculative_decoding(model_folder):
     """ngram drafts verified on two ranks (each runs the rejection sampler on its own copy of
     the logits) under the same stress: the one-device tokens, drafts accepted."""

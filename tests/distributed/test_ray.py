@@ -9,8 +9,16 @@ import time
 
 import pytest
 
-from tests.distributed.test_equivalence import STRESS, assert_same, reference, run
-from tests.helpers.engine import greedy, make_llm
+from tests.distributed.test_equivalence import (
+    STRESS,
+    assert_same,
+    launches_ahead,
+    mixed_requests,
+    outputs_of,
+    reference,
+    run,
+)
+from tests.helpers.engine import assert_no_leaks, greedy, make_llm
 
 ray = pytest.importorskip("ray")
 
@@ -82,4 +90,25 @@ def test_a_dead_actor_fails_the_step_and_leaves_nothing(ray_instance, tiny_llama
         assert time.monotonic() - started < 30
     finally:
         engine.shutdown()
+    _wait_gone()
+
+
+def test_ray_structured_outputs_with_the_next_step_prepared_ahead(ray_instance, tiny_llama):
+    """As over worker processes (``test_equivalence``): the next step goes to the actors before
+    the sampling of the one before it, and the outputs are one device's."""
+    params = mixed_requests()
+    one = make_llm(tiny_llama, device="cpu")
+    want = outputs_of(one, params)
+    one.llm_engine.shutdown()
+    llm = make_llm(tiny_llama, device="cpu", distributed_executor_backend="ray",
+                   tensor_parallel_size=2, async_scheduling=True, **STRESS)
+    try:
+        assert llm.llm_engine.engine_core.executor.prepares_ahead
+        ahead = launches_ahead(llm)
+        got = outputs_of(llm, params)
+        assert [ids for ids, _, _ in got] == [ids for ids, _, _ in want]
+        assert any(ahead)
+        assert_no_leaks(llm)
+    finally:
+        llm.llm_engine.shutdown()
     _wait_gone()

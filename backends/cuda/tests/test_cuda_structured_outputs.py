@@ -13,6 +13,7 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.sample.sampler import unpack_bitmask
 
+from tests.distributed.test_equivalence import launches_ahead
 from tests.helpers.tiny import make_tiny_model
 from tests.structured_output.test_engine import PROMPTS, check, constrained
 
@@ -44,7 +45,10 @@ def test_unpack_on_the_gpu_equals_the_cpu(vocab_size: int) -> None:
     assert torch.equal(got.cpu(), want)
 
 
-def test_constrained_outputs_async_equal_sync_beside_free_rows(model_dir) -> None:
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_constrained_outputs_async_equal_sync_beside_free_rows(model_dir, backend: str) -> None:
+    """In process and with the rank in a worker process (``mp``), the next step prepared while
+    the grammars finish the one before."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     params = [constrained(KINDS[i % 4]) if i % 2 == 0 else free for i in range(len(PROMPTS))]
@@ -53,11 +57,14 @@ def test_constrained_outputs_async_equal_sync_beside_free_rows(model_dir) -> Non
     # Two engines on one GPU: a fixed KV pool each (the default would take 90% of the memory).
     sync = LLM(str(model_dir), device="cuda", dtype="float32", async_scheduling=False,
                num_gpu_blocks_override=512)
-    pipelined = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512)
+    pipelined = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=512,
+                    distributed_executor_backend=backend)
     assert pipelined.llm_engine.engine_core.async_scheduling
+    ahead = launches_ahead(pipelined)
     want = sync.generate(prompts, params, use_tqdm=False)
     got = pipelined.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert any(ahead)
     for out, p in zip(got, params):
         if p.structured_outputs is not None:
             kind = p.structured_outputs.key()[0]
@@ -66,3 +73,4 @@ def test_constrained_outputs_async_equal_sync_beside_free_rows(model_dir) -> Non
         engine = llm.llm_engine
         assert engine.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests()
         assert engine.engine_core.structured_outputs.num_active == 0
+        engine.shutdown()

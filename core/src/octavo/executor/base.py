@@ -12,6 +12,7 @@ last.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -57,9 +58,10 @@ class Executor(Protocol):
         ...
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
-        """Launch the sampling of the last step launched, which had ``sampling_deferred``,
-        masked by ``grammar_bitmask`` (structured outputs under async scheduling). Called
-        before that step's result is taken and before the next step is launched."""
+        """Launch the sampling of the oldest step launched with ``sampling_deferred`` and not
+        sampled yet, masked by ``grammar_bitmask`` (structured outputs under async
+        scheduling). Called before that step's result is taken, and before the next step is
+        launched unless ``prepares_ahead``."""
         ...
 
     def discard_in_flight(self) -> None:
@@ -90,3 +92,30 @@ class LaunchedStep:
 
     def result(self) -> ModelRunnerOutput:
         return self._executor.wait_step(self.step_id)
+
+
+class UnsampledSteps:
+    """The steps an executor of worker processes launched with ``sampling_deferred`` whose
+    ``sample_tokens`` has not come yet, oldest first.
+
+    Such executors prepare ahead without pipeline stages: a rank finishes a step only after
+    its sample message (``WorkerHost``), so the next step may be sent first and prepared on
+    every rank while the engine core waits for the grammar masks. The sample message then
+    names the step before the last one sent. With pipeline stages (several steps in flight
+    on the stages' runners) that order is not built or tested, and the sampling comes first.
+    """
+
+    def __init__(self) -> None:
+        self._ids: deque[int] = deque()
+
+    def launched(self, step_id: int, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.sampling_deferred:
+            self._ids.append(step_id)
+
+    def next_to_sample(self, last_step_sent: int) -> int:
+        """The step ``sample_tokens`` is for (the last one sent when none waits: the workers
+        then have nothing to sample)."""
+        return self._ids.popleft() if self._ids else last_step_sent
+
+    def clear(self) -> None:
+        self._ids.clear()

@@ -33,7 +33,7 @@ import msgspec
 import zmq
 
 from octavo.config import EngineConfig
-from octavo.executor.base import LaunchedStep
+from octavo.executor.base import LaunchedStep, UnsampledSteps
 from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.messages.executor import (
     WorkerCall,
@@ -69,11 +69,6 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 class MultiprocExecutor:
     """Implements ``octavo.executor.base.Executor`` with one process per rank."""
 
-    # Each rank handles its messages in order and finishes a step when the next one arrives,
-    # which a step prepared before the sampling of the one before it would break: the engine
-    # core launches that sampling first.
-    prepares_ahead = False
-
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel_config.world_size
@@ -87,6 +82,9 @@ class MultiprocExecutor:
         self._step_ids = itertools.count(1)
         self._last_step_sent = 0
         self._last_flush_sent = 0
+        self._unsampled = UnsampledSteps()
+        # See UnsampledSteps: the next step may be sent before the sample of the one before.
+        self.prepares_ahead = config.parallel_config.pipeline_parallel_size == 1
         self._results: dict[int, ModelRunnerOutput] = {}
         self._closed = False
         try:
@@ -147,14 +145,16 @@ class MultiprocExecutor:
         step_id = next(self._step_ids)
         self._broadcast(WorkerStep(step_id=step_id, scheduler_output=scheduler_output))
         self._last_step_sent = step_id
+        self._unsampled.launched(step_id, scheduler_output)
         return LaunchedStep(self, step_id)
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
-        self._broadcast(WorkerSample(step_id=self._last_step_sent,
-                                     grammar_bitmask=grammar_bitmask))
+        step_id = self._unsampled.next_to_sample(self._last_step_sent)
+        self._broadcast(WorkerSample(step_id=step_id, grammar_bitmask=grammar_bitmask))
 
     def discard_in_flight(self) -> None:
         self._results.clear()
+        self._unsampled.clear()
 
     def check_health(self) -> None:
         for rank, process in enumerate(self._processes):

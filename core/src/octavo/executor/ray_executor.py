@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from octavo.config import EngineConfig
-from octavo.executor.base import LaunchedStep
+from octavo.executor.base import LaunchedStep, UnsampledSteps
 from octavo.executor.multiproc import WorkerDiedError, free_tcp_port
 from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.messages.executor import (
@@ -98,11 +98,6 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
 class RayExecutor:
     """Implements ``octavo.executor.base.Executor`` with Ray actors."""
 
-    # Each rank handles its messages in order and finishes a step when the next one arrives,
-    # which a step prepared before the sampling of the one before it would break: the engine
-    # core launches that sampling first.
-    prepares_ahead = False
-
     def __init__(self, config: EngineConfig) -> None:
         import ray
 
@@ -114,6 +109,9 @@ class RayExecutor:
         self._step_ids = itertools.count(1)
         self._last_step_sent = 0
         self._last_flush_sent = 0
+        self._unsampled = UnsampledSteps()
+        # See UnsampledSteps: the next step may be sent before the sample of the one before.
+        self.prepares_ahead = config.parallel_config.pipeline_parallel_size == 1
         # The output rank's answers not read yet, in the order the messages were sent.
         self._output_refs: list[Any] = []
         # Every rank's answers not checked yet (a failure on any rank must surface).
@@ -210,6 +208,7 @@ class RayExecutor:
         step_id = next(self._step_ids)
         self._send(WorkerStep(step_id=step_id, scheduler_output=scheduler_output))
         self._last_step_sent = step_id
+        self._unsampled.launched(step_id, scheduler_output)
         return LaunchedStep(self, step_id)
 
     def wait_step(self, step_id: int) -> ModelRunnerOutput:
@@ -232,10 +231,12 @@ class RayExecutor:
         return self._results.pop(step_id)
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
-        self._send(WorkerSample(step_id=self._last_step_sent, grammar_bitmask=grammar_bitmask))
+        step_id = self._unsampled.next_to_sample(self._last_step_sent)
+        self._send(WorkerSample(step_id=step_id, grammar_bitmask=grammar_bitmask))
 
     def discard_in_flight(self) -> None:
         self._results.clear()
+        self._unsampled.clear()
 
     def check_health(self) -> None:
         import ray

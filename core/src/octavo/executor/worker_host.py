@@ -6,9 +6,12 @@ executor one per actor (messages as Ray call arguments); both speak
 
 Steps are handled in the order they arrive. ``WorkerStep`` N launches step N and then finishes
 the steps before it, so with several steps in flight (async scheduling, pipeline stages) a
-rank's device runs step N while its host reads back step N-1. ``WorkerFlush`` finishes what is
-left when the executor has nothing new to launch. Every rank finishes every step (its own
-state needs the tokens); only the output rank sends results back.
+rank's device runs step N while its host reads back step N-1. A step launched with
+``sampling_deferred`` is finished only after its ``WorkerSample``: when the executor prepares
+ahead, step N+1 arrives before step N's sample (the runner prepares N+1 and launches it right
+after that sampling), and the sample message then finishes step N. ``WorkerFlush`` finishes
+what is left when the executor has nothing new to launch. Every rank finishes every step (its
+own state needs the tokens); only the output rank sends results back.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class WorkerHost:
                                             local_rank=local_rank)
         self.rank = rank
         self._pending: deque[tuple[int, StepOutput]] = deque()
+        # Steps launched with sampling_deferred whose WorkerSample has not come, oldest first.
+        self._unsampled: deque[int] = deque()
         self.stopped = False
 
     @property
@@ -99,13 +104,26 @@ class WorkerHost:
         except Exception as exc:
             return [self._failed(step.step_id, exc)]
         self._pending.append((step.step_id, pending))
-        return self._finish_until(step.step_id - 1)
+        if step.scheduler_output.sampling_deferred:
+            self._unsampled.append(step.step_id)
+        done = step.step_id - 1
+        if self._unsampled:
+            # A step still waiting for its sample (this one was prepared ahead of it) is
+            # finished by that sample message: its result needs the sampling.
+            done = min(done, self._unsampled[0] - 1)
+        return self._finish_until(done)
 
     def _sample(self, sample: WorkerSample) -> list[WorkerEvent]:
+        if self._unsampled:
+            self._unsampled.popleft()  # samples come in launch order
         try:
             self.worker.sample_tokens(sample.grammar_bitmask)
         except Exception as exc:
             return [self._failed(sample.step_id, exc)]
+        if self._pending and self._pending[-1][0] > sample.step_id:
+            # The next step came first (prepared ahead) and could not finish this one; it is
+            # launched now, so this step's results are read back while it runs.
+            return self._finish_until(sample.step_id)
         return []
 
     def _finish_until(self, step_id: int) -> list[WorkerEvent]:
@@ -132,4 +150,5 @@ class WorkerHost:
             return
         self.stopped = True
         self._pending.clear()
+        self._unsampled.clear()
         self.worker.shutdown()

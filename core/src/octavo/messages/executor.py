@@ -5,8 +5,8 @@ msgspec Structs, encoded as msgpack (never pickle): the ``SchedulerOutput`` and
 boundary is plain typed data.
 
 - executor -> every worker: ``WorkerCall`` (a lifecycle method), ``WorkerStep`` (run a step),
-  ``WorkerSample`` (sample the last step, launched with ``sampling_deferred``, with its grammar
-  bitmask), ``WorkerFlush`` (send the results of steps up to one), ``WorkerShutdown``.
+  ``WorkerSample`` (sample a step launched with ``sampling_deferred``, with its grammar
+  bitmask: the last one sent, or with the step after it prepared ahead, the one before), ``WorkerFlush`` (send the results of steps up to one), ``WorkerShutdown``.
 - worker -> executor: ``WorkerCallResult`` (every rank), ``WorkerStepResult`` (the output
   rank only, or any rank whose step failed).
 """
@@ -45,7 +45,8 @@ class WorkerStep(msgspec.Struct, tag="step", kw_only=True):
 
 
 class WorkerSample(msgspec.Struct, tag="sample", kw_only=True):
-    """Sample step ``step_id`` (the last one sent, launched with ``sampling_deferred``)."""
+    """Sample step ``step_id``, launched with ``sampling_deferred``: the last step sent, or
+    the one before it when the executor prepared the next step ahead of this sampling."""
 
     step_id: int
     grammar_bitmask: GrammarBitmask | None = None
