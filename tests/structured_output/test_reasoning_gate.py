@@ -180,3 +180,46 @@ def test_the_model_thinks_then_writes_the_constrained_answer(
         jsonschema.validate(json.loads(text.removesuffix("<|im_end|>")), SCHEMA)
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("in_process", ["0", "1"])
+def test_a_step_prepared_ahead_with_the_reasoning_parser_gives_the_same_outputs(
+        tool_model: Path, tokenizer, monkeypatch, in_process: str) -> None:
+    """Under async scheduling with a reasoning parser the next step is prepared while the
+    grammars finish the one before (their work moves the gates' phases, which are then not
+    read): thinking and constrained answers, beside free requests and requests joining
+    mid-run, are exactly those of the step prepared after that sampling."""
+    from tests.distributed.test_equivalence import launches_ahead
+
+    monkeypatch.setenv("OCTAVO_GRAMMAR_PROCESS", in_process)
+    json_params = SamplingParams(temperature=0.0, max_tokens=100, skip_special_tokens=False,
+                                 structured_outputs=StructuredOutputsParams(
+                                     json=SCHEMA, disable_any_whitespace=True))
+    free = SamplingParams(temperature=0.0, max_tokens=40, skip_special_tokens=False)
+    cases = ["berlin", "paris", "sky", "berlin", "tokyo"]
+    prompts = [render(tokenizer, CASES[name]) for name in cases]
+    params = [json_params, json_params, free, json_params, free]
+
+    def outputs(prepare_ahead: str) -> tuple[list[str], list[bool]]:
+        monkeypatch.setenv("OCTAVO_PREPARE_AHEAD", prepare_ahead)
+        # A small token budget: the prompts' chunks run beside the others' decodes, so
+        # constrained requests start sampling at different steps.
+        llm = make_llm(tool_model, reasoning_parser="qwen3", async_scheduling=True,
+                       max_num_batched_tokens=48)
+        try:
+            ahead = launches_ahead(llm)
+            texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert_no_leaks(llm)
+            return texts, ahead
+        finally:
+            llm.llm_engine.shutdown()
+
+    texts, ahead = outputs("1")
+    want, none_ahead = outputs("0")
+    assert any(ahead) and not any(none_ahead)
+    assert texts == want
+    for text, case in zip(texts, cases):
+        if case == "berlin":
+            thinking, _, answer = text.partition("</think>")
+            assert thinking == "<think>\nI should call get_weather.\n"
+            jsonschema.validate(json.loads(answer.removesuffix("<|im_end|>")), SCHEMA)

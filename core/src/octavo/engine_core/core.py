@@ -162,10 +162,8 @@ class EngineCore:
             else envs.grammar_switch_interval_s())
         self._saved_switch_interval: float | None = None
         self._grammar_times = _GrammarTimes()
-        # Prepare a step while the grammars finish the one before (Executor.prepares_ahead);
-        # not with a reasoning parser, whose gates' phases that grammar work updates.
-        self._prepare_ahead = (self.executor.prepares_ahead and envs.prepare_ahead()
-                               and not self.structured_outputs.gates_reasoning)
+        # Prepare a step while the grammars finish the one before (Executor.prepares_ahead).
+        self._prepare_ahead = self.executor.prepares_ahead and envs.prepare_ahead()
         spec = config.speculative_config
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per step",
@@ -252,9 +250,11 @@ class EngineCore:
                 ahead = self._prepare_ahead and self._grammar_step is not None
                 if ahead:
                     # This step is prepared while the grammars finish the step before
-                    # (the executor launches it after that sampling): unless its rows' masks
-                    # are wanted now, or the reasoning gates' phases, which that work updates.
-                    rows, deferred = self._constrained_rows(scheduler_output)
+                    # (the executor launches it after that sampling), unless its rows'
+                    # masks are wanted now. The reasoning gates' phases are not read: that
+                    # work updates them.
+                    rows, deferred = self._constrained_rows(scheduler_output,
+                                                            phases_known=False)
                     ahead = deferred or not rows
                 if not ahead:
                     # The deferred step's sampling first: this step's forward pass may read
@@ -384,9 +384,14 @@ class EngineCore:
         self._grammar_times.add(elapsed, elapsed, step=True)
         return bitmask
 
-    def _constrained_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[str], bool]:
+    def _constrained_rows(self, scheduler_output: SchedulerOutput,
+                          phases_known: bool = True) -> tuple[list[str], bool]:
         """Constrained requests that sample in this step, and whether any of their masks
-        needs a token still in flight (then the step's sampling is deferred)."""
+        needs a token still in flight (then the step's sampling is deferred).
+
+        ``phases_known=False`` while grammar work is pending, which updates the reasoning
+        gates' phases: they are not read, and every constrained request that samples is a row
+        (one still thinking gets a mask that lets every token through)."""
         manager = self.structured_outputs
         rows: list[str] = []
         deferred = False
@@ -394,7 +399,7 @@ class EngineCore:
         if not constrained:
             return rows, deferred
         # Only with a reasoning parser may a constrained row need no mask (it thinks).
-        gated = manager.gates_reasoning
+        gated = manager.gates_reasoning and phases_known
         requests = self.scheduler.requests
         for req_id in scheduler_output.num_scheduled_tokens:
             if req_id not in constrained:
