@@ -358,16 +358,20 @@ for stage in "${stages[@]}"; do
       ;;
     bench-structured-mp)
       # bench-structured with the one rank in a worker process (--distributed-executor-backend
-      # mp), alternating OCTAVO_PREPARE_AHEAD (1: the next step sent to the rank and prepared
-      # there while the grammars finish; 0: sent after the sampling); MP_CONFIGS overrides.
+      # mp). A config is ahead[:spin µs]: OCTAVO_PREPARE_AHEAD (1: the next step sent to the
+      # rank and prepared there while the grammars finish; 0: sent after the sampling) and
+      # OCTAVO_WORKER_SPIN_US (empty: the default); MP_CONFIGS overrides the list.
       [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
-      for ahead in ${MP_CONFIGS:-1 0 1 0}; do
+      for cfg in ${MP_CONFIGS:-1 0 1 0}; do
+        IFS=: read -r ahead spin <<< "$cfg"
         echo "== --distributed-executor-backend mp OCTAVO_PREPARE_AHEAD=$ahead" \
-          "(at $(date +%s.%N))" | tee -a "$OUT/bench-structured-mp.log"
-        OCTAVO_PREPARE_AHEAD=$ahead structured_w1 --distributed-executor-backend mp \
-          2>>"$OUT/bench-structured-mp.err" | tee -a "$OUT/bench-structured-mp.log" \
-          | grep -E "^(json|free|ratio|grammar) "
+          "OCTAVO_WORKER_SPIN_US=${spin:-default} (at $(date +%s.%N))" \
+          | tee -a "$OUT/bench-structured-mp.log"
+        (export OCTAVO_PREPARE_AHEAD=$ahead
+         [ -z "$spin" ] || export OCTAVO_WORKER_SPIN_US=$spin
+         structured_w1 --distributed-executor-backend mp) 2>>"$OUT/bench-structured-mp.err" \
+          | tee -a "$OUT/bench-structured-mp.log" | grep -E "^(json|free|ratio|grammar) "
       done
       ;;
     w1-timeline-structured)

@@ -196,14 +196,16 @@ def outputs_of(llm, params) -> list:
             for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("prepare_ahead", ["1", "0"])
+@pytest.mark.parametrize("prepare_ahead, spin_us", [("1", "0"), ("0", "0"), ("1", "3000")])
 def test_structured_outputs_when_split_with_the_next_step_prepared_ahead(
-        model_folder, monkeypatch, prepare_ahead):
+        model_folder, monkeypatch, prepare_ahead, spin_us):
     """With two ranks in worker processes under async scheduling, the next step is sent to the
     ranks (and prepared there) before the sampling of the step before it, which waits for the
     grammar masks; each rank finishes that step only after its sample message. Under
     preemption and prompt chunks the outputs are one device's; with
-    ``OCTAVO_PREPARE_AHEAD=0`` no step goes ahead."""
+    ``OCTAVO_PREPARE_AHEAD=0`` no step goes ahead; with ``OCTAVO_WORKER_SPIN_US`` the ranks
+    and the engine core poll their sockets between messages."""
+    monkeypatch.setenv("OCTAVO_WORKER_SPIN_US", spin_us)
     folder = model_folder("llama")
     params = mixed_requests()
     one = make_llm(folder, device="cpu")

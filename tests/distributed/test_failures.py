@@ -22,8 +22,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_killing_a_rank_fails_the_step_and_stops_every_worker(tiny_llama, victim):
+@pytest.mark.parametrize("victim, spin_us", [(0, "0"), (1, "0"), (1, "3000")])
+def test_killing_a_rank_fails_the_step_and_stops_every_worker(tiny_llama, monkeypatch, victim,
+                                                              spin_us):
+    """Also with both ends polling their sockets between messages (``OCTAVO_WORKER_SPIN_US``)."""
+    monkeypatch.setenv("OCTAVO_WORKER_SPIN_US", spin_us)
     llm = make_llm(tiny_llama, device="cpu", tensor_parallel_size=2)
     engine = llm.llm_engine
     executor = engine.engine_core.executor
@@ -57,3 +60,12 @@ def test_shutdown_ends_every_worker(tiny_llama):
     llm.llm_engine.shutdown()
     assert not any(_alive(pid) for pid in pids)
     assert [p.exitcode for p in executor._processes] == [0, 0]  # told to stop, not killed
+
+
+@pytest.mark.parametrize("value", ["-1", "busy"])
+def test_a_bad_worker_spin_says_what_it_takes(monkeypatch, value):
+    from octavo import envs
+
+    monkeypatch.setenv("OCTAVO_WORKER_SPIN_US", value)
+    with pytest.raises(ValueError, match="OCTAVO_WORKER_SPIN_US"):
+        envs.worker_spin_s()

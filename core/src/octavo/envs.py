@@ -150,14 +150,30 @@ def grammar_spin_s() -> float:
     waits for a step's answer (default 3000 µs on a machine of 8 cores or more, else ``0``:
     always sleep until woken, leaving a small machine's cores to the engine). A sleeping
     process pays the scheduler's wake-up on each message, twice per constrained step."""
+    return _spin_s("OCTAVO_GRAMMAR_SPIN_US")
+
+
+def worker_spin_s() -> float:
+    """``OCTAVO_WORKER_SPIN_US``: how long the worker processes of the ``mp`` executor and the
+    engine core poll their sockets without sleeping, in seconds, after a message, when the
+    other end's next one is due: a worker after handling a message (the next step or sample
+    comes within a step's time), the engine core while it waits for a step's results (default
+    3000 µs on a machine of 8 cores or more, else ``0``). A sleeping process pays the
+    scheduler's wake-up on each message, twice per step on the chain from a step's sampled
+    tokens to the next sampling."""
+    return _spin_s("OCTAVO_WORKER_SPIN_US")
+
+
+def _spin_s(name: str) -> float:
+    """A spin window in seconds from ``name`` (µs; default 3000 on 8+ cores, else 0)."""
     default = "3000" if (os.cpu_count() or 1) >= 8 else "0"
-    raw = os.environ.get("OCTAVO_GRAMMAR_SPIN_US", default).strip()
+    raw = os.environ.get(name, default).strip()
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if value < 0:
-        raise ValueError(f"OCTAVO_GRAMMAR_SPIN_US must be a number of µs >= 0, got {raw!r}")
+        raise ValueError(f"{name} must be a number of µs >= 0, got {raw!r}")
     return value * 1e-6
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from octavo import envs
 from octavo.config import EngineConfig
 from octavo.executor.base import LaunchedStep, UnsampledSteps
 from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -86,6 +87,7 @@ class MultiprocExecutor:
         # See UnsampledSteps: the next step may be sent before the sample of the one before.
         self.prepares_ahead = config.parallel_config.pipeline_parallel_size == 1
         self._results: dict[int, ModelRunnerOutput] = {}
+        self._spin_s = envs.worker_spin_s()
         self._closed = False
         try:
             self._start_workers()
@@ -221,10 +223,14 @@ class MultiprocExecutor:
             sock.send(frame, copy=False)
 
     def _receive(self, timeout_s: float) -> WorkerEvent:
-        """The next message from any worker; raises if a worker dies or none answers."""
-        deadline = time.monotonic() + timeout_s
+        """The next message from any worker; raises if a worker dies or none answers. Polls
+        without sleeping for the spin window first (``OCTAVO_WORKER_SPIN_US``)."""
+        now = time.monotonic()
+        deadline = now + timeout_s
+        spin_until = now + self._spin_s
         while True:
-            if self._output.poll(int(_POLL_S * 1000)):
+            spinning = time.monotonic() < spin_until
+            if self._output.poll(0 if spinning else int(_POLL_S * 1000)):
                 frame = self._output.recv()
                 try:
                     return self._decoder.decode(frame)
@@ -232,6 +238,8 @@ class MultiprocExecutor:
                     logger.error("dropped a malformed frame (%d bytes) from a worker: %s",
                                  len(frame), exc)
                     continue
+            if spinning:
+                continue
             try:
                 self.check_health()
             except WorkerDiedError as exc:
@@ -287,11 +295,17 @@ def run_worker(config: EngineConfig, rank: int, input_address: str, output_addre
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(WorkerInput)
     host = WorkerHost(config, rank, distributed_init_method)
+    # After each message, poll without sleeping for this long: the next one is due within a
+    # step's time (OCTAVO_WORKER_SPIN_US).
+    spin_s = envs.worker_spin_s()
     exit_code = 0
-    last_parent_check = time.monotonic()
+    last_parent_check = last_message = time.monotonic()
     try:
         while True:
-            if not inputs.poll(int(_PARENT_CHECK_S * 1000)):
+            if time.monotonic() - last_message < spin_s:
+                if not inputs.poll(0):
+                    continue
+            elif not inputs.poll(int(_PARENT_CHECK_S * 1000)):
                 if os.getppid() != parent_pid:
                     logger.warning("rank %d: the engine core is gone; exiting", rank)
                     break
@@ -310,7 +324,7 @@ def run_worker(config: EngineConfig, rank: int, input_address: str, output_addre
             if host.stopped:
                 exit_code = 1
                 break
-            now = time.monotonic()
+            now = last_message = time.monotonic()
             if now - last_parent_check > _PARENT_CHECK_S:
                 last_parent_check = now
                 if os.getppid() != parent_pid:
