@@ -21,7 +21,7 @@ def random_bitmask(req_ids: list[str], seed: int, readonly: bool = False) -> Gra
     rows = rng.integers(-(2**31), 2**31 - 1, size=(len(req_ids), WORDS), dtype=np.int32)
     data = rows.astype("<i4").tobytes()
     return GrammarBitmask(req_ids=list(req_ids), num_words=WORDS,
-                          data=data if readonly else bytearray(data))
+                          data=memoryview(data if readonly else bytearray(data)))
 
 
 def rows_of(bitmask: GrammarBitmask) -> torch.Tensor:

@@ -310,12 +310,13 @@ def run_worker(config: EngineConfig, rank: int, input_address: str, output_addre
                     logger.warning("rank %d: the engine core is gone; exiting", rank)
                     break
                 continue
-            frame = inputs.recv()
+            # Not copied out of zmq: a step's grammar bitmask is decoded as a view of it.
+            frame = inputs.recv(copy=False)
             try:
-                message = decoder.decode(frame)
+                message = decoder.decode(frame.buffer)
             except msgspec.DecodeError as exc:
                 logger.error("rank %d: dropped a malformed frame (%d bytes): %s", rank,
-                             len(frame), exc)
+                             len(frame.buffer), exc)
                 continue
             for event in host.handle(message):
                 outputs.send(encoder.encode(event))

@@ -353,7 +353,8 @@ class StructuredOutputManager:
         """A bitmask of ``request_ids`` to be filled, and its rows as an int32 array."""
         data = bytearray(len(request_ids) * self.num_words * 4)
         rows = np.frombuffer(data, dtype=np.int32).reshape(len(request_ids), self.num_words)
-        return GrammarBitmask(req_ids=request_ids, num_words=self.num_words, data=data), rows
+        return GrammarBitmask(req_ids=request_ids, num_words=self.num_words,
+                              data=memoryview(data)), rows
 
     def _fill(self, request_ids: list[str], entries: list[tuple[_Constrained, int]],
               rows: np.ndarray) -> None:

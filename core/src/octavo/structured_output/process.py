@@ -403,7 +403,7 @@ class GrammarProcess:
                 phases[request_id] = Phase(phase)
         if rows is None:
             return AcceptedStep(done.errors, GrammarBitmask(req_ids=[], num_words=self.num_words,
-                                                            data=b""), done.work_s)
+                                                            data=memoryview(b"")), done.work_s)
         assert self._masks is not None
         data = memoryview(self._masks[buffer, :len(rows)]).cast("B")
         return AcceptedStep(done.errors, GrammarBitmask(req_ids=rows, num_words=self.num_words,

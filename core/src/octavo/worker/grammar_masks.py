@@ -94,7 +94,7 @@ class GrammarMaskUpload:
                  rows: list[int] | None) -> DeviceGrammarMasks:
         if keep is not None:
             masks = torch.from_numpy(data[keep])
-        else:  # the engine core's bytearray is used as it is; bytes (read-only) are copied
+        else:  # the engine core's buffer is used as it is; a received message's is copied
             masks = torch.from_numpy(data if data.flags.writeable else data.copy())
         row_ids = None if rows is None else torch.from_numpy(np.array(rows, dtype=np.int64))
         return DeviceGrammarMasks(row_ids=None if row_ids is None else row_ids.to(self.device),
