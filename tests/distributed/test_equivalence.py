@@ -190,6 +190,25 @@ def launches_ahead(llm) -> list[bool]:
     return ahead
 
 
+def bitmasks_sent(llm) -> list:
+    """Spy on the multiprocess executor's messages: every grammar bitmask it sends to the
+    ranks, as sent."""
+    executor = llm.llm_engine.engine_core.executor
+    broadcast = executor._broadcast
+    sent: list = []
+
+    def spy(message):
+        bitmask = getattr(message, "grammar_bitmask", None)
+        if bitmask is None and hasattr(message, "scheduler_output"):
+            bitmask = message.scheduler_output.grammar_bitmask
+        if bitmask is not None:
+            sent.append(bitmask)
+        return broadcast(message)
+
+    executor._broadcast = spy
+    return sent
+
+
 def outputs_of(llm, params) -> list:
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(params)]]
     return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs], o.prompt_logprobs)
@@ -204,7 +223,8 @@ def test_structured_outputs_when_split_with_the_next_step_prepared_ahead(
     grammar masks; each rank finishes that step only after its sample message. Under
     preemption and prompt chunks the outputs are one device's; with
     ``OCTAVO_PREPARE_AHEAD=0`` no step goes ahead; with ``OCTAVO_WORKER_SPIN_US`` the ranks
-    and the engine core poll their sockets between messages."""
+    and the engine core poll their sockets between messages. The masks, filled by the grammar
+    process in shared memory, reach the ranks by reference (the ranks map the same buffers)."""
     monkeypatch.setenv("OCTAVO_WORKER_SPIN_US", spin_us)
     folder = model_folder("llama")
     params = mixed_requests()
@@ -217,12 +237,14 @@ def test_structured_outputs_when_split_with_the_next_step_prepared_ahead(
     try:
         assert llm.llm_engine.engine_core.executor.prepares_ahead
         ahead = launches_ahead(llm)
+        sent = bitmasks_sent(llm)
         got = outputs_of(llm, params)
         assert [ids for ids, _, _ in got] == [ids for ids, _, _ in want]
         for (_, logprobs, prompt_logprobs), (_, want_logprobs, want_prompt) in zip(got, want):
             assert_close_logprobs(logprobs, want_logprobs)
             assert_close_logprobs([prompt_logprobs], [want_prompt])
         assert any(ahead) == (prepare_ahead == "1")
+        assert sent and all(b.shared_buffer in (0, 1) and len(b.data) == 0 for b in sent)
         assert llm.llm_engine.stats().num_preemptions > 0
         assert_no_leaks(llm)
     finally:

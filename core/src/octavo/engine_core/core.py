@@ -118,7 +118,9 @@ class EngineCore:
         # server's first constraint then waits only for its own compilation.
         self.structured_outputs.warm_up()
         try:
-            self.executor: Executor = create_executor(config)
+            # Worker processes read the grammar process's masks in place.
+            self.executor: Executor = create_executor(
+                config, shared_masks=self.structured_outputs.shared_masks)
         except BaseException:
             self.structured_outputs.shutdown()
             raise

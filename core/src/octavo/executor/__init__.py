@@ -10,20 +10,23 @@ from __future__ import annotations
 from octavo.config import EngineConfig
 from octavo.executor.base import Executor, PendingOutput
 from octavo.executor.uniproc import UniprocExecutor
+from octavo.messages.shared_masks import SharedMasks
 
 __all__ = ["Executor", "PendingOutput", "UniprocExecutor", "create_executor"]
 
 
-def create_executor(config: EngineConfig) -> Executor:
+def create_executor(config: EngineConfig, shared_masks: SharedMasks | None = None) -> Executor:
     """The executor ``config.parallel_config.distributed_executor_backend`` names, started
-    (its workers have loaded the model)."""
+    (its workers have loaded the model). ``shared_masks``: where the engine core's grammar
+    masks are filled, if in shared memory; worker processes on this host (``mp``) map them
+    and get only their buffer's number in a step's messages."""
     backend = config.parallel_config.distributed_executor_backend
     if backend == "uni":
         return UniprocExecutor(config)
     if backend == "mp":
         from octavo.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(config)
+        return MultiprocExecutor(config, shared_masks=shared_masks)
     if backend == "ray":
         from octavo.executor.ray_executor import RayExecutor
 

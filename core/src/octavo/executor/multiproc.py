@@ -8,6 +8,8 @@ The engine core (this process) spawns ``world_size`` worker processes; each runs
 ``octavo.messages.executor`` over zmq ipc sockets in a private folder: one PUSH socket per
 rank for what the engine core sends (the same encoded step to every rank), one PULL socket
 for what comes back (the output rank's results; every rank's answer to a lifecycle call).
+Grammar masks filled in ``SharedMasks`` (the grammar process's) do not cross the sockets: every
+worker maps those buffers, inherited as it starts, and a step's messages name the buffer.
 
 Failures never hang: while it waits, the executor watches every worker process; one that
 exits makes the step raise (naming the rank and its exit code) after every other worker has
@@ -16,6 +18,7 @@ been killed. Workers exit on their own when the engine core's process is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -47,6 +50,7 @@ from octavo.messages.executor import (
     WorkerStep,
     WorkerStepResult,
 )
+from octavo.messages.shared_masks import SharedMasks, by_reference
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +74,11 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 class MultiprocExecutor:
     """Implements ``octavo.executor.base.Executor`` with one process per rank."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shared_masks: SharedMasks | None = None) -> None:
+        """``shared_masks``: where the engine core's grammar masks are filled, if in shared
+        memory (the workers map it as they start; a bitmask in it travels as a reference)."""
         self.config = config
+        self._shared_masks = shared_masks
         self.world_size = config.parallel_config.world_size
         self._tmpdir = tempfile.mkdtemp(prefix="octavo-workers-")
         self._context = zmq.Context()
@@ -113,7 +120,8 @@ class MultiprocExecutor:
             self._inputs.append(sock)
             process = ctx.Process(
                 target=run_worker,
-                args=(self.config, rank, input_address, output_address, init_method, os.getpid()),
+                args=(self.config, rank, input_address, output_address, init_method, os.getpid(),
+                      self._shared_masks),
                 name=f"octavo-worker-{rank}",
                 daemon=True,
             )
@@ -145,6 +153,10 @@ class MultiprocExecutor:
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         step_id = next(self._step_ids)
+        bitmask = scheduler_output.grammar_bitmask
+        if bitmask is not None and self._shared_masks is not None:
+            scheduler_output = dataclasses.replace(scheduler_output,
+                                                   grammar_bitmask=by_reference(bitmask))
         self._broadcast(WorkerStep(step_id=step_id, scheduler_output=scheduler_output))
         self._last_step_sent = step_id
         self._unsampled.launched(step_id, scheduler_output)
@@ -152,6 +164,8 @@ class MultiprocExecutor:
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
         step_id = self._unsampled.next_to_sample(self._last_step_sent)
+        if grammar_bitmask is not None and self._shared_masks is not None:
+            grammar_bitmask = by_reference(grammar_bitmask)
         self._broadcast(WorkerSample(step_id=step_id, grammar_bitmask=grammar_bitmask))
 
     def discard_in_flight(self) -> None:
@@ -275,9 +289,11 @@ def _kill_all(processes: list[Any]) -> None:
 
 
 def run_worker(config: EngineConfig, rank: int, input_address: str, output_address: str,
-               distributed_init_method: str, parent_pid: int) -> None:
+               distributed_init_method: str, parent_pid: int,
+               shared_masks: SharedMasks | None = None) -> None:
     """Entry point of a worker process: serve the executor's messages until told to stop,
-    until a step fails (exit 1), or until the parent process is gone (exit 0)."""
+    until a step fails (exit 1), or until the parent process is gone (exit 0).
+    ``shared_masks``: the engine core's grammar masks, mapped here (bitmasks by reference)."""
     # The engine core owns shutdown: a Ctrl-C sent to the whole process group must not kill
     # the workers under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -294,7 +310,7 @@ def run_worker(config: EngineConfig, rank: int, input_address: str, output_addre
     outputs.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(WorkerInput)
-    host = WorkerHost(config, rank, distributed_init_method)
+    host = WorkerHost(config, rank, distributed_init_method, shared_masks=shared_masks)
     # After each message, poll without sleeping for this long: the next one is due within a
     # step's time (OCTAVO_WORKER_SPIN_US).
     spin_s = envs.worker_spin_s()

@@ -12,6 +12,9 @@ ahead, step N+1 arrives before step N's sample (the runner prepares N+1 and laun
 after that sampling), and the sample message then finishes step N. ``WorkerFlush`` finishes
 what is left when the executor has nothing new to launch. Every rank finishes every step (its
 own state needs the tokens); only the output rank sends results back.
+
+A grammar bitmask may come by reference (its buffer of ``SharedMasks``, which the
+multiprocess executor's workers map): its rows are read from there when the step samples.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import traceback
 from collections import deque
 
 from octavo.config import EngineConfig
+from octavo.messages import GrammarBitmask
 from octavo.messages.executor import (
     WorkerCall,
     WorkerCallResult,
@@ -32,6 +36,7 @@ from octavo.messages.executor import (
     WorkerStep,
     WorkerStepResult,
 )
+from octavo.messages.shared_masks import SharedMasks, carries_rows
 from octavo.plugins import get_plugin_manager
 from octavo.worker.async_output import StepOutput
 from octavo.worker.worker import Worker, create_worker
@@ -43,7 +48,10 @@ class WorkerHost:
     """Serves ``WorkerInput`` messages for one rank; see the module docstring."""
 
     def __init__(self, config: EngineConfig, rank: int, distributed_init_method: str | None,
-                 local_rank: int | None = None) -> None:
+                 local_rank: int | None = None, shared_masks: SharedMasks | None = None) -> None:
+        """``shared_masks``: the engine core's grammar masks mapped in this process, for
+        bitmasks sent by reference (none: every bitmask must carry its rows)."""
+        self._shared_masks = shared_masks
         self.worker: Worker = create_worker(config, get_plugin_manager(), rank=rank,
                                             distributed_init_method=distributed_init_method,
                                             local_rank=local_rank)
@@ -100,7 +108,10 @@ class WorkerHost:
 
     def _step(self, step: WorkerStep) -> list[WorkerEvent]:
         try:
-            pending = self.worker.execute_model_async(step.scheduler_output)
+            scheduler_output = step.scheduler_output
+            if scheduler_output.grammar_bitmask is not None:
+                scheduler_output.grammar_bitmask = self._rows(scheduler_output.grammar_bitmask)
+            pending = self.worker.execute_model_async(scheduler_output)
         except Exception as exc:
             return [self._failed(step.step_id, exc)]
         self._pending.append((step.step_id, pending))
@@ -117,7 +128,8 @@ class WorkerHost:
         if self._unsampled:
             self._unsampled.popleft()  # samples come in launch order
         try:
-            self.worker.sample_tokens(sample.grammar_bitmask)
+            bitmask = sample.grammar_bitmask
+            self.worker.sample_tokens(None if bitmask is None else self._rows(bitmask))
         except Exception as exc:
             return [self._failed(sample.step_id, exc)]
         if self._pending and self._pending[-1][0] > sample.step_id:
@@ -125,6 +137,15 @@ class WorkerHost:
             # launched now, so this step's results are read back while it runs.
             return self._finish_until(sample.step_id)
         return []
+
+    def _rows(self, bitmask: GrammarBitmask) -> GrammarBitmask:
+        """``bitmask`` with its rows (read from the shared masks when sent by reference)."""
+        if carries_rows(bitmask):
+            return bitmask
+        if self._shared_masks is None:
+            raise ValueError("a grammar bitmask came by reference to shared masks this rank "
+                             "does not map")
+        return self._shared_masks.resolve(bitmask)
 
     def _finish_until(self, step_id: int) -> list[WorkerEvent]:
         events: list[WorkerEvent] = []

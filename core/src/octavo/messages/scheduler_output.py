@@ -105,12 +105,15 @@ class GrammarBitmask:
     ``len(req_ids) * num_words`` of them, as a view the runner reads without a copy: of the
     grammar manager's buffer in process, of the received message (read-only) once decoded in
     a worker process (msgpack ``bin``, decoded without a copy: ~1.5 MB a step for 256 rows of
-    a 49k vocabulary).
+    a 49k vocabulary). ``shared_buffer`` names the buffer of ``SharedMasks``
+    (``octavo.messages.shared_masks``) that holds the rows from its first row, when they are
+    there: a message to a process mapping those buffers may then leave ``data`` empty.
     """
 
     req_ids: list[str]
     num_words: int
     data: memoryview
+    shared_buffer: int | None = None
 
 
 @dataclass(slots=True)

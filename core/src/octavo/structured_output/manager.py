@@ -40,6 +40,7 @@ import numpy as np
 
 from octavo import envs
 from octavo.messages import GrammarBitmask
+from octavo.messages.shared_masks import SharedMasks
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.grammar import grammar_text, parser_limits
 from octavo.structured_output.reasoning_gate import GateState, Phase, ReasoningGate
@@ -105,6 +106,9 @@ class CompiledRequest:
 
 class StructuredOutputManager:
     """See the module docstring. Not thread-safe: the engine core calls it from one thread."""
+
+    # The masks are new buffers of this process (``GrammarProcess`` fills ``SharedMasks``).
+    shared_masks: SharedMasks | None = None
 
     def __init__(
         self,

@@ -14,10 +14,12 @@ manager's interface:
   set-up (``_Setup``: the tokenizer as data, ``GrammarTokenizer``, loaded here) goes down its
   stdin, a pipe only it reads; it imports neither ``transformers`` nor torch;
 - messages: msgpack (msgspec) over a duplex pipe, the set-up too; nothing is pickled;
-- masks: the child writes them into a shared-memory file of two buffers of ``max_rows`` rows,
-  used in turn, and the engine core hands the runner a view of the rows (read before the
-  buffer is filled again two steps later); the file is unlinked as soon as it is made and
-  reaches the child as an open descriptor, so nothing is left behind however either ends;
+- masks: the child writes them into ``SharedMasks`` (``octavo.messages.shared_masks``), a
+  shared-memory file of two buffers of ``max_rows`` rows used in turn, and the engine core
+  hands the runner a view of the rows (read before the buffer is filled again two steps
+  later); the file has no name and reaches the child as an open descriptor, so nothing is
+  left behind however either ends. Worker processes of the multiprocess executor map it too
+  (``shared_masks``) and read a step's rows in place;
 - compilations run on the child's compile thread, as in process; the child reports each one
   (``_Compiled``) when it ends;
 - a step: ``_Step`` (the tokens to accept, the rows to fill, into which buffer) answered by
@@ -37,24 +39,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from octavo import envs
 from octavo.messages import GrammarBitmask
+from octavo.messages.shared_masks import SharedMasks
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.manager import (
     AcceptedStep,
@@ -158,11 +158,6 @@ class _Failed(msgspec.Struct, tag="failed"):
 _FromChild = _Compiled | _StepDone | _Failed
 
 
-def _masks_bytes(max_rows: int, vocab_size: int) -> int:
-    """The shared masks file's size: two buffers of ``max_rows`` rows of int32 words."""
-    return 2 * max_rows * ((vocab_size + 31) // 32) * 4
-
-
 class _PendingStep:
     """A step sent to the grammar process; ``result()`` waits for its answer (once)."""
 
@@ -207,8 +202,9 @@ class GrammarProcess:
         self._decoder = msgspec.msgpack.Decoder(_FromChild)
         self._process: subprocess.Popen[bytes] | None = None
         self._conn: multiprocessing.connection.Connection | None = None
-        self._masks: np.ndarray | None = None  # [2, max_rows, num_words] int32, shared
-        self._mmap: mmap.mmap | None = None
+        # The masks the child fills; made here (its pages come as rows are written), so
+        # that an executor can hand them to its workers before the child starts.
+        self.shared_masks: SharedMasks = SharedMasks.create(max_rows, vocab_size)
         # Submitted, not reported compiled yet; reported, not taken yet (with the phase).
         self._compiling: set[str] = set()
         self._ready: list[tuple[CompiledRequest, Phase | None]] = []
@@ -320,10 +316,7 @@ class GrammarProcess:
                 self._process.wait()
         if self._conn is not None:
             self._conn.close()
-        self._masks = None
-        if self._mmap is not None:
-            with contextlib.suppress(BufferError):  # a bitmask view still held elsewhere
-                self._mmap.close()
+        self.shared_masks.close()
 
     # ---- per step -------------------------------------------------------------------------
 
@@ -404,10 +397,7 @@ class GrammarProcess:
         if rows is None:
             return AcceptedStep(done.errors, GrammarBitmask(req_ids=[], num_words=self.num_words,
                                                             data=memoryview(b"")), done.work_s)
-        assert self._masks is not None
-        data = memoryview(self._masks[buffer, :len(rows)]).cast("B")
-        return AcceptedStep(done.errors, GrammarBitmask(req_ids=rows, num_words=self.num_words,
-                                                        data=data), done.work_s)
+        return AcceptedStep(done.errors, self.shared_masks.bitmask(buffer, rows), done.work_s)
 
     # ---- the pipe -------------------------------------------------------------------------
 
@@ -438,16 +428,9 @@ class GrammarProcess:
             self._start_error = f"the grammar process could not start: {exc}"
 
     def _spawn(self, grammar_tokenizer: GrammarTokenizer) -> None:
-        size = _masks_bytes(self._max_rows, self.vocab_size)
-        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        # The file is unlinked at once and reaches the child as an open descriptor: no name
-        # is left behind, whichever process ends first and however.
-        fd, path = tempfile.mkstemp(prefix="octavo-grammar-masks-", dir=shm_dir)
-        os.unlink(path)
+        fd = self.shared_masks.fileno()
         parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
         try:
-            os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size)
             # A fresh interpreter, not a multiprocessing child: spawn would run the caller's
             # script again in it (every offline script would need a __main__ guard), fork
             # would copy the engine's threads and device state.
@@ -460,10 +443,7 @@ class GrammarProcess:
             parent_conn.close()
             raise
         finally:
-            os.close(fd)
             child_conn.close()
-        self._masks = np.frombuffer(self._mmap, dtype=np.int32).reshape(
-            2, self._max_rows, self.num_words)
         assert process.stdin is not None
         setup = _Setup(grammar_tokenizer, self.vocab_size, self._max_rows,
                        self._reasoning_parser, self._accept_parallel)
@@ -536,10 +516,7 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
 
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(_ToChild)
-    shared = mmap.mmap(masks_fd, _masks_bytes(setup.max_rows, setup.vocab_size))
-    os.close(masks_fd)
-    num_words = (setup.vocab_size + 31) // 32
-    masks = np.frombuffer(shared, dtype=np.int32).reshape(2, setup.max_rows, num_words)
+    masks = SharedMasks(masks_fd, setup.max_rows, (setup.vocab_size + 31) // 32).array
     parser = (None if setup.reasoning_parser is None
               else get_reasoning_parser(setup.reasoning_parser))
     manager = StructuredOutputManager(lambda: setup.tokenizer, setup.vocab_size,
