@@ -131,7 +131,8 @@ def test_tensor_parallel_with_async_scheduling(model_folder):
                                       {"pipeline_parallel_size": 2}], ids=["tp2-async", "pp2"])
 def test_structured_outputs_when_split(model_folder, parallel):
     """Grammar masks reach every rank (with async scheduling, in a deferred sample message):
-    constrained greedy outputs equal one device's."""
+    constrained greedy outputs equal one device's. With pipeline stages no sampling is
+    deferred (a request waits for its token in flight), so none is prepared ahead."""
     from octavo import StructuredOutputsParams
 
     folder = model_folder("llama")
@@ -148,8 +149,19 @@ def test_structured_outputs_when_split(model_folder, parallel):
     one.llm_engine.shutdown()
     llm = make_llm(folder, device="cpu", **parallel)
     try:
+        executor = llm.llm_engine.engine_core.executor
+        launch, deferred = executor.execute_model_async, []
+
+        def spy(scheduler_output):
+            deferred.append(scheduler_output.sampling_deferred)
+            return launch(scheduler_output)
+
+        executor.execute_model_async = spy
         assert texts(llm) == want
         assert want[1] in ("alpha", "beta", "gamma")
+        pipelined = "pipeline_parallel_size" in parallel
+        assert executor.prepares_ahead == (not pipelined)
+        assert any(deferred) == (not pipelined)
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()

@@ -98,11 +98,12 @@ class UnsampledSteps:
     """The steps an executor of worker processes launched with ``sampling_deferred`` whose
     ``sample_tokens`` has not come yet, oldest first.
 
-    Such executors prepare ahead without pipeline stages: a rank finishes a step only after
-    its sample message (``WorkerHost``), so the next step may be sent first and prepared on
-    every rank while the engine core waits for the grammar masks. The sample message then
-    names the step before the last one sent. With pipeline stages (several steps in flight
-    on the stages' runners) that order is not built or tested, and the sampling comes first.
+    Such executors prepare ahead: a rank finishes a step only after its sample message
+    (``WorkerHost``), so the next step may be sent first and prepared on every rank while the
+    engine core waits for the grammar masks. The sample message then names the step before
+    the last one sent. With pipeline stages no step is launched with ``sampling_deferred`` (a
+    request is not scheduled while its token is in flight), so there is nothing to prepare
+    ahead of, and those executors say ``prepares_ahead = False``.
     """
 
     def __init__(self) -> None:
