@@ -206,7 +206,7 @@ def bitmasks_sent(llm) -> list:
     """Spy on the multiprocess executor's messages: every grammar bitmask it sends to the
     ranks, as sent."""
     executor = llm.llm_engine.engine_core.executor
-    broadcast = executor._broadcast
+    send = executor._send
     sent: list = []
 
     def spy(message):
@@ -215,9 +215,9 @@ def bitmasks_sent(llm) -> list:
             bitmask = message.scheduler_output.grammar_bitmask
         if bitmask is not None:
             sent.append(bitmask)
-        return broadcast(message)
+        return send(message)
 
-    executor._broadcast = spy
+    executor._send = spy
     return sent
 
 

@@ -3,6 +3,9 @@
 - ``uni``: one worker in the engine core's own process (``UniprocExecutor``);
 - ``mp``: one worker process per rank on this host (``MultiprocExecutor``);
 - ``ray``: one Ray actor per rank, placed on a Ray cluster (``RayExecutor``).
+
+The last two share their steps' bookkeeping (``octavo.executor.worker_steps``) and run a
+``WorkerHost`` (``octavo.executor.worker_host``) for each rank.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ been killed. Workers exit on their own when the engine core's process is gone.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -30,27 +29,22 @@ import sys
 import tempfile
 import time
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import zmq
 
 from octavo import envs
 from octavo.config import EngineConfig
-from octavo.executor.base import LaunchedStep, UnsampledSteps
-from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from octavo.executor.worker_steps import WorkerStepsExecutor
 from octavo.messages.executor import (
     WorkerCall,
     WorkerCallResult,
     WorkerEvent,
-    WorkerFlush,
     WorkerInput,
-    WorkerSample,
     WorkerShutdown,
-    WorkerStep,
-    WorkerStepResult,
 )
-from octavo.messages.shared_masks import SharedMasks, by_reference
+from octavo.messages.shared_masks import SharedMasks
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +65,14 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class MultiprocExecutor:
-    """Implements ``octavo.executor.base.Executor`` with one process per rank."""
+class MultiprocExecutor(WorkerStepsExecutor):
+    """Implements ``octavo.executor.base.Executor`` with one process per rank (the steps:
+    ``WorkerStepsExecutor``)."""
 
     def __init__(self, config: EngineConfig, shared_masks: SharedMasks | None = None) -> None:
         """``shared_masks``: where the engine core's grammar masks are filled, if in shared
         memory (the workers map it as they start; a bitmask in it travels as a reference)."""
-        self.config = config
-        self._shared_masks = shared_masks
-        self.world_size = config.parallel_config.world_size
+        super().__init__(config, shared_masks)
         self._tmpdir = tempfile.mkdtemp(prefix="octavo-workers-")
         self._context = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
@@ -87,13 +80,6 @@ class MultiprocExecutor:
         self._inputs: list[zmq.Socket] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._call_ids = itertools.count(1)
-        self._step_ids = itertools.count(1)
-        self._last_step_sent = 0
-        self._last_flush_sent = 0
-        self._unsampled = UnsampledSteps()
-        # See UnsampledSteps: the next step may be sent before the sample of the one before.
-        self.prepares_ahead = config.parallel_config.pipeline_parallel_size == 1
-        self._results: dict[int, ModelRunnerOutput] = {}
         self._spin_s = envs.worker_spin_s()
         self._closed = False
         try:
@@ -133,44 +119,7 @@ class MultiprocExecutor:
                     self.world_size, self.config.parallel_config.tensor_parallel_size,
                     self.config.parallel_config.pipeline_parallel_size)
 
-    # ---- the Executor protocol -----------------------------------------------------------
-
-    def initialize_kv_cache(self) -> int:
-        counts = self._call("determine_num_blocks")
-        num_blocks = min(counts)
-        if len(set(counts)) > 1:
-            logger.info("KV blocks per rank %s: every rank uses %d", counts, num_blocks)
-        self._call("initialize_cache", num_blocks)
-        return num_blocks
-
-    def initialize_swap_space(self) -> int:
-        num_blocks = min(self._call("determine_num_host_blocks"))
-        self._call("initialize_host_cache", num_blocks)
-        return num_blocks
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).result()
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
-        step_id = next(self._step_ids)
-        bitmask = scheduler_output.grammar_bitmask
-        if bitmask is not None and self._shared_masks is not None:
-            scheduler_output = dataclasses.replace(scheduler_output,
-                                                   grammar_bitmask=by_reference(bitmask))
-        self._broadcast(WorkerStep(step_id=step_id, scheduler_output=scheduler_output))
-        self._last_step_sent = step_id
-        self._unsampled.launched(step_id, scheduler_output)
-        return LaunchedStep(self, step_id)
-
-    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
-        step_id = self._unsampled.next_to_sample(self._last_step_sent)
-        if grammar_bitmask is not None and self._shared_masks is not None:
-            grammar_bitmask = by_reference(grammar_bitmask)
-        self._broadcast(WorkerSample(step_id=step_id, grammar_bitmask=grammar_bitmask))
-
-    def discard_in_flight(self) -> None:
-        self._results.clear()
-        self._unsampled.clear()
+    # ---- the Executor protocol (the steps: WorkerStepsExecutor) ----------------------------
 
     def check_health(self) -> None:
         for rank, process in enumerate(self._processes):
@@ -185,7 +134,7 @@ class MultiprocExecutor:
         alive = [p for p in self._processes if p.is_alive()]
         if alive:
             try:
-                self._broadcast(WorkerShutdown())
+                self._send(WorkerShutdown())
             except zmq.ZMQError:
                 pass
             deadline = time.monotonic() + 10.0
@@ -198,30 +147,12 @@ class MultiprocExecutor:
         self._context.term()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-    # ---- steps ---------------------------------------------------------------------------
-
-    def wait_step(self, step_id: int) -> ModelRunnerOutput:
-        """The output rank's results of step ``step_id`` (asking for them when no later step
-        was launched to push them out)."""
-        if step_id not in self._results and self._last_flush_sent < step_id \
-                and self._last_step_sent == step_id:
-            self._broadcast(WorkerFlush(step_id=step_id))
-            self._last_flush_sent = step_id
-        while step_id not in self._results:
-            event = self._receive(_CALL_TIMEOUT_S)
-            if isinstance(event, WorkerStepResult):
-                if event.error is not None:
-                    self._fail(f"the step failed on {event.error}")
-                assert event.output is not None
-                self._results[event.step_id] = event.output
-        return self._results.pop(step_id)
-
     # ---- plumbing ------------------------------------------------------------------------
 
     def _call(self, method: str, arg: int | None = None) -> list[int | None]:
         """Call a lifecycle method on every rank; return each rank's value, in rank order."""
         call_id = next(self._call_ids)
-        self._broadcast(WorkerCall(call_id=call_id, method=method, arg=arg))
+        self._send(WorkerCall(call_id=call_id, method=method, arg=arg))
         values: dict[int, int | None] = {}
         while len(values) < self.world_size:
             event = self._receive(_CALL_TIMEOUT_S)
@@ -231,10 +162,13 @@ class MultiprocExecutor:
                 values[event.rank] = event.value
         return [values[rank] for rank in range(self.world_size)]
 
-    def _broadcast(self, message: WorkerInput) -> None:
+    def _send(self, message: WorkerInput) -> None:
         frame = self._encoder.encode(message)
         for sock in self._inputs:
             sock.send(frame, copy=False)
+
+    def _next_events(self) -> list[WorkerEvent]:
+        return [self._receive(_CALL_TIMEOUT_S)]
 
     def _receive(self, timeout_s: float) -> WorkerEvent:
         """The next message from any worker; raises if a worker dies or none answers. Polls
@@ -261,7 +195,7 @@ class MultiprocExecutor:
             if time.monotonic() > deadline:
                 self._fail(f"no answer from the workers in {timeout_s:.0f} s")
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> NoReturn:
         """Stop every worker (a collective would otherwise wait on the dead one) and raise.
 
         A rank that died is named first: the others usually fail because of it (a collective

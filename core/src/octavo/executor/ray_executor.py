@@ -20,23 +20,19 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
 from octavo.config import EngineConfig
-from octavo.executor.base import LaunchedStep, UnsampledSteps
 from octavo.executor.multiproc import WorkerDiedError, free_tcp_port
-from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from octavo.executor.worker_steps import WorkerStepsExecutor
 from octavo.messages.executor import (
     WorkerCall,
     WorkerCallResult,
     WorkerEvent,
-    WorkerFlush,
     WorkerInput,
-    WorkerSample,
     WorkerShutdown,
-    WorkerStep,
     WorkerStepResult,
 )
 
@@ -95,28 +91,21 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
         return f"{host}:{port}: {exc.strerror or exc}"
 
 
-class RayExecutor:
-    """Implements ``octavo.executor.base.Executor`` with Ray actors."""
+class RayExecutor(WorkerStepsExecutor):
+    """Implements ``octavo.executor.base.Executor`` with Ray actors (the steps:
+    ``WorkerStepsExecutor``; bitmasks carry their rows: actors may run on other hosts)."""
 
     def __init__(self, config: EngineConfig) -> None:
         import ray
 
-        self.config = config
-        self.world_size = config.parallel_config.world_size
+        super().__init__(config)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerEvent)
         self._call_ids = itertools.count(1)
-        self._step_ids = itertools.count(1)
-        self._last_step_sent = 0
-        self._last_flush_sent = 0
-        self._unsampled = UnsampledSteps()
-        # See UnsampledSteps: the next step may be sent before the sample of the one before.
-        self.prepares_ahead = config.parallel_config.pipeline_parallel_size == 1
         # The output rank's answers not read yet, in the order the messages were sent.
         self._output_refs: list[Any] = []
         # Every rank's answers not checked yet (a failure on any rank must surface).
         self._other_refs: list[Any] = []
-        self._results: dict[int, ModelRunnerOutput] = {}
         self._actors: list[Any] = []
         self._placement_group: Any = None
         self._closed = False
@@ -189,54 +178,7 @@ class RayExecutor:
                 return backend.device_type
         return "cpu"
 
-    # ---- the Executor protocol -----------------------------------------------------------
-
-    def initialize_kv_cache(self) -> int:
-        num_blocks = min(self._call("determine_num_blocks"))
-        self._call("initialize_cache", num_blocks)
-        return num_blocks
-
-    def initialize_swap_space(self) -> int:
-        num_blocks = min(self._call("determine_num_host_blocks"))
-        self._call("initialize_host_cache", num_blocks)
-        return num_blocks
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).result()
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
-        step_id = next(self._step_ids)
-        self._send(WorkerStep(step_id=step_id, scheduler_output=scheduler_output))
-        self._last_step_sent = step_id
-        self._unsampled.launched(step_id, scheduler_output)
-        return LaunchedStep(self, step_id)
-
-    def wait_step(self, step_id: int) -> ModelRunnerOutput:
-        import ray
-
-        if step_id not in self._results and self._last_flush_sent < step_id \
-                and self._last_step_sent == step_id:
-            self._send(WorkerFlush(step_id=step_id))
-            self._last_flush_sent = step_id
-        while step_id not in self._results:
-            if not self._output_refs:
-                self._fail(f"step {step_id} was never answered")
-            self._check_others(ray)
-            for event in self._get(ray, self._output_refs.pop(0)):
-                if isinstance(event, WorkerStepResult):
-                    if event.error is not None:
-                        self._fail(f"the step failed on {event.error}")
-                    assert event.output is not None
-                    self._results[event.step_id] = event.output
-        return self._results.pop(step_id)
-
-    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
-        step_id = self._unsampled.next_to_sample(self._last_step_sent)
-        self._send(WorkerSample(step_id=step_id, grammar_bitmask=grammar_bitmask))
-
-    def discard_in_flight(self) -> None:
-        self._results.clear()
-        self._unsampled.clear()
+    # ---- the Executor protocol (the steps: WorkerStepsExecutor) ----------------------------
 
     def check_health(self) -> None:
         import ray
@@ -271,6 +213,14 @@ class RayExecutor:
         refs = [actor.handle.remote(frame) for actor in self._actors]
         self._output_refs.append(refs[self._output_rank])
         self._other_refs += [ref for rank, ref in enumerate(refs) if rank != self._output_rank]
+
+    def _next_events(self) -> list[WorkerEvent]:
+        import ray
+
+        if not self._output_refs:
+            self._fail("a step was never answered")
+        self._check_others(ray)
+        return self._get(ray, self._output_refs.pop(0))
 
     def _call(self, method: str, arg: int | None = None) -> list[int | None]:
         import ray
@@ -308,7 +258,7 @@ class RayExecutor:
             self._fail(f"a Ray worker failed ({type(exc).__name__})")
         return [self._decoder.decode(frame) for frame in frames]
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> NoReturn:
         """Stop every actor and raise; an actor that died is named first (the others usually
         fail because of it, in a collective with a dead peer)."""
         dead = [f"Ray worker rank {rank} died" for rank in self._dead_ranks()]
