@@ -119,3 +119,18 @@ def test_sampling_params_errors_carry_the_field():
     with pytest.raises(InvalidRequestTypeError) as info:
         SamplingParams(top_k="many")
     assert info.value.param == "top_k" and isinstance(info.value, TypeError)
+
+
+def test_process_any_runs_a_beam_search_or_sampling_and_refuses_a_beam_search_with_lora():
+    from octavo.lora_request import LoRARequest
+    from octavo.sampling_params import BeamSearchParams
+
+    processor = make()
+    beams = processor.process_any("b", [5, 6], BeamSearchParams(beam_width=2, max_tokens=4))
+    sampled = processor.process_any("s", [5, 6], SamplingParams(max_tokens=4, n=2))
+    assert len(beams.core_requests) == 1 and beams.core_requests[0].beam_search is not None
+    assert len(sampled.core_requests) == 2
+    with pytest.raises(InvalidRequestError, match="LoRA adapter") as info:
+        processor.process_any("c", [5, 6], BeamSearchParams(beam_width=2, max_tokens=4),
+                              lora_request=LoRARequest("sql", 1, "/adapters/sql"))
+    assert info.value.param == "lora_request"

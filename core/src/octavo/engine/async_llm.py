@@ -34,7 +34,6 @@ from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
 from octavo.engine.processor import KVCacheCapacity, Processor, PromptType
 from octavo.engine.stats import IterationStats, StatLogger
 from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
-from octavo.errors import InvalidRequestError
 from octavo.lora_request import LoRARequest
 from octavo.messages import SchedulerStats
 from octavo.messages.engine_core import (
@@ -178,14 +177,7 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(params, BeamSearchParams):
-            if lora_request is not None:
-                raise InvalidRequestError("beam search with a LoRA adapter is not supported",
-                                          param="lora_request")
-            processed = self.processor.process_beam_search(request_id, prompt, params,
-                                                           arrival_time, priority)
-        else:
-            processed = self.processor.process(request_id, prompt, params, arrival_time,
+        processed = self.processor.process_any(request_id, prompt, params, arrival_time,
                                                priority, lora_request)
         queue = RequestOutputCollector(merge_deltas=output_kind is RequestOutputKind.DELTA)
         self.output_processor.add_request(request_id, processed, output_kind)

@@ -14,9 +14,8 @@ from octavo.engine.output_processor import OutputProcessor, RequestOutputKind
 from octavo.engine.processor import KVCacheCapacity, ProcessedPrompt, Processor, PromptType
 from octavo.engine.tokenizer import eos_token_ids, load_tokenizer
 from octavo.engine_core.core import EngineCore
-from octavo.messages import SchedulerStats
-from octavo.errors import InvalidRequestError
 from octavo.lora_request import LoRARequest
+from octavo.messages import SchedulerStats
 from octavo.outputs import RequestOutput
 from octavo.plugins import get_plugin_manager
 from octavo.sample.logits_processor import LogitsProcessorRegistry
@@ -93,14 +92,7 @@ class LLMEngine:
         """
         if self.output_processor.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(params, BeamSearchParams):
-            if lora_request is not None:
-                raise InvalidRequestError("beam search with a LoRA adapter is not supported",
-                                          param="lora_request")
-            processed = self.processor.process_beam_search(request_id, prompt, params,
-                                                           arrival_time, priority)
-        else:
-            processed = self.processor.process(request_id, prompt, params, arrival_time,
+        processed = self.processor.process_any(request_id, prompt, params, arrival_time,
                                                priority, lora_request)
         for core_request in processed.core_requests:
             self.engine_core.add_request(core_request)

@@ -203,6 +203,24 @@ class Processor:
         ]
         return ProcessedPrompt(text, token_ids, params, core_requests)
 
+    def process_any(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | BeamSearchParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> ProcessedPrompt:
+        """``process``, or ``process_beam_search`` for a ``BeamSearchParams`` (which runs
+        without a LoRA adapter)."""
+        if not isinstance(params, BeamSearchParams):
+            return self.process(request_id, prompt, params, arrival_time, priority, lora_request)
+        if lora_request is not None:
+            raise InvalidRequestError("beam search with a LoRA adapter is not supported",
+                                      param="lora_request")
+        return self.process_beam_search(request_id, prompt, params, arrival_time, priority)
+
     def process_beam_search(
         self,
         request_id: str,
