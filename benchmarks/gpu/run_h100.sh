@@ -342,7 +342,7 @@ for stage in "${stages[@]}"; do
          [ -z "$spin" ] || export OCTAVO_GRAMMAR_SPIN_US=$spin
          [ -z "$threads" ] || export OCTAVO_GRAMMAR_THREADS=$threads
          structured_w1) 2>>"$OUT/bench-structured-process.err" \
-          | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio|grammar :"
+          | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio|grammar :|engine  :"
       done
       for cfg in ${PROFILE_CONFIGS:-1:parallel 0:parallel 1:loop}; do
         IFS=: read -r proc accept spin <<< "$cfg"
@@ -371,7 +371,7 @@ for stage in "${stages[@]}"; do
         (export OCTAVO_PREPARE_AHEAD=$ahead
          [ -z "$spin" ] || export OCTAVO_WORKER_SPIN_US=$spin
          structured_w1 --distributed-executor-backend mp) 2>>"$OUT/bench-structured-mp.err" \
-          | tee -a "$OUT/bench-structured-mp.log" | grep -E "^(json|free|ratio|grammar) "
+          | tee -a "$OUT/bench-structured-mp.log" | grep -E "^(json|free|ratio|grammar|engine) "
       done
       ;;
     w1-timeline-structured)

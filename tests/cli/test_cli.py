@@ -124,6 +124,12 @@ def test_bench_throughput_structured_json(tiny_llama, engine):
     assert result["grammar_steps"] >= 1
     assert result["grammar_wait_s"] > 0 and result["grammar_work_s"] > 0
     assert "the engine thread waited" in done.stdout
+    # Where each run's engine-thread time went (SchedulerStats' engine_*).
+    for prefix in ("", "unconstrained_"):
+        assert result[f"{prefix}engine_steps"] >= 8
+        assert result[f"{prefix}engine_result_wait_s"] > 0
+        assert result[f"{prefix}engine_schedule_s"] > 0
+    assert "the engine thread scheduled" in done.stdout and "unconstrained run," in done.stdout
     # Each timed run started from an empty prefix cache (through the engine core's utility
     # call with --async-engine).
     assert "prefix cache could not be emptied" not in done.stderr

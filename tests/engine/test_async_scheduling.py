@@ -188,3 +188,33 @@ def test_backend_default_and_override(tiny_llama: Path) -> None:
     """The CPU backend runs steps synchronously, so it defaults to one step at a time."""
     assert not make_llm(tiny_llama).llm_engine.engine_core.async_scheduling
     assert make_llm(tiny_llama, async_scheduling=True).llm_engine.engine_core.async_scheduling
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stats_say_where_the_engine_threads_step_time_went(tiny_llama: Path,
+                                                           async_scheduling: bool) -> None:
+    """``SchedulerStats.engine_*``: every launched step counted once (as the executor saw it),
+    and time in each phase; one step at a time, the launch is part of the wait."""
+    llm = make_llm(tiny_llama, async_scheduling=async_scheduling)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        calls = [0]
+        launch = executor.execute_model_async if async_scheduling else executor.execute_model
+
+        def counted(scheduler_output):
+            calls[0] += 1
+            return launch(scheduler_output)
+
+        if async_scheduling:
+            executor.execute_model_async = counted
+        else:
+            executor.execute_model = counted
+        before = llm.llm_engine.stats()
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(6), use_tqdm=False)
+        after = llm.llm_engine.stats()
+        assert after.engine_steps - before.engine_steps == calls[0] >= 6  # 6 tokens each
+        for name in ("schedule", "result_wait", "record"):
+            assert getattr(after, f"engine_{name}_s") > getattr(before, f"engine_{name}_s")
+        assert (after.engine_launch_s > before.engine_launch_s) == async_scheduling
+    finally:
+        llm.llm_engine.shutdown()

@@ -172,6 +172,9 @@ class _OctavoRun:
     # Structured outputs: the steps whose sampling waited for grammar work, the engine
     # thread's seconds blocked on it, and that work's own seconds (SchedulerStats').
     grammar: tuple[int, float, float] = (0, 0.0, 0.0)
+    # The engine thread's steps and seconds scheduling, launching, waiting for results and
+    # recording them (SchedulerStats' engine_*).
+    engine: tuple[int, float, float, float, float] = (0, 0.0, 0.0, 0.0, 0.0)
 
 
 def _grammar_since(before, after) -> tuple[int, float, float]:
@@ -179,6 +182,31 @@ def _grammar_since(before, after) -> tuple[int, float, float]:
     return (after.structured_output_steps - before.structured_output_steps,
             after.structured_output_wait_s - before.structured_output_wait_s,
             after.structured_output_work_s - before.structured_output_work_s)
+
+
+_ENGINE_FIELDS = ("engine_steps", "engine_schedule_s", "engine_launch_s", "engine_result_wait_s",
+                  "engine_record_s")
+
+
+def _engine_since(before, after) -> tuple[int, float, float, float, float]:
+    """The ``engine_*`` counters of a run, from the stats before and after it."""
+    return tuple(getattr(after, name) - getattr(before, name)  # type: ignore[return-value]
+                 for name in _ENGINE_FIELDS)
+
+
+def _report_engine_times(run_name: str, engine: tuple[int, float, float, float, float],
+                         result: dict, prefix: str) -> None:
+    """Print where a run's engine-thread time went and put it in ``result`` (``prefix`` +
+    the ``engine_*`` names). Nothing for a run the counters did not see."""
+    steps = engine[0]
+    for name, value in zip(_ENGINE_FIELDS, engine):
+        result[prefix + name] = value if name == "engine_steps" else round(value, 4)
+    if steps:
+        _, schedule_s, launch_s, wait_s, record_s = engine
+        print(f"engine  : {run_name}{steps} steps; the engine thread scheduled {schedule_s:.3f} s, "
+              f"launched {launch_s:.3f} s, waited for results {wait_s:.3f} s, recorded "
+              f"{record_s:.3f} s ({1e3 * (schedule_s + launch_s + record_s) / steps:.3f} ms of "
+              "host work a step)")
 
 
 def _throughput_params(output_lens: list[int], ignore_eos: bool):
@@ -225,7 +253,7 @@ def _run_offline(llm, workload: Workload, params) -> _OctavoRun:
     stats = llm.llm_engine.stats()
     return _OctavoRun(elapsed, sum(lens), stats.num_preemptions - before.num_preemptions, lens,
                       stats.num_preemptions_swap - before.num_preemptions_swap,
-                      _grammar_since(before, stats))
+                      _grammar_since(before, stats), _engine_since(before, stats))
 
 
 async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
@@ -262,7 +290,7 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     stats = engine.scheduler_stats
     return _OctavoRun(elapsed, sum(counts), stats.num_preemptions - before.num_preemptions,
                       list(counts), stats.num_preemptions_swap - before.num_preemptions_swap,
-                      _grammar_since(before, stats))
+                      _grammar_since(before, stats), _engine_since(before, stats))
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
@@ -378,6 +406,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     print(f"{label}: {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} "
           f"output tok/s, {result['total_tokens_per_s']:.1f} total tok/s "
           f"({len(workload.prompts)} requests, {elapsed:.1f} s)")
+    _report_engine_times("", run.engine, result, "")
     if structured:
         free = runs[1]
         free_tok_s = free.num_output_tokens / free.elapsed_s
@@ -388,6 +417,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         print(f"free    : {free_tok_s:.1f} output tok/s (the same requests and output lengths, "
               f"unconstrained, {free.elapsed_s:.1f} s)")
         print(f"ratio   : json / unconstrained = {result['structured_vs_unconstrained']:.2f}x")
+        _report_engine_times("unconstrained run, ", free.engine, result, "unconstrained_")
         steps, wait_s, work_s = run.grammar
         result["grammar_steps"] = steps
         result["grammar_wait_s"] = round(wait_s, 4)

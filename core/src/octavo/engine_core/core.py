@@ -88,6 +88,19 @@ class _GrammarTimes:
         self.work_s += work_s
 
 
+@dataclass(slots=True)
+class _StepTimes:
+    """Where the engine thread's step time went since start (``SchedulerStats``'
+    ``engine_*``): scheduling, launching in the executor, waiting for launched steps'
+    results, recording them."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0
+    result_wait_s: float = 0.0
+    record_s: float = 0.0
+
+
 def make_structured_outputs(config: EngineConfig) -> StructuredOutputManager | GrammarProcess:
     """The engine core's grammars: in a process of their own (``OCTAVO_GRAMMAR_PROCESS``; by
     default under async scheduling, where a step's grammar work runs beside the engine
@@ -164,6 +177,7 @@ class EngineCore:
             else envs.grammar_switch_interval_s())
         self._saved_switch_interval: float | None = None
         self._grammar_times = _GrammarTimes()
+        self._step_times = _StepTimes()
         # Prepare a step while the grammars finish the one before (Executor.prepares_ahead).
         self._prepare_ahead = self.executor.prepares_ahead and envs.prepare_ahead()
         spec = config.speculative_config
@@ -226,7 +240,10 @@ class EngineCore:
         failed = self._admit_compiled_grammars()
         if self.max_in_flight > 1:
             return failed + self._step_pipelined()
+        times = self._step_times
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        times.schedule_s += time.perf_counter() - start
         if scheduler_output.is_empty:
             if scheduler_output.has_worker_updates:
                 # Lets the workers drop state and move blocks (a swap-out).
@@ -236,15 +253,30 @@ class EngineCore:
             rows, _ = self._constrained_rows(scheduler_output)
             if rows:
                 scheduler_output.grammar_bitmask = self._bitmask_now(rows)
+            start = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output)
+            # One step at a time: the launch and the wait are one call; counted as the wait.
+            times.result_wait_s += time.perf_counter() - start
+            times.steps += 1
         except BaseException:
             # KeyboardInterrupt or a failed forward: the step's KV writes cannot be trusted.
             self.scheduler.discard_steps([scheduler_output])
             raise
-        return failed + self._record(scheduler_output, runner_output)
+        return failed + self._timed_record(scheduler_output, runner_output)
+
+    def _timed_record(self, scheduler_output: SchedulerOutput, runner_output,
+                      deferred_rows: list[str] | None = None) -> list[EngineCoreOutput]:
+        """``_record``, its time counted (``SchedulerStats.engine_record_s``)."""
+        start = time.perf_counter()
+        outputs = self._record(scheduler_output, runner_output, deferred_rows)
+        self._step_times.record_s += time.perf_counter() - start
+        return outputs
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
+        times = self._step_times
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        times.schedule_s += time.perf_counter() - start
         launched = False
         refused: dict[str, str] = {}
         try:
@@ -266,7 +298,10 @@ class EngineCore:
                 if rows and not deferred:
                     scheduler_output.grammar_bitmask = self._bitmask_now(rows)
                 scheduler_output.sampling_deferred = deferred
+                start = time.perf_counter()
                 pending = self.executor.execute_model_async(scheduler_output)
+                times.launch_s += time.perf_counter() - start
+                times.steps += 1
                 self._in_flight.append(_InFlightStep(scheduler_output, pending))
                 launched = True
                 if ahead:
@@ -283,10 +318,12 @@ class EngineCore:
             oldest = self._in_flight[0]
             # When nothing was launched, the oldest step may be the deferred one.
             outputs += self._end_refused(self._launch_deferred_sampling())
+            start = time.perf_counter()
             runner_output = oldest.pending.result()
+            times.result_wait_s += time.perf_counter() - start
             self._in_flight.popleft()
             deferred_rows, self._deferred_rows = self._deferred_rows, None
-            outputs += self._record(oldest.scheduler_output, runner_output, deferred_rows)
+            outputs += self._timed_record(oldest.scheduler_output, runner_output, deferred_rows)
             if not self.scheduler.has_unfinished_requests():
                 # Every request is done: the caller may not step again for a while (an
                 # in-process LLM returns), so the process keeps Python's own switch interval
@@ -316,8 +353,10 @@ class EngineCore:
             accepted = pending.result()
         finally:
             self._end_grammar_window()
-        self._grammar_times.add(time.perf_counter() - start, accepted.work_s, step=True)
+        launch = time.perf_counter()
+        self._grammar_times.add(launch - start, accepted.work_s, step=True)
         self.executor.sample_tokens(accepted.bitmask)
+        self._step_times.launch_s += time.perf_counter() - launch
         return accepted.errors
 
     def _drop_deferred_sampling(self) -> None:
@@ -496,6 +535,12 @@ class EngineCore:
         stats.structured_output_steps = times.steps
         stats.structured_output_wait_s = times.wait_s
         stats.structured_output_work_s = times.work_s
+        steps = self._step_times
+        stats.engine_steps = steps.steps
+        stats.engine_schedule_s = steps.schedule_s
+        stats.engine_launch_s = steps.launch_s
+        stats.engine_result_wait_s = steps.result_wait_s
+        stats.engine_record_s = steps.record_s
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -155,6 +155,15 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     structured_output_steps: int = 0
     structured_output_wait_s: float = 0.0
     structured_output_work_s: float = 0.0
+    # The engine core's thread, since start: steps it launched, and its seconds scheduling,
+    # launching in the executor (a step, a deferred sampling), waiting for launched steps'
+    # results (with one step at a time: running them) and recording them (grammar accepts on
+    # this thread included). Beside the grammar counters: where a run's host time went.
+    engine_steps: int = 0
+    engine_schedule_s: float = 0.0
+    engine_launch_s: float = 0.0
+    engine_result_wait_s: float = 0.0
+    engine_record_s: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
