@@ -157,11 +157,15 @@ def test_structured_outputs_when_split(model_folder, parallel):
             return launch(scheduler_output)
 
         executor.execute_model_async = spy
+        sent = bitmasks_sent(llm)
         assert texts(llm) == want
         assert want[1] in ("alpha", "beta", "gamma")
         pipelined = "pipeline_parallel_size" in parallel
         assert executor.prepares_ahead == (not pipelined)
         assert any(deferred) == (not pipelined)
+        # The masks reach the ranks by reference (the grammar process's buffers with async
+        # scheduling, the engine core's own without), never in the messages.
+        assert sent and all(b.shared_buffer in (0, 1) and len(b.data) == 0 for b in sent)
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from octavo.messages.shared_masks import SharedMasks
 from octavo.sampling_params import StructuredOutputsParams
 from octavo.structured_output.manager import StructuredOutputManager
 from octavo.structured_output.process import GrammarProcess
@@ -28,10 +29,13 @@ def tokenizer(tiny_llama):
 VOCAB = 400  # wider than the tokenizer's 384 tokens, as padded embeddings are
 
 
-@pytest.fixture(params=["thread", "process"])
+@pytest.fixture(params=["thread", "thread-shared", "process"])
 def manager(request, tokenizer, tiny_llama):
     if request.param == "thread":
         m = StructuredOutputManager(lambda: grammar_tokenizer(tokenizer), VOCAB)
+    elif request.param == "thread-shared":  # the masks filled into shared buffers in turn
+        m = StructuredOutputManager(lambda: grammar_tokenizer(tokenizer), VOCAB,
+                                    shared_masks=SharedMasks.create(64, VOCAB))
     else:
         m = grammar_process(tiny_llama, VOCAB, max_rows=64)
     yield m
@@ -387,3 +391,29 @@ def test_a_hung_grammar_process_is_a_clear_error(tiny_llama, monkeypatch) -> Non
             process._process.send_signal(signal.SIGCONT)
     finally:
         process.shutdown()
+
+
+def test_the_threads_masks_take_the_shared_buffers_in_turn(tokenizer) -> None:
+    """With ``SharedMasks`` each step's rows go into the next of its two buffers (named by the
+    bitmask, so worker processes read them in place), the same rows as in new memory; a step
+    of more rows than the buffers hold gets new memory."""
+    shared = StructuredOutputManager(lambda: grammar_tokenizer(tokenizer), VOCAB,
+                                     shared_masks=SharedMasks.create(2, VOCAB))
+    plain = StructuredOutputManager(lambda: grammar_tokenizer(tokenizer), VOCAB)
+    try:
+        requests = {"d": StructuredOutputsParams(regex=r"[0-9]+"),
+                    "c": StructuredOutputsParams(choice=["yes", "no"])}
+        compile_all(shared, requests)
+        compile_all(plain, requests)
+        first, second = shared.bitmask(["d", "c"]), shared.bitmask(["c"])
+        assert (first.shared_buffer, second.shared_buffer) == (0, 1)
+        assert bytes(first.data) == bytes(plain.bitmask(["d", "c"]).data)
+        third = shared.accept_and_bitmask_async({}, ["d"]).result().bitmask
+        assert third.shared_buffer == 0
+        assert allowed_rows_of(third) == allowed_rows_of(plain.bitmask(["d"]))
+        assert bytes(second.data) == bytes(plain.bitmask(["c"]).data)  # not overwritten
+        wide = shared.bitmask(["d", "c", "gone"])
+        assert wide.shared_buffer is None and len(wide.data) == 3 * wide.num_words * 4
+    finally:
+        shared.shutdown()
+        plain.shutdown()

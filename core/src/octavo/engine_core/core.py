@@ -54,6 +54,7 @@ from octavo.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from octavo.messages.shared_masks import SharedMasks
 from octavo.reasoning import get_reasoning_parser
 from octavo.scheduler.scheduler import Scheduler
 from octavo.structured_output.manager import PendingAccept, StructuredOutputManager
@@ -105,7 +106,7 @@ def make_structured_outputs(config: EngineConfig) -> StructuredOutputManager | G
     """The engine core's grammars: in a process of their own (``OCTAVO_GRAMMAR_PROCESS``; by
     default under async scheduling, where a step's grammar work runs beside the engine
     thread's Python, whose GIL it would share in process: docs/benchmarks.md) or on the engine
-    core's threads."""
+    core's threads. Either fills the masks into ``SharedMasks``, which worker processes map."""
     reasoning = config.model_config.reasoning_parser
     tokenizer_loader = functools.partial(load_grammar_tokenizer, config.model_config)
     in_a_process = envs.grammar_process()
@@ -118,7 +119,9 @@ def make_structured_outputs(config: EngineConfig) -> StructuredOutputManager | G
                               accept_parallel=envs.grammar_accept() == "parallel")
     return StructuredOutputManager(
         tokenizer_loader, config.model_config.vocab_size,
-        reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None)
+        reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None,
+        shared_masks=SharedMasks.create(config.scheduler_config.max_num_seqs,
+                                        config.model_config.vocab_size))
 
 
 class EngineCore:
@@ -131,7 +134,7 @@ class EngineCore:
         # server's first constraint then waits only for its own compilation.
         self.structured_outputs.warm_up()
         try:
-            # Worker processes read the grammar process's masks in place.
+            # Worker processes read the grammars' masks in place (SharedMasks).
             self.executor: Executor = create_executor(
                 config, shared_masks=self.structured_outputs.shared_masks)
         except BaseException:

@@ -8,8 +8,9 @@ The engine core (this process) spawns ``world_size`` worker processes; each runs
 ``octavo.messages.executor`` over zmq ipc sockets in a private folder: one PUSH socket per
 rank for what the engine core sends (the same encoded step to every rank), one PULL socket
 for what comes back (the output rank's results; every rank's answer to a lifecycle call).
-Grammar masks filled in ``SharedMasks`` (the grammar process's) do not cross the sockets: every
-worker maps those buffers, inherited as it starts, and a step's messages name the buffer.
+Grammar masks filled in ``SharedMasks`` (by the engine core's grammars) do not cross the
+sockets: every worker maps those buffers, inherited as it starts, and a step's messages name
+the buffer.
 
 Failures never hang: while it waits, the executor watches every worker process; one that
 exits makes the step raise (naming the rank and its exit code) after every other worker has

@@ -5,9 +5,10 @@ in one file of shared memory without a name (``memfd_create``; an unlinked file 
 where there is none). It reaches another process only as an open descriptor, passed when that
 process starts, so nothing is left behind however the processes end.
 
-The grammar process (``octavo.structured_output.process``) fills a step's rows into one
-buffer, the next constrained step's into the other, and so on in turn. The ``GrammarBitmask``
-it returns is a view of those rows that also names its buffer (``shared_buffer``). An
+The engine core's grammars (the grammar process, ``octavo.structured_output.process``, or the
+manager on the engine core's threads) fill a step's rows into one buffer, the next
+constrained step's into the other, and so on in turn. The ``GrammarBitmask`` they return is a
+view of those rows that also names its buffer (``shared_buffer``). An
 executor whose workers map the same file (``--distributed-executor-backend mp``) sends
 ``by_reference(bitmask)``: the row ids and the buffer's number, not the rows (~1.5 MB a step
 for 256 rows of a 49k vocabulary). Each worker reads them from its own mapping

@@ -107,20 +107,23 @@ class CompiledRequest:
 class StructuredOutputManager:
     """See the module docstring. Not thread-safe: the engine core calls it from one thread."""
 
-    # The masks are new buffers of this process (``GrammarProcess`` fills ``SharedMasks``).
-    shared_masks: SharedMasks | None = None
-
     def __init__(
         self,
         tokenizer_factory: Callable[[], GrammarTokenizer],
         vocab_size: int,
         num_threads: int | None = None,
         reasoning_parser: type[Any] | None = None,
+        shared_masks: SharedMasks | None = None,
     ) -> None:
         """``tokenizer_factory`` returns the model's tokenizer as grammars use it (called
         once, on the compile thread); ``vocab_size`` is the model's (the logits' width, which
         may exceed the tokenizer's); ``reasoning_parser`` (a ``ReasoningParser`` class) makes
-        constraints start after the reasoning."""
+        constraints start after the reasoning; ``shared_masks`` (owned from here on): where
+        steps' masks are filled, its two buffers in turn, so that worker processes mapping
+        them read the rows in place (a step of more rows than they hold gets new memory);
+        None: new memory every step. A bitmask is valid until the step after the next one."""
+        self.shared_masks = shared_masks
+        self._next_buffer = 0
         self._tokenizer_factory = tokenizer_factory
         self._reasoning_parser = reasoning_parser
         self._gate: ReasoningGate | None = None
@@ -231,6 +234,8 @@ class StructuredOutputManager:
             self._filler.shutdown(wait=True)
         self._compiling.clear()
         self._matchers.clear()
+        if self.shared_masks is not None:
+            self.shared_masks.close()
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -255,7 +260,7 @@ class StructuredOutputManager:
         matcher (it finished while its step was in flight: what it samples is thrown away) or
         still thinking gets a row allowing everything; one that may start thinking gets its
         grammar's row plus the start tag."""
-        bitmask, rows = self._new_bitmask(list(request_ids))
+        bitmask, rows = self._target(list(request_ids))
         self._fill(bitmask.req_ids, self._row_matchers(request_ids), rows)
         return bitmask
 
@@ -285,11 +290,11 @@ class StructuredOutputManager:
         advances = self._advances(sampled)
         entries = self._row_matchers(request_ids)
         request_ids = list(request_ids)
+        bitmask, rows = self._target(request_ids)  # here: buffers are taken in call order
 
         def run() -> AcceptedStep:
             start = time.perf_counter()
             errors = self._advance(advances, parallel=self._accept_parallel)
-            bitmask, rows = self._new_bitmask(request_ids)
             self._fill(request_ids, entries, rows)
             return AcceptedStep(errors, bitmask, time.perf_counter() - start)
 
@@ -352,6 +357,15 @@ class StructuredOutputManager:
         matchers = self._matchers
         return [(entry, row) for row, request_id in enumerate(request_ids)
                 if (entry := matchers.get(request_id)) is not None]
+
+    def _target(self, request_ids: list[str]) -> tuple[GrammarBitmask, np.ndarray]:
+        """A bitmask of ``request_ids`` to be filled, and its rows as an int32 array: the
+        next of the shared buffers when they hold the rows, else new memory."""
+        masks = self.shared_masks
+        if masks is None or not request_ids or len(request_ids) > masks.max_rows:
+            return self._new_bitmask(request_ids)
+        buffer, self._next_buffer = self._next_buffer, self._next_buffer ^ 1
+        return masks.bitmask(buffer, request_ids), masks.array[buffer, :len(request_ids)]
 
     def _new_bitmask(self, request_ids: list[str]) -> tuple[GrammarBitmask, np.ndarray]:
         """A bitmask of ``request_ids`` to be filled, and its rows as an int32 array."""
