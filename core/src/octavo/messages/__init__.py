@@ -11,6 +11,9 @@ Every layer may import from here; nothing here imports a layer above it (only
   ``GrammarBitmask`` (the token masks of a step's constrained requests).
 - ``runner_output``: workers -> scheduler: ``ModelRunnerOutput``.
 - ``logprobs``: ``LogprobsLists``, the logprobs of consecutive positions.
+- ``shared_masks``: ``SharedMasks``, the two buffers of grammar masks in shared memory that a
+  ``GrammarBitmask`` may name instead of carrying its rows.
+- ``executor``: executor <-> worker processes (``WorkerStep``, ``WorkerSample``, ...).
 """
 
 from octavo.messages.engine_core import EngineCoreOutput, EngineCoreRequest, SchedulerStats
