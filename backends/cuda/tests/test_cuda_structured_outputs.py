@@ -13,7 +13,7 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.sample.sampler import unpack_bitmask
 
-from tests.distributed.test_equivalence import launches_ahead
+from tests.distributed.test_equivalence import bitmasks_sent, launches_ahead
 from tests.helpers.tiny import make_tiny_model
 from tests.structured_output.test_engine import PROMPTS, check, constrained
 
@@ -47,8 +47,9 @@ def test_unpack_on_the_gpu_equals_the_cpu(vocab_size: int) -> None:
 
 @pytest.mark.parametrize("backend", ["uni", "mp"])
 def test_constrained_outputs_async_equal_sync_beside_free_rows(model_dir, backend: str) -> None:
-    """In process and with the rank in a worker process (``mp``), the next step prepared while
-    the grammars finish the one before."""
+    """In process and with the rank in a worker process (``mp``, the masks read from the
+    grammar process's shared buffers), the next step prepared while the grammars finish the
+    one before."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     params = [constrained(KINDS[i % 4]) if i % 2 == 0 else free for i in range(len(PROMPTS))]
@@ -61,10 +62,13 @@ def test_constrained_outputs_async_equal_sync_beside_free_rows(model_dir, backen
                     distributed_executor_backend=backend)
     assert pipelined.llm_engine.engine_core.async_scheduling
     ahead = launches_ahead(pipelined)
+    sent = bitmasks_sent(pipelined) if backend == "mp" else None
     want = sync.generate(prompts, params, use_tqdm=False)
     got = pipelined.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert any(ahead)
+    if sent is not None:
+        assert sent and all(b.shared_buffer in (0, 1) and len(b.data) == 0 for b in sent)
     for out, p in zip(got, params):
         if p.structured_outputs is not None:
             kind = p.structured_outputs.key()[0]
