@@ -1,8 +1,10 @@
 """A worker process's receive of a sample message (``WorkerSample`` with a step's grammar
-bitmask) over zmq ipc, as ``octavo.executor.multiproc.run_worker`` does it, against the way it
-did before 2026-12-03: the frame copied out of zmq (``recv()``) and the bitmask decoded into a
-new ``bytes`` (a ``bytes`` field), then, both ways, the rows staged as the runner stages them
-(one copy into a kept int32 array).
+bitmask, its rows in the message) over zmq ipc, as ``octavo.executor.multiproc.run_worker``
+does it, against the way it did before 2026-12-03: the frame copied out of zmq (``recv()``)
+and the bitmask decoded into a new ``bytes`` (a ``bytes`` field), then, both ways, the rows
+staged as the runner stages them (one copy into a kept int32 array). Since the second session
+of 2026-12-03 the multiprocess executor's messages name a buffer of ``SharedMasks`` instead
+of carrying the rows: ``bench_shared_masks.py`` times that against the rows by value.
 
     python benchmarks/cpu/bench_worker_messages.py [--rows 256] [--vocab 49152] [--repeats 300]
 
