@@ -165,7 +165,7 @@ def test_structured_outputs_when_split(model_folder, parallel):
         assert any(deferred) == (not pipelined)
         # The masks reach the ranks by reference (the grammar process's buffers with async
         # scheduling, the engine core's own without), never in the messages.
-        assert sent and all(b.shared_buffer in (0, 1) and len(b.data) == 0 for b in sent)
+        assert_sent_by_reference(sent)
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()
@@ -225,6 +225,12 @@ def bitmasks_sent(llm) -> list:
     return sent
 
 
+def assert_sent_by_reference(sent: list) -> None:
+    """Bitmasks were sent (``bitmasks_sent``), each as a buffer of the shared masks with no
+    rows in the message."""
+    assert sent and all(b.shared_buffer in (0, 1) and len(b.data) == 0 for b in sent)
+
+
 def outputs_of(llm, params) -> list:
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(params)]]
     return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs], o.prompt_logprobs)
@@ -260,7 +266,7 @@ def test_structured_outputs_when_split_with_the_next_step_prepared_ahead(
             assert_close_logprobs(logprobs, want_logprobs)
             assert_close_logprobs([prompt_logprobs], [want_prompt])
         assert any(ahead) == (prepare_ahead == "1")
-        assert sent and all(b.shared_buffer in (0, 1) and len(b.data) == 0 for b in sent)
+        assert_sent_by_reference(sent)
         assert llm.llm_engine.stats().num_preemptions > 0
         assert_no_leaks(llm)
     finally:

@@ -13,7 +13,11 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.sample.sampler import unpack_bitmask
 
-from tests.distributed.test_equivalence import bitmasks_sent, launches_ahead
+from tests.distributed.test_equivalence import (
+    assert_sent_by_reference,
+    bitmasks_sent,
+    launches_ahead,
+)
 from tests.helpers.tiny import make_tiny_model
 from tests.structured_output.test_engine import PROMPTS, check, constrained
 
@@ -68,7 +72,7 @@ def test_constrained_outputs_async_equal_sync_beside_free_rows(model_dir, backen
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert any(ahead)
     if sent is not None:
-        assert sent and all(b.shared_buffer in (0, 1) and len(b.data) == 0 for b in sent)
+        assert_sent_by_reference(sent)
     for out, p in zip(got, params):
         if p.structured_outputs is not None:
             kind = p.structured_outputs.key()[0]

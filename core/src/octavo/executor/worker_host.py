@@ -140,12 +140,12 @@ class WorkerHost:
 
     def _rows(self, bitmask: GrammarBitmask) -> GrammarBitmask:
         """``bitmask`` with its rows (read from the shared masks when sent by reference)."""
-        if carries_rows(bitmask):
-            return bitmask
-        if self._shared_masks is None:
+        if self._shared_masks is not None:
+            return self._shared_masks.resolve(bitmask)
+        if not carries_rows(bitmask):
             raise ValueError("a grammar bitmask came by reference to shared masks this rank "
                              "does not map")
-        return self._shared_masks.resolve(bitmask)
+        return bitmask
 
     def _finish_until(self, step_id: int) -> list[WorkerEvent]:
         events: list[WorkerEvent] = []
