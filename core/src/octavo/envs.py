@@ -247,6 +247,13 @@ def dense_gemv() -> bool:
     return os.environ.get("OCTAVO_DENSE_GEMV", "1").strip() not in ("0", "false", "False")
 
 
+def bitmask_kernel() -> bool:
+    """``OCTAVO_BITMASK_KERNEL``: whether grammar bitmasks are applied to the logits on CUDA
+    (and HIP) by one Triton kernel (default yes; ``0``/``false``: the torch ops;
+    ``octavo.sample.sampler.mask_by_bitmask``; read once per process; for A/B runs)."""
+    return os.environ.get("OCTAVO_BITMASK_KERNEL", "1").strip() not in ("0", "false", "False")
+
+
 def cpu_pin_steps() -> bool:
     """``OCTAVO_CPU_PIN_STEPS``: whether the CPU worker pins the calling thread to its core
     while a step computes (default yes; ``0``/``false``: left alone)."""

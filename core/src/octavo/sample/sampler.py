@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
+from octavo import envs
+from octavo.kernels.triton_support import optional_triton_kernels
 from octavo.sample.logits_processor import LogitsProcessorRegistry, apply_logits_processors
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
 from octavo.sample.metadata import (
@@ -157,8 +160,24 @@ def mask_by_bitmask(logits: torch.Tensor, row_ids: torch.Tensor | None,
                     bitmask: torch.Tensor) -> None:
     """Set the tokens of ``logits`` rows ``row_ids`` [k] (every row, in order, when None)
     that ``bitmask`` [k, words] (on the logits' device) does not allow to ``-inf``, in place.
-    Three kernels for every row (bits, refused, fill), two more for some rows (gather and
-    scatter of those rows)."""
+    On CUDA (and HIP) one Triton kernel (``octavo.kernels.triton.token_bitmask``;
+    ``OCTAVO_BITMASK_KERNEL=0``: the torch ops), elsewhere ``mask_by_bitmask_reference``."""
+    if logits.device.type == "cuda" and _bitmask_kernel() is not None:
+        _bitmask_kernel().apply_token_bitmask(logits, row_ids, bitmask)
+    else:
+        mask_by_bitmask_reference(logits, row_ids, bitmask)
+
+
+@functools.cache
+def _bitmask_kernel() -> ModuleType | None:
+    """The Triton kernel's module, or None (switched off, or no Triton here); read once."""
+    return optional_triton_kernels("token_bitmask") if envs.bitmask_kernel() else None
+
+
+def mask_by_bitmask_reference(logits: torch.Tensor, row_ids: torch.Tensor | None,
+                              bitmask: torch.Tensor) -> None:
+    """``mask_by_bitmask`` in torch ops, on any device: three kernels for every row (bits,
+    refused, fill), two more for some rows (gather and scatter of those rows)."""
     refused = _unpack(bitmask, logits.shape[1], allowed=False)  # [k, vocab] bool
     if row_ids is None:
         logits.masked_fill_(refused, float("-inf"))
