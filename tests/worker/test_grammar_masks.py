@@ -150,3 +150,66 @@ def test_on_the_gpu_staged_masks_equal_the_host_rows_step_after_step() -> None:
     torch.cuda.synchronize()
     for on_device, want in results:
         assert torch.equal(on_device.cpu(), want)
+
+
+def shared_masks_with(ids: list[str], seed: int, buffer: int = 0):
+    """``SharedMasks`` of VOCAB tokens whose buffer ``buffer`` holds random rows for ``ids``."""
+    from octavo.messages.shared_masks import SharedMasks
+
+    shared = SharedMasks.create(max_rows=4, vocab_size=VOCAB)
+    rng = np.random.default_rng(seed)
+    shared.array[buffer, :len(ids)] = rng.integers(-(2**31), 2**31 - 1, size=(len(ids), WORDS),
+                                                   dtype=np.int32)
+    return shared, shared.bitmask(buffer, list(ids))
+
+
+def test_nothing_is_page_locked_off_cuda() -> None:
+    shared, bitmask = shared_masks_with(["a", "b"], seed=30)
+    upload = GrammarMaskUpload(torch.device("cpu"), max_rows=4)
+    assert not upload.use_host_buffers(shared.array)
+    masks = upload.upload(bitmask, ["a", "b"])
+    assert masks is not None and torch.equal(masks.bitmask, rows_of(bitmask))
+    shared.close()
+
+
+def test_the_uniproc_executor_hands_the_shared_masks_to_its_worker(monkeypatch) -> None:
+    from octavo.executor import uniproc
+
+    taken = []
+
+    class FakeWorker:
+        def init_device(self): ...
+        def init_distributed(self): ...
+        def load_model(self): ...
+        def use_grammar_mask_buffers(self, buffers):
+            taken.append(buffers)
+
+    monkeypatch.setattr(uniproc, "create_worker", lambda config, pm: FakeWorker())
+    shared, _ = shared_masks_with(["a"], seed=31)
+    uniproc.UniprocExecutor(config=None, shared_masks=shared)
+    uniproc.UniprocExecutor(config=None)
+    assert len(taken) == 1 and taken[0] is shared.array
+    shared.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_the_gpu_rows_in_page_locked_shared_masks_upload_without_staging() -> None:
+    """The engine core's shared buffers page-locked: a step of every row in order is copied
+    from them (no staging buffer made) and equals its rows, also once the buffer is refilled
+    after the copy ran; a subset of rows still stages."""
+    device = torch.device("cuda")
+    shared, bitmask = shared_masks_with(["a", "b", "c"], seed=32)
+    upload = GrammarMaskUpload(device, max_rows=4)
+    assert upload.use_host_buffers(shared.array)
+    assert not upload.use_host_buffers(shared.array)  # once
+    want = rows_of(bitmask)
+    masks = upload.upload(bitmask, ["a", "b", "c"])
+    assert masks is not None and masks.row_ids is None and upload._staging == []
+    torch.cuda.synchronize()
+    shared.array[0] = 0  # the grammars refill the buffer two steps later
+    assert torch.equal(masks.bitmask.cpu(), want)
+    _, other = shared_masks_with(["b", "c"], seed=33)
+    subset = upload.upload(other, ["a", "b", "c"])
+    assert subset is not None and subset.row_ids is not None and upload._staging != []
+    shared.close()

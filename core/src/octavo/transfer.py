@@ -11,9 +11,17 @@ their GPUs as ``cuda`` and take the same path.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
+
+# cudaHostRegisterPortable: page-locked for every CUDA context of the process.
+_HOST_REGISTER_PORTABLE = 1
 
 
 def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -53,3 +61,28 @@ class DeviceToHostCopy:
             self._event.synchronize()
             self._event = None
         return self._host
+
+
+def register_host_memory(array: np.ndarray) -> bool:
+    """Page-lock ``array``'s memory for the GPUs (``cudaHostRegister``; HIP builds of torch
+    call ``hipHostRegister``), so that copies from it to a device are asynchronous DMA without
+    staging; for memory torch did not allocate (a mapping of shared memory). False, with a
+    log line, where there is no CUDA or the driver refuses (the memory is then used as it
+    was). The caller unregisters it (``unregister_host_memory``) before it is unmapped."""
+    if not torch.cuda.is_available() or array.nbytes == 0:
+        return False
+    code = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes,
+                                                     _HOST_REGISTER_PORTABLE))
+    if code != 0:
+        logger.info("could not page-lock %d bytes of host memory for the GPU (CUDA error "
+                    "%d); copies from it go through pinned staging buffers", array.nbytes,
+                    code)
+        return False
+    return True
+
+
+def unregister_host_memory(array: np.ndarray) -> None:
+    """Undo ``register_host_memory(array)``; errors (a CUDA context already torn down at
+    exit) are ignored: the pages are released with the process."""
+    with contextlib.suppress(Exception):  # a context gone at interpreter exit
+        torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)

@@ -22,10 +22,11 @@ def create_executor(config: EngineConfig, shared_masks: SharedMasks | None = Non
     """The executor ``config.parallel_config.distributed_executor_backend`` names, started
     (its workers have loaded the model). ``shared_masks``: where the engine core's grammar
     masks are filled, if in shared memory; worker processes on this host (``mp``) map them
-    and get only their buffer's number in a step's messages."""
+    and get only their buffer's number in a step's messages, and a worker (in this process or
+    those) uploads them from there."""
     backend = config.parallel_config.distributed_executor_backend
     if backend == "uni":
-        return UniprocExecutor(config)
+        return UniprocExecutor(config, shared_masks=shared_masks)
     if backend == "mp":
         from octavo.executor.multiproc import MultiprocExecutor
 

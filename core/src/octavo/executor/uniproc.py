@@ -6,6 +6,7 @@ import logging
 
 from octavo.config import EngineConfig
 from octavo.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from octavo.messages.shared_masks import SharedMasks
 from octavo.plugins import get_plugin_manager
 from octavo.worker.async_output import StepOutput
 from octavo.worker.worker import Worker, create_worker
@@ -22,12 +23,16 @@ class UniprocExecutor:
     # The worker's runner prepares a step while the one before waits for its sampling.
     prepares_ahead = True
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shared_masks: SharedMasks | None = None) -> None:
+        """``shared_masks``: where the engine core's grammar masks are filled, if in shared
+        memory (the worker may upload them from there: ``Worker.use_grammar_mask_buffers``)."""
         self.config = config
         self.worker: Worker = create_worker(config, get_plugin_manager())
         self.worker.init_device()
         self.worker.init_distributed()
         self.worker.load_model()
+        if shared_masks is not None:
+            self.worker.use_grammar_mask_buffers(shared_masks.array)
 
     def initialize_kv_cache(self) -> int:
         num_blocks = self.worker.determine_num_blocks()

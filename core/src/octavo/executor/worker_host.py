@@ -88,6 +88,8 @@ class WorkerHost:
                 worker.init_device()
                 worker.init_distributed()
                 worker.load_model()
+                if self._shared_masks is not None:
+                    worker.use_grammar_mask_buffers(self._shared_masks.array)
             elif call.method == "determine_num_blocks":
                 value = worker.determine_num_blocks()
             elif call.method == "initialize_cache":

@@ -13,12 +13,21 @@ place, without the gather and scatter of rows. The sampler's path (``SamplingMet
 speculative verification (a request's logits row among its draft rows: ``logits_rows``) take
 the same staged masks, instead of pinning the rows anew each step.
 
+When the engine core's mask buffers are shared memory this process maps (``SharedMasks``:
+the grammar process or the in-thread manager fills them), the runner page-locks them once
+(``use_host_buffers``) and a step whose rows are all sampled in order is uploaded straight
+from there, without the staging copy (1.5 MB a step at 256 rows). That is safe for the same
+reason two buffers are enough (``octavo.messages.shared_masks``): a buffer is refilled only
+after the engine core has the results of the step after the one that read it, and a step's
+results come back after its copies ran.
+
 On other devices than CUDA (and HIP, which torch calls ``cuda``) the host tensors are used as
 they are: those devices compute as they are called, so there is nothing to stage.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +35,7 @@ import torch
 
 from octavo.messages import GrammarBitmask
 from octavo.sample.metadata import DeviceGrammarMasks
+from octavo.transfer import register_host_memory, unregister_host_memory
 
 __all__ = ["DeviceGrammarMasks", "GrammarMaskUpload"]
 
@@ -51,6 +61,29 @@ class GrammarMaskUpload:
         # Two, used in turn: a step's copy may still be queued when the next step stages.
         self._staging: list[_Staging] = []
         self._next = 0
+        # The page-locked buffers rows may be uploaded from directly: [start, end) addresses.
+        self._locked: tuple[int, int] | None = None
+
+    def use_host_buffers(self, buffers: np.ndarray) -> bool:
+        """Page-lock ``buffers`` (the engine core's shared mask buffers, mapped in this
+        process) so that steps whose rows lie there upload without staging. Kept locked, and
+        mapped, until this object goes. False where nothing is locked (not CUDA, refused by
+        the driver, or buffers already taken): uploads then stage as before."""
+        if self.device.type != "cuda" or self._locked is not None:
+            return False
+        if not register_host_memory(buffers):
+            return False
+        start = buffers.ctypes.data
+        self._locked = (start, start + buffers.nbytes)
+        # Holds the buffers (so their mapping stays) until it unregisters them.
+        weakref.finalize(self, unregister_host_memory, buffers)
+        return True
+
+    def _in_locked(self, data: np.ndarray) -> bool:
+        if self._locked is None or not data.flags.writeable:
+            return False
+        start = data.ctypes.data
+        return self._locked[0] <= start and start + data.nbytes <= self._locked[1]
 
     def upload(self, bitmask: GrammarBitmask, sampled_req_ids: list[str],
                logits_rows: list[int] | None = None) -> DeviceGrammarMasks | None:
@@ -74,6 +107,9 @@ class GrammarMaskUpload:
         if self.device.type != "cuda":
             return self._on_host(data, keep, rows)
         num_rows = len(bitmask.req_ids) if keep is None else len(keep)
+        if keep is None and self._in_locked(data):
+            return DeviceGrammarMasks(
+                row_ids=None, bitmask=torch.from_numpy(data).to(self.device, non_blocking=True))
         staging = self._staging_for(num_rows, bitmask.num_words)
         host_masks = staging.bitmask[:num_rows]
         if keep is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import pluggy
 import torch
 
@@ -248,6 +249,14 @@ class Worker:
         """Launch the sampling of a step launched with ``sampling_deferred``."""
         assert self.model_runner is not None
         self.model_runner.sample_tokens(grammar_bitmask)
+
+    def use_grammar_mask_buffers(self, buffers: np.ndarray) -> None:
+        """The engine core's grammar mask buffers (``SharedMasks.array``), mapped in this
+        process: the runner page-locks them where the device copies from locked memory, and
+        uploads a step's masks from there without staging (``GrammarMaskUpload``). Call after
+        ``load_model``."""
+        assert self.model_runner is not None
+        self.model_runner.grammar_masks.use_host_buffers(buffers)
 
     def discard_in_flight(self) -> None:
         """Forget launched steps whose results will never be taken."""
