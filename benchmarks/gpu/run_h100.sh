@@ -335,6 +335,7 @@ for stage in "${stages[@]}"; do
       # PROFILE_REQUESTS sets profile_steps.py's --num-requests (default 256).
       for cfg in ${PROCESS_CONFIGS:-1:parallel 0:parallel 1:loop 1:parallel 0:parallel 1:loop}; do
         IFS=: read -r proc accept spin threads <<< "$cfg"
+        python3 benchmarks/gpu/host_probe.py | tee -a "$OUT/bench-structured-process.log"
         echo "== OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept" \
           "OCTAVO_GRAMMAR_SPIN_US=${spin:-default} OCTAVO_GRAMMAR_THREADS=${threads:-default}" \
           "(at $(date +%s.%N))" | tee -a "$OUT/bench-structured-process.log"
@@ -365,6 +366,7 @@ for stage in "${stages[@]}"; do
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
       for cfg in ${MP_CONFIGS:-1 0 1 0}; do
         IFS=: read -r ahead spin <<< "$cfg"
+        python3 benchmarks/gpu/host_probe.py | tee -a "$OUT/bench-structured-mp.log"
         echo "== --distributed-executor-backend mp OCTAVO_PREPARE_AHEAD=$ahead" \
           "OCTAVO_WORKER_SPIN_US=${spin:-default} (at $(date +%s.%N))" \
           | tee -a "$OUT/bench-structured-mp.log"
