@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 from octavo import SamplingParams
 
-from tests.helpers.engine import assert_no_leaks, make_llm, prompts_of_lengths
+from tests.helpers.engine import (
+    assert_close_logprobs,
+    assert_no_leaks,
+    make_llm,
+    prompts_of_lengths,
+)
 from tests.helpers.tiny import VOCAB_SIZE, make_tiny_model
 
 NUM_TOKENS = 12
@@ -271,22 +276,6 @@ def test_structured_outputs_when_split_with_the_next_step_prepared_ahead(
         assert_no_leaks(llm)
     finally:
         llm.llm_engine.shutdown()
-
-
-def assert_close_logprobs(got, want) -> None:
-    """Logprob dictionaries (per completion, per position) equal in keys and within float32
-    rounding of a split model in value."""
-    for completion, want_completion in zip(got, want, strict=True):
-        if want_completion is None:
-            assert completion is None
-            continue
-        for position, want_position in zip(completion, want_completion, strict=True):
-            if want_position is None:
-                assert position is None
-                continue
-            assert position.keys() == want_position.keys()
-            for token, entry in position.items():
-                assert entry.logprob == pytest.approx(want_position[token].logprob, abs=2e-4)
 
 
 def test_tensor_parallel_with_speculative_decoding(model_folder):

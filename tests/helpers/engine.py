@@ -135,3 +135,26 @@ def grammar_process(model: str | Path, vocab_size: int, **kwargs: Any):
     model_config = EngineArgs(model=str(model), device="cpu").create_engine_config().model_config
     return GrammarProcess(functools.partial(load_grammar_tokenizer, model_config), vocab_size,
                           **kwargs)
+
+
+def assert_close_logprobs(got, want, *, abs_tol: float = 2e-4, same_ranks: bool = False) -> None:
+    """Logprob dictionaries (per completion, per position; a completion or position may be
+    None) equal in token ids and within ``abs_tol`` in value; with ``same_ranks`` also equal
+    in rank and decoded text."""
+    import pytest
+
+    for completion, want_completion in zip(got, want, strict=True):
+        if want_completion is None:
+            assert completion is None
+            continue
+        for position, want_position in zip(completion, want_completion, strict=True):
+            if want_position is None:
+                assert position is None
+                continue
+            assert position.keys() == want_position.keys()
+            for token, entry in position.items():
+                expected = want_position[token]
+                assert entry.logprob == pytest.approx(expected.logprob, abs=abs_tol)
+                if same_ranks:
+                    assert entry.rank == expected.rank
+                    assert entry.decoded_token == expected.decoded_token

@@ -19,7 +19,12 @@ import jsonschema
 import pytest
 from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 
-from tests.helpers.engine import assert_no_leaks, make_llm, prompts_of_lengths
+from tests.helpers.engine import (
+    assert_close_logprobs,
+    assert_no_leaks,
+    make_llm,
+    prompts_of_lengths,
+)
 
 PROMPTS = prompts_of_lengths([3, 9, 17, 30, 41], seed=5)
 
@@ -243,24 +248,8 @@ def test_a_step_prepared_while_the_grammars_finish_gives_the_same_outputs(
     assert num_prepared > 0 and none_prepared == 0
     assert [tokens for tokens, _, _ in ahead] == [tokens for tokens, _, _ in after]
     for (_, logprobs, prompt_logprobs), (_, want, want_prompt) in zip(ahead, after, strict=True):
-        assert_same_logprobs([p for c in logprobs for p in (c or [])],
-                             [p for c in want for p in (c or [])])
-        assert_same_logprobs(prompt_logprobs or [], want_prompt or [])
-
-
-def assert_same_logprobs(got: list, want: list) -> None:
-    """Positions of logprobs (dicts of token id -> Logprob, or None) with the same tokens and
-    ranks, and values equal to float32 rounding."""
-    assert len(got) == len(want)
-    for position, expected in zip(got, want, strict=True):
-        if expected is None:
-            assert position is None
-            continue
-        assert position.keys() == expected.keys()
-        for token_id, lp in position.items():
-            assert lp.rank == expected[token_id].rank
-            assert lp.decoded_token == expected[token_id].decoded_token
-            assert lp.logprob == pytest.approx(expected[token_id].logprob, abs=1e-4)
+        assert_close_logprobs(logprobs, want, abs_tol=1e-4, same_ranks=True)
+        assert_close_logprobs([prompt_logprobs], [want_prompt], abs_tol=1e-4, same_ranks=True)
 
 
 @pytest.mark.parametrize("accept, interval_us", [("parallel", "200"), ("loop", "0")])
