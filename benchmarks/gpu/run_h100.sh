@@ -12,7 +12,8 @@
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi] [bench-structured-gil]
-#                                    [bench-structured-process] [w1-timeline-structured]
+#                                    [bench-structured-process] [bench-structured-trees]
+#                                    [w1-timeline-structured]
 #                                    [spec-tests] [bench-spec] [bench-spec-draft]
 #                                    [bench-spec-eagle3]
 #                                    [lora-tests] [bench-lora] [bench-lora-q05] [bench-lora-l8b]
@@ -375,6 +376,33 @@ for stage in "${stages[@]}"; do
          structured_w1 --distributed-executor-backend mp) 2>>"$OUT/bench-structured-mp.err" \
           | tee -a "$OUT/bench-structured-mp.log" | grep -E "^(json|free|ratio|grammar|engine) "
       done
+      ;;
+    bench-structured-trees)
+      # bench-structured's command over several source trees in turn, one fresh process a run,
+      # each after host_probe.py: AB_TREES="NAME=DIR ..." (DIR holds core/ and backends/ of one
+      # revision: `.`, or one made on the workstation with `git archive REV core backends |
+      # tar -x -C .ab/REV` and carried); each run installs its tree's core and CUDA backend
+      # editable first, and `.` is installed again at the end. AB_ORDER (default: the names,
+      # twice) sets the order; AB_ARGS adds arguments (e.g. "--distributed-executor-backend mp").
+      [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
+        --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
+      declare -A tree_of=()
+      names=()
+      for arg in ${AB_TREES:?AB_TREES=\"NAME=DIR ...\" names the trees}; do
+        tree_of[${arg%%=*}]=${arg#*=}
+        names+=("${arg%%=*}")
+      done
+      for name in ${AB_ORDER:-${names[*]} ${names[*]}}; do
+        dir=${tree_of[$name]:?unknown tree $name}
+        python3 -m pip install -q --no-deps --no-build-isolation -e "$dir/core" \
+          -e "$dir/backends/cuda" || exit 1
+        python3 benchmarks/gpu/host_probe.py | tee -a "$OUT/bench-structured-trees.log"
+        echo "== tree $name ($dir) ${AB_ARGS:-} (at $(date +%s.%N))" \
+          | tee -a "$OUT/bench-structured-trees.log"
+        structured_w1 ${AB_ARGS:-} 2>>"$OUT/bench-structured-trees-$name.err" \
+          | tee -a "$OUT/bench-structured-trees.log" | grep -E "^(json|free|ratio|grammar|engine) "
+      done
+      python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./backends/cuda
       ;;
     w1-timeline-structured)
       # bench-structured's pair of runs REPEAT times (default 5) on one AsyncLLM engine, each
