@@ -162,8 +162,9 @@ def mask_by_bitmask(logits: torch.Tensor, row_ids: torch.Tensor | None,
     that ``bitmask`` [k, words] (on the logits' device) does not allow to ``-inf``, in place.
     On CUDA (and HIP) one Triton kernel (``octavo.kernels.triton.token_bitmask``;
     ``OCTAVO_BITMASK_KERNEL=0``: the torch ops), elsewhere ``mask_by_bitmask_reference``."""
-    if logits.device.type == "cuda" and _bitmask_kernel() is not None:
-        _bitmask_kernel().apply_token_bitmask(logits, row_ids, bitmask)
+    kernel = _bitmask_kernel() if logits.device.type == "cuda" else None
+    if kernel is not None:
+        kernel.apply_token_bitmask(logits, row_ids, bitmask)
     else:
         mask_by_bitmask_reference(logits, row_ids, bitmask)
 

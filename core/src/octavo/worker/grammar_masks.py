@@ -80,6 +80,8 @@ class GrammarMaskUpload:
         return True
 
     def _in_locked(self, data: np.ndarray) -> bool:
+        """Whether ``data`` lies in the page-locked buffers (their views are writeable;
+        ``torch.from_numpy`` of a read-only array would warn)."""
         if self._locked is None or not data.flags.writeable:
             return False
         start = data.ctypes.data
