@@ -17,8 +17,8 @@ result's host copies), ``finalize`` (the runner output from the host copies),
 ``grammar_accept`` (structured outputs), ``grammar_wait`` (the engine thread waiting for the
 grammar thread before a deferred sampling, async scheduling only), ``output_processing`` (the front end's per-step
 work) and ``other`` (the step's wall time less these). Structured outputs add, on the engine
-thread: ``grammar_rows`` (the engine core's bookkeeping: which rows need masks, the sampled
-tokens of the constrained rows, handing them to the grammar thread) and ``grammar_apply`` (the
+thread: ``grammar_rows`` (the engine core's bookkeeping: which rows need masks, handing the
+step's sampled tokens to the grammar thread or process) and ``grammar_apply`` (the
 runner's masks: their rows, the upload and ``mask_by_bitmask``, taken out of ``sample``); with
 ``--fast-sample``, ``fast_sample_pick`` is the stand-in for ``mask_by_bitmask`` that picks an
 allowed token per row (numpy work a GPU host does not do; note that the CPU argmax over logits
@@ -203,7 +203,6 @@ def main() -> None:
             timed(manager, "_fill", "grammar_fill")
             timed(manager, "_advance", "grammar_accept")
         timed(core, "_constrained_rows", "grammar_rows")
-        timed(core, "_constrained_tokens", "grammar_rows")
         timed(manager, "accept_and_bitmask_async", "grammar_rows")
         from octavo.worker import model_runner
 

@@ -147,7 +147,8 @@ def test_an_async_step_reports_how_long_its_grammar_work_took(manager, tokenizer
     compile_all(manager, requests)
     one = tokenizer.encode("1", add_special_tokens=False)[0]
     start = time.perf_counter()
-    done = manager.accept_and_bitmask_async({r: [one] for r in requests}, list(requests)).result()
+    done = manager.accept_and_bitmask_async(list(requests), [[one]] * len(requests),
+                                          list(requests)).result()
     waited = time.perf_counter() - start
     assert done.errors == {} and 0 < done.work_s <= waited
 
@@ -170,7 +171,8 @@ def test_the_grammar_threads_parallel_accept_equals_the_loop(tokenizer, monkeypa
             sampled["d0"] = [letter_z]  # refused
             sampled["d2"] = [one, two]  # two tokens: the loop, in either mode
             sampled["gone"] = [one]  # no matcher: skipped
-            done = m.accept_and_bitmask_async(sampled, list(requests)).result()
+            done = m.accept_and_bitmask_async(list(sampled), list(sampled.values()),
+                                              list(requests)).result()
             masks = allowed_rows_of(done.bitmask)
             results[mode] = (sorted(done.errors), masks)
         finally:
@@ -298,7 +300,7 @@ def test_the_grammar_process_leaves_nothing_behind(tiny_llama) -> None:
     assert child.poll() is None
     # The shared masks have no name while both processes use them: none can be left behind.
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("octavo-grammar")]
-    pending = process.accept_and_bitmask_async({"a": [5]}, ["a"])
+    pending = process.accept_and_bitmask_async(["a"], [[5]], ["a"])
     pending.result()
     process.remove("a")
     process.shutdown()
@@ -354,7 +356,7 @@ def test_one_step_in_flight_at_a_time(tiny_llama) -> None:
         compile_all(process, {"a": StructuredOutputsParams(regex="a+")})
         with pytest.raises(ValueError, match="3 mask rows"):
             process.bitmask(["a", "b", "c"])
-        pending = process.accept_and_bitmask_async({}, ["a"])
+        pending = process.accept_and_bitmask_async([], [], ["a"])
         with pytest.raises(RuntimeError, match="still in flight"):
             process.bitmask(["a"])
         assert pending.result().bitmask.req_ids == ["a"]
@@ -408,7 +410,7 @@ def test_the_threads_masks_take_the_shared_buffers_in_turn(tokenizer) -> None:
         first, second = shared.bitmask(["d", "c"]), shared.bitmask(["c"])
         assert (first.shared_buffer, second.shared_buffer) == (0, 1)
         assert bytes(first.data) == bytes(plain.bitmask(["d", "c"]).data)
-        third = shared.accept_and_bitmask_async({}, ["d"]).result().bitmask
+        third = shared.accept_and_bitmask_async([], [], ["d"]).result().bitmask
         assert third.shared_buffer == 0
         assert allowed_rows_of(third) == allowed_rows_of(plain.bitmask(["d"]))
         assert bytes(second.data) == bytes(plain.bitmask(["c"]).data)  # not overwritten

@@ -122,7 +122,8 @@ def test_masks_while_thinking_and_after(tokenizer, tool_model: Path, use_async: 
 
         def step(sampled: dict[str, list[int]]) -> list[set[int]]:
             if use_async:
-                done = manager.accept_and_bitmask_async(sampled, ["r", "off"]).result()
+                done = manager.accept_and_bitmask_async(list(sampled), list(sampled.values()),
+                                                        ["r", "off"]).result()
                 assert done.errors == {}
                 return allowed_rows(done.bitmask)
             assert manager.accept_step(sampled) == {}

@@ -474,13 +474,23 @@ class EngineCore:
         path of the next sampling, the recording is not."""
         manager = self.structured_outputs
         if deferred_rows is not None:
+            # The runner's lists as they are, every request's tokens (the grammars skip those
+            # without one; a request speculates only without a grammar, so a constrained row
+            # is its one sampled token, as ``update_from_output`` records it). Not copied: the
+            # grammars read them before this call returns. ``update_from_output`` drops the
+            # tokens of requests finished meanwhile; none of those holds a matcher here: every
+            # way a request ends removes its matcher first (abort, stop string, refused token)
+            # or when its finishing step is recorded (below).
             self._start_grammar_window()
             self._grammar_step = manager.accept_and_bitmask_async(
-                self._constrained_tokens(runner_output), deferred_rows)
+                runner_output.req_ids, runner_output.sampled_token_ids, deferred_rows)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         ids = manager.constrained_ids
-        constrained = [output for output in outputs if output.request_id in ids] if ids else []
-        if deferred_rows is None and constrained:
+        if not ids:
+            return outputs
+        constrained = ([output for output in outputs if output.request_id in ids]
+                       if deferred_rows is None else None)
+        if constrained:
             sampled = {output.request_id: output.new_token_ids for output in constrained}
             start = time.perf_counter()
             refused = manager.accept_step(sampled)
@@ -490,22 +500,10 @@ class EngineCore:
                 if output.request_id in refused and output.finish_reason is None:
                     self._abort_refused(output.request_id, refused[output.request_id])
                     output.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
-        for output in constrained:
-            if output.finish_reason is not None:
+        for output in outputs:  # most are not finished: that test first
+            if output.finish_reason is not None and output.request_id in ids:
                 manager.remove(output.request_id)
         return outputs
-
-    @staticmethod
-    def _constrained_tokens(runner_output) -> dict[str, list[int]]:
-        """The tokens a step sampled, per request, as ``update_from_output`` will record them
-        for the constrained ones (a request speculates only without a grammar, so each such
-        row is its one sampled token); the grammars skip the others. Not copied: the grammars
-        read them before ``accept_and_bitmask_async`` returns.
-
-        ``update_from_output`` drops the tokens of requests finished meanwhile; none of those
-        holds a matcher here: every way a request ends removes its matcher first (abort, stop
-        string, refused token) or when its finishing step is recorded (``_record``)."""
-        return dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
 
     def _end_refused(self, refused: dict[str, str]) -> list[EngineCoreOutput]:
         """End the requests whose sampled token the grammar thread found refused (those

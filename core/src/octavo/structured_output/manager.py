@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -253,7 +253,14 @@ class StructuredOutputManager:
         sampled a token its grammar refuses (those requests must end); requests without a
         matcher are skipped. ``parallel``: through llguidance's thread pool, the GIL released
         (see ``_advance``)."""
-        return self._advance(self._advances(sampled), parallel=parallel)
+        return self._advance(self._advances(sampled.items()), parallel=parallel)
+
+    def accept_sampled(self, req_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                       parallel: bool = False) -> dict[str, str]:
+        """``accept_step`` for a step's tokens as the runner gives them: ``token_ids[i]``
+        sampled by ``req_ids[i]``, requests without a matcher among them (skipped)."""
+        return self._advance(self._advances(zip(req_ids, token_ids, strict=True)),
+                             parallel=parallel)
 
     def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
         """The token bitmask of ``request_ids`` (one row each, in order). A request without a
@@ -276,18 +283,20 @@ class StructuredOutputManager:
         return None if entry is None or entry.gate_state is None else entry.gate_state.phase
 
     def accept_and_bitmask_async(
-        self, sampled: Mapping[str, Sequence[int]], request_ids: list[str]
+        self, req_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+        request_ids: list[str]
     ) -> PendingAccept:
-        """``accept_step(sampled)`` then ``bitmask(request_ids)`` on a background thread
-        (llguidance releases the GIL while it fills masks), so the caller can go on with other
-        work. No matcher may be used elsewhere until the future is done; removing requests is
-        fine. ``sampled`` may hold requests without a matcher (skipped) and is read before
-        this returns: the constrained rows' tokens are copied for that thread."""
+        """``accept_sampled(req_ids, token_ids)`` then ``bitmask(request_ids)`` on a
+        background thread (llguidance releases the GIL while it fills masks), so the caller
+        can go on with other work. No matcher may be used elsewhere until the future is done;
+        removing requests is fine. ``req_ids`` may hold requests without a matcher (skipped);
+        both are read before this returns: the constrained rows' tokens are copied for that
+        thread."""
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="octavo-grammar-masks")
         self._mask_executor()  # created here, never on two threads at once
-        advances = self._advances(sampled)
+        advances = self._advances(zip(req_ids, token_ids, strict=True))
         entries = self._row_matchers(request_ids)
         request_ids = list(request_ids)
         bitmask, rows = self._target(request_ids)  # here: buffers are taken in call order
@@ -301,12 +310,12 @@ class StructuredOutputManager:
         return self._filler.submit(run)
 
     def _advances(
-        self, sampled: Mapping[str, Sequence[int]]
+        self, sampled: Iterable[tuple[str, Sequence[int]]]
     ) -> list[tuple[str, _Constrained, Sequence[int]]]:
         # Copies: the grammar thread may read them after the caller reuses its lists.
         matchers = self._matchers
         return [(request_id, entry, list(token_ids))
-                for request_id, token_ids in sampled.items()
+                for request_id, token_ids in sampled
                 if token_ids and (entry := matchers.get(request_id)) is not None]
 
     def _answer_tokens(self, entry: _Constrained, token_ids: Sequence[int]) -> Sequence[int]:

@@ -108,8 +108,11 @@ class _Remove(msgspec.Struct, tag="remove"):
 class _Step(msgspec.Struct, tag="step"):
     """One step's grammar work, answered by ``_StepDone``."""
 
-    # The tokens each constrained request sampled, to advance its matcher with (may be empty).
-    accept: Mapping[str, Sequence[int]]
+    # The tokens a step sampled, to advance the matchers with: ``accept_tokens[i]`` by
+    # ``accept_ids[i]``, as the runner gives them (requests without a grammar are skipped
+    # here rather than filtered on the engine thread; both may be empty).
+    accept_ids: Sequence[str]
+    accept_tokens: Sequence[Sequence[int]]
     # Then the requests whose rows to fill, in row order (None: accept only).
     rows: list[str] | None
     # Which of the two shared mask buffers the rows go into.
@@ -332,25 +335,27 @@ class GrammarProcess:
         accept = self._accepted(sampled)
         if not accept:
             return {}
-        self._send_step(accept, None)
+        self._send_step(list(accept), list(accept.values()), None)
         return _PendingStep(self, None, -1).result().errors
 
     def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
         """The token bitmask of ``request_ids`` (see the manager's); its ``data`` is a view of
         the shared masks, valid until the step after the next one."""
         rows = list(request_ids)
-        buffer = self._send_step({}, rows)
+        buffer = self._send_step([], [], rows)
         return _PendingStep(self, rows, buffer).result().bitmask
 
-    def accept_and_bitmask_async(self, sampled: Mapping[str, Sequence[int]],
+    def accept_and_bitmask_async(self, req_ids: Sequence[str],
+                                 token_ids: Sequence[Sequence[int]],
                                  request_ids: list[str]) -> _PendingStep:
-        """``accept_step(sampled)`` then ``bitmask(request_ids)`` in the grammar process while
-        the caller goes on; ``result()`` of what it returns waits for them. One step at a
-        time: its result must be taken before the next call of any per-step method.
-        ``sampled`` may hold requests without a grammar (skipped) and is encoded before this
-        returns."""
+        """``accept_sampled(req_ids, token_ids)`` then ``bitmask(request_ids)`` in the
+        grammar process while the caller goes on; ``result()`` of what it returns waits for
+        them. One step at a time: its result must be taken before the next call of any
+        per-step method. ``req_ids`` may hold requests without a grammar (the child skips
+        them: sent as they are, not filtered here, where this is on the engine thread's path
+        to the next step); everything is encoded before this returns."""
         rows = list(request_ids)
-        return _PendingStep(self, rows, self._send_step(self._accepted(sampled), rows))
+        return _PendingStep(self, rows, self._send_step(req_ids, token_ids, rows))
 
     def _accepted(self, sampled: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]:
         # Encoded before the call returns: the caller's lists are not kept.
@@ -358,7 +363,8 @@ class GrammarProcess:
         return {request_id: token_ids for request_id, token_ids in sampled.items()
                 if token_ids and request_id in phases}
 
-    def _send_step(self, accept: Mapping[str, Sequence[int]], rows: list[str] | None) -> int:
+    def _send_step(self, accept_ids: Sequence[str], accept_tokens: Sequence[Sequence[int]],
+                   rows: list[str] | None) -> int:
         if self._step_in_flight:
             raise RuntimeError("a grammar step is still in flight: take its result first")
         if rows is not None and len(rows) > self._max_rows:
@@ -370,7 +376,7 @@ class GrammarProcess:
         buffer = self._next_buffer
         if rows is not None:
             self._next_buffer ^= 1
-        self._send(_Step(accept, rows, buffer))
+        self._send(_Step(accept_ids, accept_tokens, rows, buffer))
         self._step_in_flight = True
         return buffer
 
@@ -560,13 +566,14 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
                 break
             if isinstance(message, _Step):
                 start = time.perf_counter()
-                errors = (manager.accept_step(message.accept, parallel=accept_parallel)
-                          if message.accept else {})
+                errors = (manager.accept_sampled(message.accept_ids, message.accept_tokens,
+                                                 parallel=accept_parallel)
+                          if message.accept_ids else {})
                 if message.rows is not None:
                     manager.bitmask_into(message.rows, masks[message.buffer, :len(message.rows)])
                 phases: dict[str, str] = {}
                 if parser is not None:
-                    phases = {request_id: phase for request_id in message.accept
+                    phases = {request_id: phase for request_id in message.accept_ids
                               if (phase := phase_of(request_id)) is not None}
                 send(_StepDone(errors, phases, time.perf_counter() - start))
                 spin_until = time.monotonic() + spin_s

@@ -150,6 +150,13 @@ class _SamplePlan:
     # The requests that asked for prompt logprobs, with how many top logprobs each.
     prompt_logprobs: list[tuple[str, int]]
 
+    def sampled_req_ids(self, inputs: _StepInputs) -> list[str]:
+        """The ids of ``states``, in order (the step's own list when every request samples:
+        no per-row list built for each constrained step's masks)."""
+        if isinstance(self.step_rows, range):
+            return inputs.req_ids
+        return [state.req_id for state in self.states]
+
 
 class ModelRunner:
     """Holds the model, its KV cache and the per-request state on one device."""
@@ -894,7 +901,7 @@ class ModelRunner:
             # metadata (per-row Python work that costs more than the masks themselves).
             logits = self._compute_logits(hidden[inputs.sample_indices])
             if grammar_bitmask is not None:
-                masks = self.grammar_masks.upload(grammar_bitmask, [s.req_id for s in states])
+                masks = self.grammar_masks.upload(grammar_bitmask, plan.sampled_req_ids(inputs))
                 if masks is not None:
                     mask_by_bitmask(logits, masks.row_ids, masks.bitmask)
             sampled = logits.argmax(dim=-1)
@@ -903,7 +910,7 @@ class ModelRunner:
             rows = self._sampling_rows(states, inputs.num_tokens_before_sample, previous)
             grammar = None
             if grammar_bitmask is not None:
-                grammar = self.grammar_masks.upload(grammar_bitmask, [s.req_id for s in states])
+                grammar = self.grammar_masks.upload(grammar_bitmask, plan.sampled_req_ids(inputs))
             sampler_output = self.sampler(logits, rows, grammar)
             sampled = sampler_output.sampled_token_ids
         decode_rows = self.decode_rows
