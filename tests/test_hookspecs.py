@@ -37,7 +37,7 @@ def test_the_surface_is_what_we_think_it_is():
     assert CONTRIBUTION_HOOKS == [
         "octavo_register_backends", "octavo_register_logits_processors", "octavo_register_models",
         "octavo_register_quantization_methods", "octavo_register_reasoning_parsers",
-        "octavo_register_tool_parsers"]
+        "octavo_register_routes", "octavo_register_tool_parsers"]
 
 
 def test_plugin_manager_knows_exactly_these_hooks():

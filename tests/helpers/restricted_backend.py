@@ -17,6 +17,8 @@ from pathlib import Path
 from octavo.backends.backend import Availability, Backend, BackendCapabilities
 from octavo.hookspecs import hookimpl
 
+from tests.helpers.entry_points import write_dist_info
+
 BACKEND_NAME = "restricted"
 # The tiny test models' head size (hidden_size 64 / 4 heads; tests/helpers/tiny.py).
 TINY_HEAD_DIM = 16
@@ -74,12 +76,4 @@ def octavo_worker_class(backend, parallel_config):
 def write_entry_point(folder: Path) -> Path:
     """Make this module an installed ``octavo`` plugin for processes with ``folder`` on
     ``PYTHONPATH`` (importlib.metadata finds the dist-info there); returns ``folder``."""
-    dist_info = Path(folder) / "octavo_test_restricted-0.0.0.dist-info"
-    dist_info.mkdir(parents=True, exist_ok=True)
-    (dist_info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: octavo-test-restricted\nVersion: 0.0.0\n"
-    )
-    (dist_info / "entry_points.txt").write_text(
-        f"[octavo]\n{BACKEND_NAME} = {__name__}\n"
-    )
-    return Path(folder)
+    return write_dist_info(folder, "octavo-test-restricted", {BACKEND_NAME: __name__})

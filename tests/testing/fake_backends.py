@@ -22,6 +22,8 @@ from octavo.backends.backend import Availability, Backend, BackendCapabilities
 from octavo.hookspecs import hookimpl
 from octavo_cpu.attention import CPUAttentionBackend, CPUAttentionImpl
 
+from tests.helpers.entry_points import write_dist_info
+
 
 class PrefixBlindImpl(CPUAttentionImpl):
     def _prefill(self, query, kv_cache, metadata, row, out):
@@ -90,12 +92,6 @@ PREFIX_BLIND = CPUBackendUnderAnotherName("prefix-blind", ("float32",), PrefixBl
 def write_entry_points(folder: Path) -> Path:
     """Make ``CPU16`` and ``PREFIX_BLIND`` installed ``octavo`` plugins for processes with
     ``folder`` and the repository root on ``PYTHONPATH``; returns ``folder``."""
-    dist_info = Path(folder) / "octavo_test_fake_backends-0.0.0.dist-info"
-    dist_info.mkdir(parents=True, exist_ok=True)
-    (dist_info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: octavo-test-fake-backends\nVersion: 0.0.0\n"
-    )
-    (dist_info / "entry_points.txt").write_text(
-        f"[octavo]\ncpu16 = {__name__}:CPU16\nprefix-blind = {__name__}:PREFIX_BLIND\n"
-    )
-    return Path(folder)
+    return write_dist_info(folder, "octavo-test-fake-backends",
+                           {"cpu16": f"{__name__}:CPU16",
+                            "prefix-blind": f"{__name__}:PREFIX_BLIND"})

@@ -12,8 +12,8 @@ Two kinds of hooks:
 * **Contribution hooks** take a ``register`` callback and may be implemented by any number of
   plugins (``octavo_register_backends``, ``octavo_register_models``,
   ``octavo_register_quantization_methods``, ``octavo_register_tool_parsers``,
-  ``octavo_register_reasoning_parsers``). New keyword arguments can be added to ``register``
-  later without breaking plugins.
+  ``octavo_register_reasoning_parsers``, ``octavo_register_routes``). New keyword arguments can
+  be added to ``register`` later without breaking plugins.
 * **Selection hooks** are ``firstresult``: pluggy calls implementations (latest registered and
   ``tryfirst`` ones first) and stops at the first non-``None`` result. Every selection hook gets
   the chosen ``backend`` name first; an implementation returns ``None`` for a backend that is not
@@ -30,7 +30,8 @@ process, to resolve ``--quantization``); ``octavo_register_logits_processors`` i
 (to check requests) and in the worker (to run them). With today's uniproc executor all of them
 run in the engine's process. ``octavo_register_tool_parsers`` and
 ``octavo_register_reasoning_parsers`` are called by the front end (the OpenAI server,
-``octavo serve``'s flag checks and ``EngineArgs``), never by a worker.
+``octavo serve``'s flag checks and ``EngineArgs``), never by a worker; ``octavo_register_routes``
+by each API server process as it builds its app.
 ``docs/writing-a-backend.md`` documents every hook; ``tests/test_docs.py`` keeps the two in
 step.
 """
@@ -44,6 +45,8 @@ import pluggy
 
 if TYPE_CHECKING:
     import torch
+
+    from fastapi import APIRouter
 
     from octavo.attention.base import AttentionBackend
     from octavo.backends.backend import Backend
@@ -262,4 +265,22 @@ def octavo_register_reasoning_parsers(register: Callable[[str, type[Any]], None]
 
     :param register: call ``register("myformat", MyReasoningParser)``; the class subclasses
         ``octavo.reasoning.ReasoningParser`` (its tags, and where the text starts).
+    """
+
+
+@hookspec
+def octavo_register_routes(register: Callable[[APIRouter], None]) -> None:
+    """Add HTTP routes to the OpenAI-compatible server (``octavo serve``), beside ``/v1/...``.
+
+    Called once in each API server process (one, or ``--api-server-count`` of them) while it
+    builds its app, before it serves (``octavo.entrypoints.openai.plugin_routes``); never by
+    the offline ``LLM`` or a worker. The routes are included after the server's own, behind the
+    same middleware: with ``--api-key`` they need the key like every path but ``/health`` and
+    ``/metrics``. A route whose method and path the server already answers (or another plugin's
+    does), or one under a mount of the server's (``/docs/assets``), stops the start-up with a
+    ``ValueError`` naming it: plugins add routes, they do not replace Octavo's.
+
+    :param register: call ``register(router)`` with a ``fastapi.APIRouter`` (anything else is a
+        ``TypeError``). A handler reaches the engine as ``request.app.state.engine``, the
+        process's ``AsyncLLM`` (its ``model_config``, ``generate``, ``check_health``, ...).
     """

@@ -43,6 +43,7 @@ from octavo.engine_core.gc_heap import freeze_startup_objects
 from octavo.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from octavo.entrypoints.openai.metrics import PrometheusStatLogger
 from octavo.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from octavo.entrypoints.openai.plugin_routes import add_plugin_routes
 from octavo.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -159,6 +160,7 @@ def build_app(args: ServerArgs, attach: CoreAddresses | None = None) -> FastAPI:
     if args.allow_runtime_lora_updating:
         _add_lora_routes(app)
     _add_docs(app)
+    add_plugin_routes(app)  # after every route of the server's: a plugin may not shadow one
     # Added last = outermost: CORS, then the API key, then the body limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
     if args.api_key:
