@@ -76,6 +76,11 @@ for stage in "${stages[@]}"; do
         --target /tmp/site .whl/*.whl || exit 1
       python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./backends/cuda || exit 1
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      # The host's CPU topology: whether its vCPUs are hardware threads sharing cores (the
+      # engine thread beside a busy grammar thread on one core is a guess for the JSON runs'
+      # spread; docs/benchmarks.md, "The H100 again").
+      lscpu | grep -E "^(Model name|CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\))" || true
+      echo "cpu0 shares its core with: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list 2>/dev/null)"
       python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
       octavo backends
       ;;
