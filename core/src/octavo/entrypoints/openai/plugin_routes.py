@@ -42,7 +42,7 @@ def add_plugin_routes(app: FastAPI, pm: pluggy.PluginManager | None = None) -> l
     added, as ``"METHOD /path"``. ``ValueError`` when one would shadow a route the app already
     has, or another plugin's."""
     added: list[str] = []
-    taken = _answered(app.router.routes)
+    taken = {key for route in app.router.routes for key in _keys(route)}
     mounts = [route.path for route in app.router.routes if isinstance(route, Mount)]
     for router in plugin_routers(pm):
         for route in router.routes:
@@ -60,10 +60,6 @@ def add_plugin_routes(app: FastAPI, pm: pluggy.PluginManager | None = None) -> l
     if added:
         logger.info("routes from plugins: %s", ", ".join(added))
     return added
-
-
-def _answered(routes: list[BaseRoute]) -> set[tuple[str, str]]:
-    return {key for route in routes for key in _keys(route)}
 
 
 def _keys(route: BaseRoute) -> list[tuple[str, str]]:
