@@ -66,6 +66,9 @@ class SkinnyConfig:
     num_warps: int = 4
     # Software pipelining depth of the K loop.
     num_stages: int = 2
+    # The one-row loops under PDL (``dense_gemv``): let the next kernel launch once the first
+    # tile's loads are issued (True) or after the K loop (False).
+    early_trigger: bool = True
 
 
 @functools.cache
