@@ -13,16 +13,11 @@ from one CUDA graph (``bench_quant_gemv.time_per_call``), in microseconds per pa
 - ``triton``: ``dense_gemv``'s kernel, best launch config, PDL off / on with the next kernel
   launched after the K loop (``late``) / before it (``early``).
 
-For each gate_up shape, also the pair's MLP form: the norm, then gate_up and SiLU-and-mul as
-two kernels (the best ``dense_gemv`` config above) against ``dense_gemv_silu_and_mul``'s one
-kernel (best config and trigger), with a check that the two give the same bits.
-
 Then one layer-like chain per model shape, norm -> qkv (with bias) -> norm -> o -> norm ->
-gate_up -> SiLU-and-mul -> down, over as many layer copies as the model has, with cuBLAS,
-with the best Triton variant per projection, and with gate_up and SiLU-and-mul as one
-kernel: the per-layer difference is what a decode step would gain. ``--write-configs PATH``
-adds each shape's best config (with its trigger, ``SkinnyConfig.early_trigger``) and each
-gated shape's (key ``act=silu``) to a config table (``octavo.kernels.triton.skinny_gemm``),
+gate_up -> SiLU-and-mul -> down, over as many layer copies as the model has, with cuBLAS and
+with the best Triton variant per projection: the per-layer difference is what a decode step
+would gain. ``--write-configs PATH`` adds each shape's best config with its trigger
+(``SkinnyConfig.early_trigger``) to a config table (``octavo.kernels.triton.skinny_gemm``),
 keeping its other cases. The last line is one JSON object.
 """
 
@@ -111,13 +106,8 @@ def main() -> None:
               f"{row['triton_late_config']} late)", flush=True)
         del ws, dense_w
 
-    gated = []
-    for model, proj, n, k, has_bias in SHAPES:
-        if model in models and proj == "gate_up":
-            gated.append(time_gated(model, n, k, best_by_shape[(model, proj)], dense,
-                                    silu_and_mul, rms_norm, gen))
     if args.write_configs:
-        write_configs(args.write_configs, results, gated)
+        write_configs(args.write_configs, results)
     layers = []
     for model in models:
         shapes = {proj: (n, k, b) for m, proj, n, k, b in SHAPES if m == model}
@@ -130,10 +120,11 @@ def main() -> None:
         x = torch.randn(1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
         norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
 
-        def layer(lw, gemv, up, x=x, norm_w=norm_w):
+        def layer(lw, gemv, x=x, norm_w=norm_w):
             q = gemv("qkv", rms_norm(x, norm_w, 1e-6), *lw["qkv"])
             o = gemv("o", rms_norm(x, norm_w, 1e-6), *lw["o"])
-            return q, gemv("down", up(rms_norm(o, norm_w, 1e-6), *lw["gate_up"]), *lw["down"])
+            gu = gemv("gate_up", rms_norm(o, norm_w, 1e-6), *lw["gate_up"])
+            return q, gemv("down", silu_and_mul(gu), *lw["down"])
 
         def cublas(proj, h, w, b):
             return F.linear(h, w, b)
@@ -142,91 +133,28 @@ def main() -> None:
             _, config, options = best_by_shape[(model, proj)]
             return dense.launch(h, w, b, config, **options)
 
-        def two_kernels(gemv):
-            return lambda h, w, b: silu_and_mul(gemv("gate_up", h, w, b))
-
-        gated_best = next((g for g in gated if g["model"] == model), None)
-
-        def one_kernel(h, w, b, g=gated_best):
-            return dense.launch(h, w, b, g["config"], early_trigger=g["early_trigger"],
-                                gated=True)
-
-        chains = {"cublas": (cublas, two_kernels(cublas)),
-                  "triton": (triton_best, two_kernels(triton_best))}
-        if gated_best is not None:
-            chains["triton_gated"] = (triton_best, one_kernel)
-        us = {name: time_per_call(lambda lw, g=gemv, u=up: layer(lw, g, u), weights)
-              for name, (gemv, up) in chains.items()}
-        ref_q, ref_d = layer(weights[0], *chains["cublas"])
-        errs = {}
-        for name in chains:
-            got_q, got_d = layer(weights[0], *chains[name])
-            errs[name] = max(((g.float() - r.float()).abs().max() / r.float().abs().max())
-                             .item() for g, r in ((got_q, ref_q), (got_d, ref_d)))
-        layers.append({"model": model, "layers": count,
-                       **{f"{name}_us_per_layer": us[name] for name in chains},
-                       **{f"{name}_rel_err_vs_cublas": errs[name] for name in chains
-                          if name != "cublas"}})
-        print(f"{model} layer chain (x{count}), us per layer: " + ", ".join(
-            f"{name} {us[name]:.1f} ({(us[name] - us['cublas']) * count:+.0f} us a step)"
-            for name in chains) + "; rel err vs cublas " + ", ".join(
-            f"{name} {errs[name]:.1e}" for name in chains if name != "cublas"), flush=True)
+        us = {name: time_per_call(lambda lw, g=gemv: layer(lw, g), weights) for name, gemv in
+              (("cublas", cublas), ("triton", triton_best))}
+        ref_q, ref_d = layer(weights[0], cublas)
+        got_q, got_d = layer(weights[0], triton_best)
+        err = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                  for g, r in ((got_q, ref_q), (got_d, ref_d)))
+        layers.append({"model": model, "layers": count, "cublas_us_per_layer": us["cublas"],
+                       "triton_us_per_layer": us["triton"], "rel_err_vs_cublas": err})
+        print(f"{model} layer chain (x{count}): cublas {us['cublas']:.1f} us, triton "
+              f"{us['triton']:.1f} us per layer: {(us['triton'] - us['cublas']) * count:+.0f} "
+              f"us a step; rel err {err:.1e}", flush=True)
         del weights
     print(json.dumps({"bench": "dense_gemv_pdl", "copy_bandwidth_gb_per_s": bandwidth / 1e9,
                       "pairs": results, "layers": layers,
-                      "gated": [{**g, "config": [g["config"].block_n, g["config"].block_k,
-                                                 g["config"].num_warps, g["config"].num_stages]}
-                                for g in gated],
                       "best": {f"{m} {p}": [c.block_n, c.block_k, c.split_k, c.num_warps,
                                             c.num_stages, o.get("early_trigger", False)]
                                for (m, p), (_, c, o) in best_by_shape.items()}}))
 
 
-def time_gated(model: str, n: int, k: int, unfused_best: tuple, dense, silu_and_mul,
-               rms_norm, gen: torch.Generator) -> dict:
-    """A gate_up shape's norm + projection + SiLU-and-mul: two kernels (``unfused_best``:
-    ``(us, config, options)`` of the plain GEMV) against ``dense_gemv_silu_and_mul``'s one
-    (best of its candidates and both triggers), µs per triple or pair."""
-    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    dense_w = torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
-    ws = [dense_w] + [dense_w.clone() for _ in range(copies_for(2 * n * k) - 1)]
-    _, plain, options = unfused_best
-
-    def norm(x=x, norm_w=norm_w):
-        return rms_norm(x, norm_w, 1e-6)
-
-    unfused_us = time_per_call(
-        lambda w: silu_and_mul(dense.launch(norm(), w, None, plain, **options)), ws)
-    best = None
-    for early in (False, True):
-        for config in dense.gated_candidate_configs():
-            def pair(w, c=config, early=early):
-                return dense.launch(norm(), w, None, c, early_trigger=early, gated=True)
-
-            try:
-                us = time_per_call(pair, ws)
-            except Exception as exc:  # noqa: BLE001
-                print(f"  skip gated {model} {config} early={early}: {exc}", file=sys.stderr)
-                continue
-            if best is None or us < best[0]:
-                best = (us, config, early)
-    us, config, early = best
-    fused = dense.launch(norm(), dense_w, None, config, early_trigger=early, gated=True)
-    two = silu_and_mul(dense.launch(norm(), dense_w, None, config, early_trigger=early))
-    row = {"model": model, "n": n, "k": k, "unfused_us": unfused_us, "gated_us": us,
-           "config": config, "early_trigger": early,
-           "bit_identical_to_two_kernels": bool(torch.equal(fused, two))}
-    print(f"{model} gate_up+silu N{n:>6} K{k:>6} | two kernels {unfused_us:6.1f} us, one "
-          f"{us:6.1f} us ({config.block_n}x{config.block_k} w{config.num_warps} "
-          f"{'early' if early else 'late'}; same bits as two: "
-          f"{row['bit_identical_to_two_kernels']})", flush=True)
-    return row
-
-
-def write_configs(path: str, results: list[dict], gated: list[dict]) -> None:
-    """Add each shape's best config (its trigger with it) and each gated shape's to the table
-    at ``path`` under the keys ``dense_gemv`` and ``dense_gemv_silu_and_mul`` look up."""
+def write_configs(path: str, results: list[dict]) -> None:
+    """Add each shape's best config (its trigger with it) to the table at ``path`` under the
+    key ``dense_gemv`` looks up."""
     from pathlib import Path
 
     from octavo.kernels.triton.skinny_gemm import chip_of, tune_key
@@ -237,7 +165,7 @@ def write_configs(path: str, results: list[dict], gated: list[dict]) -> None:
     table["chip"] = chip_of(torch.cuda.get_device_properties())
     written_by_kernel(table)["dense_gemv"] = (
         "benchmarks/gpu/bench_dense_gemv.py --write-configs (best of each shape after an RMS "
-        "norm, either trigger; gated: act=silu; CUDA-graph timing over L2-cold weight copies)")
+        "norm, either trigger, CUDA-graph timing over L2-cold weight copies)")
     entries = table["kernels"].setdefault("dense_gemv", {})
     for r in results:
         early = r["triton_early_us"] <= r["triton_late_us"]
@@ -246,12 +174,6 @@ def write_configs(path: str, results: list[dict], gated: list[dict]) -> None:
         entries[tune_key(n=r["n"], k=r["k"], m=1, dtype=torch.bfloat16)] = {
             "block_n": block_n, "block_k": block_k, "split_k": split_k,
             "num_warps": num_warps, "num_stages": num_stages, "early_trigger": early}
-    for g in gated:
-        c = g["config"]
-        entries[tune_key(n=g["n"], k=g["k"], m=1, dtype=torch.bfloat16, act="silu")] = {
-            "block_n": c.block_n, "block_k": c.block_k, "split_k": 1,
-            "num_warps": c.num_warps, "num_stages": c.num_stages,
-            "early_trigger": g["early_trigger"]}
     table["kernels"]["dense_gemv"] = dict(sorted(entries.items()))
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(json.dumps(table, indent=1) + "\n")

@@ -3,7 +3,6 @@
 Run as a script in a process without ``TRITON_INTERPRET`` (``test_skinny_sm90.py`` runs it in
 CI): each kernel of ``octavo.kernels.triton.pdl``'s list is lowered with ``USE_PDL`` on (as on
 an H100), the rotary kernel in both variants (plain, and rotating the keys into the cache),
-the one-row dense GEMV plain, split and gated (SiLU-and-mul in its epilogue),
 and one JSON line per kernel says whether its PTX has the grid-dependency wait and trigger,
 and how many global loads come before the wait (none but the one-row dense GEMV's weight
 tile: every other kernel waits before it reads).
@@ -56,13 +55,10 @@ CASES = [
     ("silu_and_mul", _silu_and_mul_kernel, {"BLOCK": 1024, "EMULATE_BF16": False}),
     ("dense_gemv", _dense_gemv_kernel,
      {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
-      "EARLY_TRIGGER": True, "GATED": False, "EMULATE_BF16": False}),
+      "EARLY_TRIGGER": True}),
     ("dense_gemv late trigger, split", _dense_gemv_kernel,
      {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 4, "IN_KERNEL_SUM": True,
-      "EARLY_TRIGGER": False, "GATED": False, "EMULATE_BF16": False}),
-    ("dense_gemv gated silu_and_mul", _dense_gemv_kernel,
-     {"HAS_BIAS": False, "BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
-      "EARLY_TRIGGER": True, "GATED": True, "EMULATE_BF16": False}),
+      "EARLY_TRIGGER": False}),
 ]
 
 

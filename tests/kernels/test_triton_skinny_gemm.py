@@ -362,6 +362,12 @@ def test_config_tables_round_trip_and_bad_files_name_themselves(tmp_path):
         "block_n": 32, "block_k": 256, "split_k": 0, "num_warps": 8, "num_stages": 2}}}}))
     assert read_config_table(path) == {
         "fp8_gemv": {"n=1,k=2,m=1,dtype=bfloat16": SkinnyConfig(32, 256, 0, 8, 2)}}
+    # The one-row loops' trigger: early unless the case says late
+    assert SkinnyConfig(32, 256).early_trigger
+    path.write_text(json.dumps({"kernels": {"dense_gemv": {"n=1,k=2,m=1,dtype=bfloat16": {
+        "block_n": 4, "block_k": 1024, "early_trigger": False}}}}))
+    assert read_config_table(path)["dense_gemv"]["n=1,k=2,m=1,dtype=bfloat16"] == \
+        SkinnyConfig(4, 1024, early_trigger=False)
     path.write_text('{"kernels": {"fp8_gemv": {"n=1": {"block_size": 3}}}}')
     with pytest.raises(ValueError, match="skinny_Some_GPU.json"):
         read_config_table(path)

@@ -247,14 +247,6 @@ def dense_gemv() -> bool:
     return os.environ.get("OCTAVO_DENSE_GEMV", "1").strip() not in ("0", "false", "False")
 
 
-def dense_gemv_silu() -> bool:
-    """``OCTAVO_DENSE_GEMV_SILU``: whether an MLP's merged gate/up projection and its
-    SiLU-and-mul run as one kernel where the one-row GEMV runs (default yes; ``0``/``false``:
-    the GEMV, then the SiLU-and-mul kernel; ``octavo.kernels.dense``; for A/B runs)."""
-    return os.environ.get("OCTAVO_DENSE_GEMV_SILU", "1").strip() not in ("0", "false",
-                                                                        "False")
-
-
 def bitmask_kernel() -> bool:
     """``OCTAVO_BITMASK_KERNEL``: whether grammar bitmasks are applied to the logits on CUDA
     (and HIP) by one Triton kernel (default yes; ``0``/``false``: the torch ops;

@@ -8,11 +8,6 @@ decode-like chain on an H200 it took a 0.5B model's layer from 27.7 to 17.7 µs 
 and norms (docs/benchmarks.md, ``bench_dense_gemv.py``). Not on ROCm (not run there) nor on
 GPUs without PDL (not measured); ``OCTAVO_DENSE_GEMV=0`` keeps ``F.linear`` everywhere.
 
-``dense_silu_and_mul`` is the same for an MLP's merged gate/up projection followed by
-``silu(gate) * up``: where the one-row GEMV runs, one kernel does both
-(``dense_gemv_silu_and_mul``; ``OCTAVO_DENSE_GEMV_SILU=0``: two); elsewhere it answers
-``None`` and the caller runs its projection and activation as usual.
-
 Importable without Triton: the kernel module is imported on first use.
 """
 
@@ -49,22 +44,6 @@ def uses_one_row_kernel(x: torch.Tensor, weight: torch.Tensor,
             and weight.stride(1) == 1 and (bias is None or bias.dtype == x.dtype)
             and _one_row_kernel_on(x.device.index if x.device.index is not None
                                    else torch.cuda.current_device()))
-
-
-@functools.cache
-def _gated_kernel_on() -> bool:
-    return envs.dense_gemv_silu()
-
-
-def dense_silu_and_mul(x: torch.Tensor,  # [num_tokens, K] in the model dtype
-                       weight: torch.Tensor,  # [2 * d, K]: d gate rows, then d up rows
-                       bias: torch.Tensor | None) -> torch.Tensor | None:  # [num_tokens, d]
-    """``silu(gate) * up`` of ``x @ weight^T + bias`` in one kernel where the one-row GEMV
-    runs (module docstring), else ``None``."""
-    if weight.shape[0] % 2 or not _gated_kernel_on() or not uses_one_row_kernel(x, weight,
-                                                                                  bias):
-        return None
-    return optional_triton_kernels("dense_gemv").dense_gemv_silu_and_mul(x, weight, bias)
 
 
 def dense_linear(x: torch.Tensor,  # [num_tokens, K] in the model dtype

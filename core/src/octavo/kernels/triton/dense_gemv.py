@@ -24,16 +24,7 @@ fast or faster at 7 of 8 shapes in one run, 4 of 8 in another; on an H100 late w
 shape's gate_up and down by ~1 µs), so it is part of the launch config
 (``SkinnyConfig.early_trigger``, default early) that the config tables record per shape.
 
-``dense_gemv_silu_and_mul`` is the same GEMV for a merged gate/up projection (``W`` holds
-the gate rows, then as many up rows) followed by ``silu(gate) * up``: each program takes
-``BLOCK_N`` gate rows and the ``BLOCK_N`` up rows of the same features in one
-``[2 * BLOCK_N, BLOCK_K]`` tile, so the activation is its epilogue and the SiLU-and-mul
-kernel (a launch and a dependency a layer at batch 1) is gone. Its sums are rounded to the
-activations' dtype before the activation and it rounds as ``SiluAndMul`` does, so its
-result is bit-identical to ``dense_gemv`` then ``silu_and_mul`` with the same config. Never
-split along K (the activation needs the finished sums).
-
-Reference: ``torch.nn.functional.linear`` in float32 (then ``F.silu(gate) * up``).
+Reference: ``torch.nn.functional.linear`` in float32.
 """
 
 from __future__ import annotations
@@ -42,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.triton.cache_write import KERNELS_INTERPRETED, store_skinny_output
+from octavo.kernels.triton.cache_write import store_skinny_output
 from octavo.kernels.triton.pdl import pdl_launch
-from octavo.kernels.triton.rmsnorm import round_to
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyOutput,
@@ -101,9 +91,9 @@ def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.cons
 @triton.jit
 def _dense_gemv_kernel(
     x_ptr,  # [1, K] activations
-    w_ptr,  # [N, K] weights, rows contiguous (GATED: N // 2 gate rows, then the up rows)
+    w_ptr,  # [N, K] weights, rows contiguous
     bias_ptr,  # [N] (read when HAS_BIAS)
-    out_ptr,  # [1, N] in x's dtype (float32 zeros: a split without a workspace); GATED: [1, N // 2]
+    out_ptr,  # [1, N] in x's dtype (float32 zeros: a split without a workspace)
     sums_ptr,  # float32 split-K workspace (store_skinny_output)
     arrivals_ptr,  # int32 arrival counts per block of outputs
     N,
@@ -116,47 +106,22 @@ def _dense_gemv_kernel(
     SPLIT_K: tl.constexpr,
     IN_KERNEL_SUM: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr,  # let the next kernel launch before the K loop, not after
-    GATED: tl.constexpr,  # silu(gate) * up of the two halves' sums (SPLIT_K == 1)
-    EMULATE_BF16: tl.constexpr,  # GATED's bf16 rounding by integer ops (the interpreter)
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if GATED:
-        # Rows 0..BLOCK_N-1 of the tile: gate features; BLOCK_N..2*BLOCK_N-1: the same
-        # features' up rows, N // 2 further down.
-        half = N // 2
-        local = tl.arange(0, 2 * BLOCK_N)
-        is_up = local >= BLOCK_N
-        features = pid_n * BLOCK_N + local - tl.where(is_up, BLOCK_N, 0)
-        offs_n = features + tl.where(is_up, half, 0)
-        n_mask = features < half
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [rows, 1]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K, EARLY_TRIGGER,
-                       USE_PDL)  # [rows]
+                       USE_PDL)  # [BLOCK_N]
     if HAS_BIAS:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if GATED:
-        dtype = out_ptr.dtype.element_ty
-        # The sums as the ungated GEMV stores them (the same cast), then SiluAndMul's
-        # roundings.
-        pair = tl.reshape(acc.to(dtype).to(tl.float32), (2, BLOCK_N))
-        which = tl.arange(0, 2)[:, None]
-        gate = tl.sum(tl.where(which == 0, pair, 0.0), axis=0)  # [BLOCK_N]
-        up = tl.sum(tl.where(which == 1, pair, 0.0), axis=0)
-        silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype, EMULATE_BF16)
-        out = round_to(silu * up, dtype, EMULATE_BF16)
-        offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + offs_out, out.to(dtype), mask=offs_out < half)
-    else:
-        store_skinny_output(out_ptr, acc, tl.arange(0, 1), tl.arange(0, 1) < 1, offs_n,
-                            n_mask, N, 1, SPLIT_K, sums_ptr, arrivals_ptr, IN_KERNEL_SUM)
+    store_skinny_output(out_ptr, acc, tl.arange(0, 1), tl.arange(0, 1) < 1, offs_n, n_mask, N,
+                        1, SPLIT_K, sums_ptr, arrivals_ptr, IN_KERNEL_SUM)
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:
@@ -173,67 +138,27 @@ def candidate_configs() -> list[SkinnyConfig]:
             SkinnyConfig(8, 1024, split_k=4), SkinnyConfig(16, 512, split_k=8)]
 
 
-def gated_default_config(n: int, k: int) -> SkinnyConfig:
-    """The untuned gated launch: 4 features (8 weight rows) x 1024 inputs per program."""
-    return SkinnyConfig(block_n=4, block_k=1024, split_k=1)
-
-
-def gated_candidate_configs() -> list[SkinnyConfig]:
-    """What the tuner times for the gated kernel: ``block_n`` counts features, each program
-    reads twice as many rows; never split."""
-    return [SkinnyConfig(4, 1024, split_k=1), SkinnyConfig(2, 2048, split_k=1, num_warps=8),
-            SkinnyConfig(8, 512, split_k=1), SkinnyConfig(4, 2048, split_k=1, num_warps=8),
-            SkinnyConfig(8, 1024, split_k=1, num_warps=8), SkinnyConfig(16, 256, split_k=1)]
-
-
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            config: SkinnyConfig, early_trigger: bool | None = None,
-           use_pdl: bool | None = None, gated: bool = False) -> torch.Tensor:
+           use_pdl: bool | None = None) -> torch.Tensor:
     """One launch with ``config`` (``early_trigger=None``: the config's; ``use_pdl=None``:
-    as ``pdl_launch`` says for the device; ``gated``: ``dense_gemv_silu_and_mul``'s kernel,
-    whose ``config.split_k`` must be 0 or 1)."""
+    as ``pdl_launch`` says for the device)."""
     n, k = weight.shape
+    split = choose_split_k(n, k, config, x.device)
+    out = SkinnyOutput.make(1, n, config.block_n, split, x.dtype, x.device)
     pdl = pdl_launch(x.device)
     if use_pdl is False:
         pdl = {"USE_PDL": False}
-    trigger = config.early_trigger if early_trigger is None else early_trigger
-    if gated:
-        if config.split_k > 1:
-            raise ValueError(f"dense_gemv_silu_and_mul: {config} splits K; the gated kernel "
-                             "needs whole sums (split_k 0 or 1)")
-        half = n // 2
-        out = torch.empty(1, half, dtype=x.dtype, device=x.device)
-        _dense_gemv_kernel[(triton.cdiv(half, config.block_n), 1)](
-            x, weight, bias if bias is not None else weight, out, out, out, n, k, k,
-            weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, SPLIT_K=1, IN_KERNEL_SUM=False, EARLY_TRIGGER=trigger,
-            GATED=True, EMULATE_BF16=KERNELS_INTERPRETED, num_warps=config.num_warps,
-            num_stages=config.num_stages, **pdl,
-        )
-        return out
-    split = choose_split_k(n, k, config, x.device)
-    result = SkinnyOutput.make(1, n, config.block_n, split, x.dtype, x.device)
     grid = (triton.cdiv(n, config.block_n), split)
     _dense_gemv_kernel[grid](
-        x, weight, bias if bias is not None else weight, result.out, result.sums,
-        result.arrivals, n, k, k_per_split(k, split, config.block_k), weight.stride(0),
+        x, weight, bias if bias is not None else weight, out.out, out.sums, out.arrivals, n, k,
+        k_per_split(k, split, config.block_k), weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, IN_KERNEL_SUM=result.in_kernel_sum, EARLY_TRIGGER=trigger,
-        GATED=False, EMULATE_BF16=False, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl,
+        SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum,
+        EARLY_TRIGGER=config.early_trigger if early_trigger is None else early_trigger,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
-    return result.result()
-
-
-def _check_operands(name: str, x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1] \
-            or weight.dtype != x.dtype or weight.stride(1) != 1:
-        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} and weight "
-                         f"{tuple(weight.shape)} {weight.dtype} are not one [1, K] row and a "
-                         "row-contiguous [N, K] weight of its dtype")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"{name}: bias {tuple(bias.shape)} for {weight.shape[0]} outputs")
+    return out.result()
 
 
 def dense_gemv(
@@ -243,7 +168,13 @@ def dense_gemv(
     config: SkinnyConfig | None = None,  # None: table, tuned (GPU) or default_config
 ) -> torch.Tensor:  # [1, N] in x's dtype
     """``x @ weight^T + bias`` for one row (module docstring)."""
-    _check_operands("dense_gemv", x, weight, bias)
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1] \
+            or weight.dtype != x.dtype or weight.stride(1) != 1:
+        raise ValueError(f"dense_gemv: x {tuple(x.shape)} {x.dtype} and weight "
+                         f"{tuple(weight.shape)} {weight.dtype} are not one [1, K] row and a "
+                         "row-contiguous [N, K] weight of its dtype")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"dense_gemv: bias {tuple(bias.shape)} for {weight.shape[0]} outputs")
     x = x.contiguous()
     n, k = weight.shape
     if config is None:
@@ -251,24 +182,3 @@ def dense_gemv(
                               default_config(n, k), candidate_configs(),
                               lambda c: launch(x, weight, bias, c))
     return launch(x, weight, bias, config)
-
-
-def dense_gemv_silu_and_mul(
-    x: torch.Tensor,  # [1, K] bfloat16 / float16
-    weight: torch.Tensor,  # [2 * d, K] in x's dtype: d gate rows, then d up rows
-    bias: torch.Tensor | None = None,  # [2 * d] or None
-    config: SkinnyConfig | None = None,  # None: table ("act=silu"), tuned or the default
-) -> torch.Tensor:  # [1, d] in x's dtype
-    """``silu(g) * u`` where ``[g | u] = x @ weight^T + bias``, for one row, in one kernel
-    (module docstring)."""
-    _check_operands("dense_gemv_silu_and_mul", x, weight, bias)
-    n, k = weight.shape
-    if n % 2:
-        raise ValueError(f"dense_gemv_silu_and_mul: weight has {n} rows; a merged gate/up "
-                         "projection has an even number")
-    x = x.contiguous()
-    if config is None:
-        config = TUNER.choose(tune_key(n=n, k=k, m=1, dtype=x.dtype, act="silu"), x.device,
-                              gated_default_config(n, k), gated_candidate_configs(),
-                              lambda c: launch(x, weight, bias, c, gated=True))
-    return launch(x, weight, bias, config, gated=True)

@@ -112,16 +112,6 @@ class ColumnParallelLinear(nn.Module):
             self.lora.add_to(x, out)
         return out
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu(gate) * up`` of ``forward(x)`` in one kernel, for a layer of two projections
-        of one size (an MLP's gate then up), where its method has such a kernel for ``x``
-        (``LinearMethod.apply_silu_and_mul``) and no LoRA adapter adds to the projection;
-        ``None`` otherwise (the caller runs ``forward`` and its activation)."""
-        if self.lora is not None or len(self.shards) != 2 \
-                or self.shards[0].size != self.shards[1].size:
-            return None
-        return self.quant_method.apply_silu_and_mul(self, x, self.bias)
-
     def shard_location(self, shard_name: str | None) -> tuple[int, int, OutputShard]:
         """(index, first local output feature, shard) of the projection ``shard_name``."""
         offset = 0

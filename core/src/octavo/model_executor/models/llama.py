@@ -92,8 +92,7 @@ def effective_sliding_windows(config: Any, max_model_len: int | None) -> tuple[i
 
 class LlamaMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up merged into one matmul (SiLU unless
-    ``act`` says otherwise). With SiLU the merged matmul and the activation run as one kernel
-    where the layer's method has one (``ColumnParallelLinear.forward_silu_and_mul``)."""
+    ``act`` says otherwise)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  parallel: ParallelState, reduce_results: bool = True,
@@ -108,13 +107,8 @@ class LlamaMLP(nn.Module):
                                            reduce_results, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
         self.act = act if act is not None else SiluAndMul()
-        self.fuse_silu = type(self.act) is SiluAndMul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if self.fuse_silu:
-            hidden = self.gate_up_proj.forward_silu_and_mul(x)  # [num_tokens, inter / tp]
-            if hidden is not None:
-                return self.down_proj(hidden)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp]
         return self.down_proj(self.act(gate_up))  # [num_tokens, hidden_size]
 
