@@ -349,7 +349,7 @@ for stage in "${stages[@]}"; do
          [ -z "$spin" ] || export OCTAVO_GRAMMAR_SPIN_US=$spin
          [ -z "$threads" ] || export OCTAVO_GRAMMAR_THREADS=$threads
          structured_w1) 2>>"$OUT/bench-structured-process.err" \
-          | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio|grammar :|engine  :"
+          | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio|grammar :|engine  :|host    :"
       done
       for cfg in ${PROFILE_CONFIGS:-1:parallel 0:parallel 1:loop}; do
         IFS=: read -r proc accept spin <<< "$cfg"
@@ -379,7 +379,7 @@ for stage in "${stages[@]}"; do
         (export OCTAVO_PREPARE_AHEAD=$ahead
          [ -z "$spin" ] || export OCTAVO_WORKER_SPIN_US=$spin
          structured_w1 --distributed-executor-backend mp) 2>>"$OUT/bench-structured-mp.err" \
-          | tee -a "$OUT/bench-structured-mp.log" | grep -E "^(json|free|ratio|grammar|engine) "
+          | tee -a "$OUT/bench-structured-mp.log" | grep -E "^(json|free|ratio|grammar|engine|host) "
       done
       ;;
     bench-structured-trees)
@@ -405,7 +405,7 @@ for stage in "${stages[@]}"; do
         echo "== tree $name ($dir) ${AB_ARGS:-} (at $(date +%s.%N))" \
           | tee -a "$OUT/bench-structured-trees.log"
         structured_w1 ${AB_ARGS:-} 2>>"$OUT/bench-structured-trees-$name.err" \
-          | tee -a "$OUT/bench-structured-trees.log" | grep -E "^(json|free|ratio|grammar|engine) "
+          | tee -a "$OUT/bench-structured-trees.log" | grep -E "^(json|free|ratio|grammar|engine|host) "
       done
       python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./backends/cuda
       ;;

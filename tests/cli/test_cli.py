@@ -129,7 +129,17 @@ def test_bench_throughput_structured_json(tiny_llama, engine):
         assert result[f"{prefix}engine_steps"] >= 8
         assert result[f"{prefix}engine_result_wait_s"] > 0
         assert result[f"{prefix}engine_schedule_s"] > 0
+        # The engine thread's CPU over the run: some, and no more than the run's wall time
+        # (plus the moments between the run and the stats taken before it); its involuntary
+        # switches a count.
+        elapsed = result["elapsed_s" if not prefix else "unconstrained_elapsed_s"]
+        assert 0 < result[f"{prefix}engine_thread_cpu_s"] <= elapsed + 0.5
+        assert result[f"{prefix}engine_thread_involuntary_switches"] >= 0
+        # What the machine's CPUs did over the run (Linux's /proc/stat).
+        assert result[f"{prefix}machine_busy_cpu_s"] > 0
+        assert result[f"{prefix}machine_steal_cpu_s"] >= 0
     assert "the engine thread scheduled" in done.stdout and "unconstrained run," in done.stdout
+    assert "was taken off it" in done.stdout and "stolen by the hypervisor" in done.stdout
     # Each timed run started from an empty prefix cache (through the engine core's utility
     # call with --async-engine).
     assert "prefix cache could not be emptied" not in done.stderr

@@ -172,9 +172,13 @@ class _OctavoRun:
     # Structured outputs: the steps whose sampling waited for grammar work, the engine
     # thread's seconds blocked on it, and that work's own seconds (SchedulerStats').
     grammar: tuple[int, float, float] = (0, 0.0, 0.0)
-    # The engine thread's steps and seconds scheduling, launching, waiting for results and
-    # recording them (SchedulerStats' engine_*).
-    engine: tuple[int, float, float, float, float] = (0, 0.0, 0.0, 0.0, 0.0)
+    # The engine thread's steps, its seconds scheduling, launching, waiting for results and
+    # recording them, its CPU seconds and involuntary context switches (SchedulerStats'
+    # engine_*, in _ENGINE_FIELDS' order).
+    engine: tuple[float, ...] = (0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    # The machine's CPU seconds over the run, all CPUs together: (busy, stolen by the
+    # hypervisor, in all); None where /proc/stat cannot be read.
+    machine: tuple[float, float, float] | None = None
 
 
 def _grammar_since(before, after) -> tuple[int, float, float]:
@@ -185,28 +189,61 @@ def _grammar_since(before, after) -> tuple[int, float, float]:
 
 
 _ENGINE_FIELDS = ("engine_steps", "engine_schedule_s", "engine_launch_s", "engine_result_wait_s",
-                  "engine_record_s")
+                  "engine_record_s", "engine_thread_cpu_s", "engine_thread_involuntary_switches")
+_COUNTS = ("engine_steps", "engine_thread_involuntary_switches")
 
 
-def _engine_since(before, after) -> tuple[int, float, float, float, float]:
+def _engine_since(before, after) -> tuple[float, ...]:
     """The ``engine_*`` counters of a run, from the stats before and after it."""
-    return tuple(getattr(after, name) - getattr(before, name)  # type: ignore[return-value]
-                 for name in _ENGINE_FIELDS)
+    return tuple(getattr(after, name) - getattr(before, name) for name in _ENGINE_FIELDS)
 
 
-def _report_engine_times(run_name: str, engine: tuple[int, float, float, float, float],
-                         result: dict, prefix: str) -> None:
-    """Print where a run's engine-thread time went and put it in ``result`` (``prefix`` +
-    the ``engine_*`` names). Nothing for a run the counters did not see."""
-    steps = engine[0]
+def machine_cpu_seconds(stat_path: str = "/proc/stat") -> tuple[float, float, float] | None:
+    """All CPUs' seconds since boot from ``/proc/stat``'s ``cpu`` line: (busy, stolen by the
+    hypervisor, in all); None where it cannot be read (not Linux)."""
+    import os
+
+    try:
+        with open(stat_path) as f:
+            fields = f.readline().split()
+        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
+    busy = user + nice + system + irq + softirq
+    return busy / hz, steal / hz, (busy + idle + iowait + steal) / hz
+
+
+def _machine_since(before: tuple[float, float, float] | None) -> tuple[float, float, float] | None:
+    after = machine_cpu_seconds()
+    if before is None or after is None:
+        return None
+    return tuple(b - a for a, b in zip(before, after))  # type: ignore[return-value]
+
+
+def _report_engine_times(run_name: str, run: _OctavoRun, result: dict, prefix: str) -> None:
+    """Print where a run's engine-thread time went and what the machine's CPUs did, and put
+    them in ``result`` (``prefix`` + the ``engine_*`` names, ``machine_*``). Nothing on the
+    engine for a run the counters did not see."""
+    engine = run.engine
+    steps = int(engine[0])
     for name, value in zip(_ENGINE_FIELDS, engine):
-        result[prefix + name] = value if name == "engine_steps" else round(value, 4)
+        result[prefix + name] = int(value) if name in _COUNTS else round(value, 4)
     if steps:
-        _, schedule_s, launch_s, wait_s, record_s = engine
+        _, schedule_s, launch_s, wait_s, record_s, cpu_s, switches = engine
         print(f"engine  : {run_name}{steps} steps; the engine thread scheduled {schedule_s:.3f} s, "
               f"launched {launch_s:.3f} s, waited for results {wait_s:.3f} s, recorded "
               f"{record_s:.3f} s ({1e3 * (schedule_s + launch_s + record_s) / steps:.3f} ms of "
-              "host work a step)")
+              f"host work a step); it ran on a CPU {1e3 * cpu_s / steps:.3f} of the run's "
+              f"{1e3 * run.elapsed_s / steps:.3f} ms a step (all its work, polling included) "
+              f"and was taken off it {int(switches)} times")
+    if run.machine is not None:
+        busy_s, steal_s, total_s = run.machine
+        result[prefix + "machine_busy_cpu_s"] = round(busy_s, 3)
+        result[prefix + "machine_steal_cpu_s"] = round(steal_s, 3)
+        print(f"host    : {run_name}the machine's CPUs were busy {busy_s:.1f} of {total_s:.1f} "
+              f"CPU-seconds, {steal_s:.2f} s stolen by the hypervisor")
 
 
 def _throughput_params(output_lens: list[int], ignore_eos: bool):
@@ -246,6 +283,7 @@ def _check_reset(reset: bool) -> None:
 
 def _run_offline(llm, workload: Workload, params) -> _OctavoRun:
     before = llm.llm_engine.stats()
+    machine = machine_cpu_seconds()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     elapsed = time.perf_counter() - start
@@ -253,7 +291,8 @@ def _run_offline(llm, workload: Workload, params) -> _OctavoRun:
     stats = llm.llm_engine.stats()
     return _OctavoRun(elapsed, sum(lens), stats.num_preemptions - before.num_preemptions, lens,
                       stats.num_preemptions_swap - before.num_preemptions_swap,
-                      _grammar_since(before, stats), _engine_since(before, stats))
+                      _grammar_since(before, stats), _engine_since(before, stats),
+                      _machine_since(machine))
 
 
 async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
@@ -278,6 +317,7 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
         bar.update(1)
         return num_out
 
+    machine = machine_cpu_seconds()
     start = time.perf_counter()
     try:
         counts = await asyncio.gather(
@@ -290,7 +330,8 @@ async def _run_async(engine, workload: Workload, params) -> _OctavoRun:
     stats = engine.scheduler_stats
     return _OctavoRun(elapsed, sum(counts), stats.num_preemptions - before.num_preemptions,
                       list(counts), stats.num_preemptions_swap - before.num_preemptions_swap,
-                      _grammar_since(before, stats), _engine_since(before, stats))
+                      _grammar_since(before, stats), _engine_since(before, stats),
+                      _machine_since(machine))
 
 
 def _make_workload(args: argparse.Namespace, tokenizer, model_config) -> Workload:
@@ -406,7 +447,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     print(f"{label}: {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} "
           f"output tok/s, {result['total_tokens_per_s']:.1f} total tok/s "
           f"({len(workload.prompts)} requests, {elapsed:.1f} s)")
-    _report_engine_times("", run.engine, result, "")
+    _report_engine_times("", run, result, "")
     if structured:
         free = runs[1]
         free_tok_s = free.num_output_tokens / free.elapsed_s
@@ -417,7 +458,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         print(f"free    : {free_tok_s:.1f} output tok/s (the same requests and output lengths, "
               f"unconstrained, {free.elapsed_s:.1f} s)")
         print(f"ratio   : json / unconstrained = {result['structured_vs_unconstrained']:.2f}x")
-        _report_engine_times("unconstrained run, ", free.engine, result, "unconstrained_")
+        _report_engine_times("unconstrained run, ", free, result, "unconstrained_")
         steps, wait_s, work_s = run.grammar
         result["grammar_steps"] = steps
         result["grammar_wait_s"] = round(wait_s, 4)

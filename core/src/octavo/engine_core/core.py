@@ -102,6 +102,18 @@ class _StepTimes:
     record_s: float = 0.0
 
 
+def thread_usage() -> tuple[float, int]:
+    """The calling thread's CPU seconds and involuntary context switches (the switches: 0
+    where the OS does not count them per thread)."""
+    try:
+        import resource
+
+        switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+    except (ImportError, AttributeError, OSError):  # not Linux
+        switches = 0
+    return time.thread_time(), switches
+
+
 def make_structured_outputs(config: EngineConfig) -> StructuredOutputManager | GrammarProcess:
     """The engine core's grammars: in a process of their own (``OCTAVO_GRAMMAR_PROCESS``; by
     default under async scheduling, where a step's grammar work runs beside the engine
@@ -542,6 +554,8 @@ class EngineCore:
         stats.engine_launch_s = steps.launch_s
         stats.engine_result_wait_s = steps.result_wait_s
         stats.engine_record_s = steps.record_s
+        # stats() runs on the engine core's thread (its loop, or LLMEngine's caller).
+        stats.engine_thread_cpu_s, stats.engine_thread_involuntary_switches = thread_usage()
         return stats
 
     def reset_prefix_cache(self) -> bool:

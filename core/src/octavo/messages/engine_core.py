@@ -164,6 +164,12 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     engine_launch_s: float = 0.0
     engine_result_wait_s: float = 0.0
     engine_record_s: float = 0.0
+    # The engine core's thread, since start: its CPU seconds and the times the OS took its CPU
+    # away while it could run (involuntary context switches; 0 where the OS does not count
+    # them per thread). Beside the wall seconds above they tell a thread that ran slower on
+    # its CPU from one that was descheduled.
+    engine_thread_cpu_s: float = 0.0
+    engine_thread_involuntary_switches: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
