@@ -15,6 +15,7 @@ import json
 
 import triton
 from octavo.kernels.triton.activation import _silu_and_mul_kernel
+from octavo.kernels.triton.argmax import _chunk_argmax_kernel, _row_argmax_kernel
 from octavo.kernels.triton.cache_write import _write_kv_kernel
 from octavo.kernels.triton.decode_attention import (
     _decode_partition_kernel,
@@ -32,6 +33,7 @@ POINTER_TYPES = {
     "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
     "sums_ptr": "*fp32", "arrivals_ptr": "*i32",
+    "chunk_max_ptr": "*fp32", "chunk_index_ptr": "*i64", "tokens_ptr": "*i64",
 }
 FLOATS = {"eps", "scale_log2", "soft_cap", "v_scale", "k_inv_scale", "v_inv_scale"}
 
@@ -59,6 +61,8 @@ CASES = [
     ("dense_gemv late trigger, split", _dense_gemv_kernel,
      {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 4, "IN_KERNEL_SUM": True,
       "EARLY_TRIGGER": False}),
+    ("argmax chunks", _chunk_argmax_kernel, {"BLOCK": 8192}),
+    ("argmax rows", _row_argmax_kernel, {"CHUNKS": 32}),
 ]
 
 

@@ -87,7 +87,8 @@ def test_decode_kernels_compile_for_sm90_with_programmatic_dependent_launch():
     kernels = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [k["kernel"] for k in kernels] == [
         "rms_norm", "rotary", "rotary+cache write", "write_kv", "decode partition",
-        "decode reduce", "silu_and_mul", "dense_gemv", "dense_gemv late trigger, split"]
+        "decode reduce", "silu_and_mul", "dense_gemv", "dense_gemv late trigger, split",
+        "argmax chunks", "argmax rows"]
     assert all(k["grid_dependency_control"] for k in kernels), kernels
     # The dense GEMV's weight tile is read before the wait; nothing else reads before it.
     assert {k["kernel"]: k["loads_before_wait"] > 0 for k in kernels} == {

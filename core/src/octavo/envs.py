@@ -247,6 +247,13 @@ def dense_gemv() -> bool:
     return os.environ.get("OCTAVO_DENSE_GEMV", "1").strip() not in ("0", "false", "False")
 
 
+def argmax_kernel() -> bool:
+    """``OCTAVO_ARGMAX_KERNEL``: whether greedy sampling of up to 16 rows on NVIDIA GPUs takes
+    its argmax from the two-kernel Triton argmax (default yes; ``0``/``false``: torch's;
+    ``octavo.kernels.argmax``; read once per process; for A/B runs)."""
+    return os.environ.get("OCTAVO_ARGMAX_KERNEL", "1").strip() not in ("0", "false", "False")
+
+
 def bitmask_kernel() -> bool:
     """``OCTAVO_BITMASK_KERNEL``: whether grammar bitmasks are applied to the logits on CUDA
     (and HIP) by one Triton kernel (default yes; ``0``/``false``: the torch ops;

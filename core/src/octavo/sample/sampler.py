@@ -31,6 +31,7 @@ from types import ModuleType
 import torch
 
 from octavo import envs
+from octavo.kernels.argmax import argmax_rows
 from octavo.kernels.triton_support import optional_triton_kernels
 from octavo.sample.logits_processor import LogitsProcessorRegistry, apply_logits_processors
 from octavo.sample.logprobs import LogprobsTensors, compute_logprobs
@@ -103,14 +104,14 @@ class Sampler:
             and metadata.logits_processors is None
         ):
             # Fast path of the common greedy batch: nothing to process, no float32 copy.
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
             processed = None
         else:
             processed = self.process_logits(logits, metadata)  # [batch, vocab] float32
         if processed is None:
             pass
         elif metadata.all_greedy:
-            sampled = processed.argmax(dim=-1)
+            sampled = argmax_rows(processed)
         else:
             greedy = None if metadata.all_random else processed.argmax(dim=-1)
             sampled = self.sample_random(processed, metadata)

@@ -31,6 +31,7 @@ import torch
 from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.config import EngineConfig, kv_cache_torch_dtype
 from octavo.distributed.parallel_state import ParallelState
+from octavo.kernels.argmax import argmax_rows
 from octavo.lora.manager import LoRAManager
 from octavo.lora_request import LoRARequest
 from octavo.messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -904,7 +905,7 @@ class ModelRunner:
                 masks = self.grammar_masks.upload(grammar_bitmask, plan.sampled_req_ids(inputs))
                 if masks is not None:
                     mask_by_bitmask(logits, masks.row_ids, masks.bitmask)
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         else:
             logits = self._compute_logits(hidden[inputs.sample_indices])
             rows = self._sampling_rows(states, inputs.num_tokens_before_sample, previous)

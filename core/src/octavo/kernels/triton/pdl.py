@@ -10,8 +10,9 @@ end of the one before. CUDA graphs record such launches as programmatic edges, s
 decode steps keep the overlap.
 
 Launched so: the RMS norms, rotary (and its variant that rotates the keys into the cache),
-the KV-cache write, the decode attention's partition and reduce kernels, SiLU-and-mul
-(``tests/kernels/sm90_decode_compile_check.py`` compiles each for sm_90), and the one-row
+the KV-cache write, the decode attention's partition and reduce kernels, SiLU-and-mul, the
+greedy argmax's two kernels (``tests/kernels/sm90_decode_compile_check.py`` compiles each
+for sm_90), and the one-row
 dense GEMV (``octavo.kernels.triton.dense_gemv``), which loads its first weight tile before
 its wait (weights are never written in a step); ``fp8_gemv`` and ``int4_gemv`` at one row
 load their first step's weights so too, where ``OCTAVO_SKINNY_PDL`` is on
@@ -22,7 +23,7 @@ launched so.
 Contract for a kernel launched with ``**pdl_launch(device)``: it takes ``USE_PDL:
 tl.constexpr`` and calls ``pdl_begin(USE_PDL)`` before it loads anything a kernel may have
 written in this step and before it stores anything or touches the split-K workspace (the
-norms, rotary, cache write, attention and SiLU: as their first statement; the GEMVs: after
+norms, rotary, cache write, attention, SiLU and argmax: as their first statement; the GEMVs: after
 their first weight loads, and weights alone). A kernel that never waits would let the kernel
 after it overtake the one before it. Kernels launched
 without the option (torch's, cuBLAS's) keep plain stream order on both sides.
