@@ -226,3 +226,104 @@ def test_decode_full_shapes(head_dim, heads, dtype, graph_bound):
                     wide_batch_span=config.decode_wide_batch_span if graph_bound else None,
                     fill_programs=config.decode_fill_programs,
                     num_warps=config.decode_num_warps, num_stages=config.decode_num_stages)
+
+
+FOLD_CASES = {
+    # (query lengths, context lengths, heads, kv heads, head_dim)
+    "context-shapes": ([1] * 5, [1, 16, 49, 31, 5], 4, 2, 64),
+    "45-partitions": ([1, 1], [720, 30], 2, 1, 64),  # more than one combining step of 32
+    "gqa-3-and-padding": ([1, 1, 1], [3, 17, 40], 6, 2, 80),
+    "a-sequence-without-tokens": ([1, 0, 1], [9, 12, 20], 4, 2, 64),
+}
+
+
+@pytest.mark.parametrize("case", FOLD_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_folded_reduce_matches_the_reference_twice_without_a_reduce_kernel(case, dtype,
+                                                                          monkeypatch):
+    """``fold_reduce``: each (sequence, KV head)'s last partition program combines the
+    partitions, so the reduce kernel never launches; the arrival counts it used are back at
+    zero after each launch (a second launch on them is right too)."""
+    module = importlib.import_module("octavo.kernels.triton.decode_attention")
+    from octavo.kernels.triton.skinny_gemm import SPLIT_K_WORKSPACE
+
+    class NoReduce:
+        def __getitem__(self, grid):
+            raise AssertionError("the reduce kernel launched with fold_reduce")
+
+    monkeypatch.setattr(module, "_decode_reduce_kernel", NoReduce())
+    query_lens, seq_lens, heads, kv_heads, head_dim = FOLD_CASES[case]
+    batch = make_paged_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads,
+                             head_dim=head_dim, block_size=8, dtype=dtype)
+    for _ in range(2):
+        run_and_compare(batch, dtype, block_n=16, partition_size=16, fold_reduce=True)
+        _, arrivals = SPLIT_K_WORKSPACE.current[batch.query.device]
+        assert int(arrivals.abs().sum()) == 0
+
+
+def test_folded_reduce_under_a_graph_bound_spread():
+    # As a captured graph launches a narrow batch: many partitions, most past each context.
+    batch = make_paged_batch([1, 1, 1, 1], [700, 30, 1, 97], num_heads=8, num_kv_heads=2,
+                             head_dim=64, block_size=16)
+    run_and_compare(batch, torch.float32, max_seq_len=4096, block_n=16, partition_size=512,
+                    unsplit_min_programs=64, fold_reduce=True)
+
+
+def test_folded_reduce_is_off_unless_asked(monkeypatch):
+    module = importlib.import_module("octavo.kernels.triton.decode_attention")
+    assert module._fold_reduce_default() is False  # OCTAVO_DECODE_FOLD_REDUCE unset
+    launched = []
+    reduce_kernel = module._decode_reduce_kernel
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return reduce_kernel[grid]
+
+    monkeypatch.setattr(module, "_decode_reduce_kernel", RecordingKernel())
+    batch = make_paged_batch([1, 1], [40, 20], num_heads=4, num_kv_heads=2, head_dim=64,
+                             block_size=8)
+    run_and_compare(batch, torch.float32, block_n=16, partition_size=16)
+    assert launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_lens", [[300], [1, 17, 513, 2000], [200] * 16],
+                         ids=["batch-1", "mixed-4", "batch-16"])
+def test_folded_reduce_equals_the_reduce_kernel_over_many_launches_and_replays_on_gpu(seq_lens):
+    """The folded reduce at Llama-3-8B's heads (32 query, 8 KV, 128 dims) as a captured graph
+    splits a narrow batch: close to the reduce kernel's output, then the same bits in every
+    one of 200 eager launches and after 20 replays of a graph of 10 launches (whichever
+    program arrives last, it reads every partition's statistics: a stale read would show), the
+    arrival counts at zero after."""
+    from octavo.kernels.triton.skinny_gemm import SPLIT_K_WORKSPACE
+
+    config = TritonLaunchConfig()
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=32, num_kv_heads=8,
+                             head_dim=128, block_size=16, dtype=torch.bfloat16)
+    meta = batch.metadata
+    write_kv_reference(batch.key, batch.value, batch.kv_cache, meta.slot_mapping)
+
+    def attend(fold: bool) -> torch.Tensor:
+        return decode_attention(batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, 4096, batch.scale,
+                                block_n=config.decode_block_n,
+                                partition_size=config.decode_partition_size,
+                                unsplit_min_programs=config.decode_unsplit_min_programs,
+                                fold_reduce=fold)
+
+    first = attend(True)
+    assert_close(first, attend(False), torch.bfloat16)
+    for _ in range(200):
+        assert torch.equal(attend(True), first)
+    attend(True)  # the counts exist before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [attend(True) for _ in range(10)]
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        for out in outs:
+            assert torch.equal(out, first)
+    _, arrivals = SPLIT_K_WORKSPACE.current[batch.query.device]
+    assert int(arrivals.abs().sum()) == 0
