@@ -131,6 +131,15 @@ class _StepInputs:
     # sampled tokens, read into input_ids just before the forward pass (``_read_pending``),
     # so that the rest of the inputs can be built before that step's sampling is launched.
     pending_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    # sample_indices is 0, 1, ..., k - 1 (a decode step): the sampled rows are the first k
+    # rows of the hidden states, a view (no gather kernel).
+    samples_first_rows: bool = False
+
+    def sampled_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states of the rows that sample, in sample order."""
+        if self.samples_first_rows:
+            return hidden[: len(self.sample_rows)]
+        return hidden[self.sample_indices]
 
 
 @dataclass(slots=True)
@@ -795,6 +804,7 @@ class ModelRunner:
             prompt_logprob_positions={},
             spec_drafts=None,
             pending_inputs=pending,
+            samples_first_rows=True,
         )
 
     def _flat_to_device(
@@ -900,14 +910,14 @@ class ModelRunner:
         elif all(s.greedy_after_grammar for s in states):
             # The common greedy batch, structured outputs included: skip building sampling
             # metadata (per-row Python work that costs more than the masks themselves).
-            logits = self._compute_logits(hidden[inputs.sample_indices])
+            logits = self._compute_logits(inputs.sampled_hidden(hidden))
             if grammar_bitmask is not None:
                 masks = self.grammar_masks.upload(grammar_bitmask, plan.sampled_req_ids(inputs))
                 if masks is not None:
                     mask_by_bitmask(logits, masks.row_ids, masks.bitmask)
             sampled = argmax_rows(logits)
         else:
-            logits = self._compute_logits(hidden[inputs.sample_indices])
+            logits = self._compute_logits(inputs.sampled_hidden(hidden))
             rows = self._sampling_rows(states, inputs.num_tokens_before_sample, previous)
             grammar = None
             if grammar_bitmask is not None:
