@@ -336,18 +336,24 @@ for stage in "${stages[@]}"; do
       # (~8 min; PROCESS_CONFIGS and PROFILE_CONFIGS override the lists).
       [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
-      # A config is process:accept[:spin µs[:threads]] (OCTAVO_GRAMMAR_SPIN_US and
-      # OCTAVO_GRAMMAR_THREADS; empty: the engine's default);
+      # A config is process:accept[:spin µs[:threads[:grammar CPUs[:engine CPUs]]]]
+      # (OCTAVO_GRAMMAR_SPIN_US, OCTAVO_GRAMMAR_THREADS, OCTAVO_GRAMMAR_CPUS, and the CPUs
+      # `taskset -c` gives the benchmark's own process and the engine core; CPU lists as
+      # taskset takes them, e.g. 1:parallel:::8-15:0-7; empty: the engine's default);
       # PROFILE_REQUESTS sets profile_steps.py's --num-requests (default 256).
       for cfg in ${PROCESS_CONFIGS:-1:parallel 0:parallel 1:loop 1:parallel 0:parallel 1:loop}; do
-        IFS=: read -r proc accept spin threads <<< "$cfg"
+        IFS=: read -r proc accept spin threads gcpus ecpus <<< "$cfg"
         python3 benchmarks/gpu/host_probe.py | tee -a "$OUT/bench-structured-process.log"
         echo "== OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept" \
           "OCTAVO_GRAMMAR_SPIN_US=${spin:-default} OCTAVO_GRAMMAR_THREADS=${threads:-default}" \
+          "OCTAVO_GRAMMAR_CPUS=${gcpus:-any} engine CPUs ${ecpus:-any}" \
           "(at $(date +%s.%N))" | tee -a "$OUT/bench-structured-process.log"
         (export OCTAVO_GRAMMAR_PROCESS=$proc OCTAVO_GRAMMAR_ACCEPT=$accept
          [ -z "$spin" ] || export OCTAVO_GRAMMAR_SPIN_US=$spin
          [ -z "$threads" ] || export OCTAVO_GRAMMAR_THREADS=$threads
+         [ -z "$gcpus" ] || export OCTAVO_GRAMMAR_CPUS=$gcpus
+         # This subshell's CPUs, which the benchmark and the engine core inherit.
+         [ -z "$ecpus" ] || taskset -cp "$ecpus" $BASHPID >/dev/null
          structured_w1) 2>>"$OUT/bench-structured-process.err" \
           | tee -a "$OUT/bench-structured-process.log" | grep -E "ratio|grammar :|engine  :|host    :"
       done

@@ -6,6 +6,7 @@ advanced by sampled tokens, nothing kept after a request ends; the same through
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -214,8 +215,6 @@ def test_a_bad_grammar_setting_says_what_it_takes(monkeypatch, name, value) -> N
 
 def test_the_mask_pool_takes_its_size_from_the_environment(monkeypatch, tokenizer) -> None:
     """``OCTAVO_GRAMMAR_THREADS`` sizes llguidance's pool; unset, half the cores (1 to 8)."""
-    import os
-
     from octavo import envs
 
     monkeypatch.delenv("OCTAVO_GRAMMAR_THREADS", raising=False)
@@ -419,3 +418,43 @@ def test_the_threads_masks_take_the_shared_buffers_in_turn(tokenizer) -> None:
     finally:
         shared.shutdown()
         plain.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+def test_grammar_cpus_pin_the_grammar_process_and_a_bad_list_fails_at_once(tiny_llama,
+                                                                           monkeypatch) -> None:
+    """``OCTAVO_GRAMMAR_CPUS``: the child and the threads it starts run on those CPUs; a list
+    that does not parse fails in the engine core, before any child starts."""
+    cpu = min(os.sched_getaffinity(0))
+    monkeypatch.setenv("OCTAVO_GRAMMAR_CPUS", str(cpu))
+    process = grammar_process(tiny_llama, VOCAB, max_rows=4)
+    try:
+        compile_all(process, {"a": StructuredOutputsParams(regex="a+")})  # pool threads up
+        child = process._process
+        assert child is not None
+        threads = os.listdir(f"/proc/{child.pid}/task")
+        assert len(threads) > 1
+        assert all(os.sched_getaffinity(int(tid)) == {cpu} for tid in threads)
+    finally:
+        process.shutdown()
+    monkeypatch.setenv("OCTAVO_GRAMMAR_CPUS", "3-1")
+    with pytest.raises(ValueError, match="OCTAVO_GRAMMAR_CPUS must be a CPU list"):
+        grammar_process(tiny_llama, VOCAB, max_rows=4)
+
+
+@pytest.mark.parametrize("raw,cpus", [("", None), ("3", {3}), ("8-11", {8, 9, 10, 11}),
+                                      (" 2,4,6-7 ", {2, 4, 6, 7})])
+def test_grammar_cpus_lists(raw, cpus, monkeypatch) -> None:
+    from octavo import envs
+
+    monkeypatch.setenv("OCTAVO_GRAMMAR_CPUS", raw)
+    assert envs.grammar_cpus() == cpus
+
+
+@pytest.mark.parametrize("raw", ["a", "3-", "-1", "4-2", "1,,2"])
+def test_grammar_cpus_refuses_what_is_not_a_cpu_list(raw, monkeypatch) -> None:
+    from octavo import envs
+
+    monkeypatch.setenv("OCTAVO_GRAMMAR_CPUS", raw)
+    with pytest.raises(ValueError, match="OCTAVO_GRAMMAR_CPUS must be a CPU list"):
+        envs.grammar_cpus()

@@ -193,6 +193,28 @@ def grammar_threads() -> int:
     return value
 
 
+def grammar_cpus() -> set[int] | None:
+    """``OCTAVO_GRAMMAR_CPUS``: the CPUs the grammar process and its threads run on (a list
+    as ``taskset -c`` takes it: ``8-15`` or ``2,4,6-7``; default unset: wherever the
+    scheduler puts them), so that they can be kept off the engine core's CPUs; for
+    experiments on hosts where where they run changes the constrained throughput."""
+    raw = os.environ.get("OCTAVO_GRAMMAR_CPUS", "").strip()
+    if not raw:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in raw.split(","):
+            first, dash, last = part.strip().partition("-")
+            low, high = int(first), int(last if dash else first)
+            if low < 0 or high < low:
+                raise ValueError(part)
+            cpus.update(range(low, high + 1))
+    except ValueError:
+        raise ValueError(f"OCTAVO_GRAMMAR_CPUS must be a CPU list such as 8-15 or 2,4,6-7, "
+                         f"got {raw!r}") from None
+    return cpus
+
+
 def prepare_ahead() -> bool:
     """``OCTAVO_PREPARE_AHEAD``: whether, under async scheduling with structured outputs, the
     engine core prepares a step (its requests' state and inputs) while the grammar work of the

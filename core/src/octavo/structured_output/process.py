@@ -195,6 +195,7 @@ class GrammarProcess:
         (``OCTAVO_GRAMMAR_ACCEPT``)."""
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        envs.grammar_cpus()  # a malformed OCTAVO_GRAMMAR_CPUS fails here, not in the child
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._max_rows = max_rows
@@ -510,6 +511,25 @@ def child_main() -> None:
     run_grammar_process(conn, int(sys.argv[2]), setup)
 
 
+def _pin_to_grammar_cpus() -> None:
+    """Run this process's threads (those its imports started, as a BLAS library's), and the
+    threads it starts after them (llguidance's pool, the compile thread), on
+    ``OCTAVO_GRAMMAR_CPUS`` when set; a list this machine cannot honour is logged and
+    ignored."""
+    cpus = envs.grammar_cpus()
+    if cpus is None:
+        return
+    try:
+        for thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread), cpus)
+    except (OSError, AttributeError) as exc:  # CPUs not in this cgroup, or not Linux
+        logger.warning("structured outputs: OCTAVO_GRAMMAR_CPUS=%s not applied: %s",
+                       os.environ.get("OCTAVO_GRAMMAR_CPUS"), exc)
+        return
+    logger.info("structured outputs: the grammar process runs on CPUs %s",
+                ",".join(map(str, sorted(cpus))))
+
+
 def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: int,
                         setup: _Setup) -> None:
     """The child's loop: one ``StructuredOutputManager``, its tokenizer built at once,
@@ -519,6 +539,7 @@ def run_grammar_process(conn: multiprocessing.connection.Connection, masks_fd: i
     from octavo.reasoning import get_reasoning_parser
 
     configure_logging()
+    _pin_to_grammar_cpus()
 
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(_ToChild)
