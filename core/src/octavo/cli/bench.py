@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import platform
 import random
 import sys
@@ -201,8 +202,6 @@ def _engine_since(before, after) -> tuple[float, ...]:
 def machine_cpu_seconds(stat_path: str = "/proc/stat") -> tuple[float, float, float] | None:
     """All CPUs' seconds since boot from ``/proc/stat``'s ``cpu`` line: (busy, stolen by the
     hypervisor, in all); None where it cannot be read (not Linux)."""
-    import os
-
     try:
         with open(stat_path) as f:
             fields = f.readline().split()

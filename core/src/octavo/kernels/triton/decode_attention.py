@@ -22,7 +22,10 @@ every span within ``partition_size`` keys and what brings a small batch to about
 ``unsplit_min_programs`` programs (at most one partition per ``block_n`` keys).
 
 When that is one partition, step 1 normalizes and writes the output itself and step 2 is
-skipped. So does a batch wide enough to fill the GPU on its own
+skipped. With ``fold_reduce`` (``OCTAVO_DECODE_FOLD_REDUCE``; off by default until measured on
+a GPU) step 2 is folded into step 1: each program of a (sequence, KV head) counts its
+arrival after storing its statistics, and the last to arrive combines that KV head's query
+heads as step 2 would (``_combine_partitions``, the loop both use), so one kernel runs. So does a batch wide enough to fill the GPU on its own
 (``num_seqs * num_kv_heads >= unsplit_min_programs``): splitting it would only add programs
 and the reduce pass, since the bytes of K/V read are the same either way. The token's own K/V
 must already be in the cache (``write_kv_cache``). With a sliding window ``W`` only positions
