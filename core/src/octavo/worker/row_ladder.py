@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.attention.base import AttentionMetadata
+from octavo.kernels.argmax import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +75,15 @@ def padded_logits(ladder: RowLadder, compute_logits: Callable[[torch.Tensor], to
 def warm_up_logits(ladder: RowLadder, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                    hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Run the LM head once at every explicit ladder size, so that no step pays the BLAS
-    library's first call of those shapes."""
+    library's first call of those shapes, and the greedy argmax after it (its Triton
+    kernels compile on first use)."""
     start = time.perf_counter()
     hidden = torch.zeros(ladder.sizes[-1], hidden_size, dtype=dtype, device=device)
     for rows in ladder.sizes:
-        compute_logits(hidden[:rows])
+        argmax_rows(compute_logits(hidden[:rows]))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    logger.info("LM head warmed at %d row counts (%s..%s) in %.2f s", len(ladder.sizes),
+    logger.info("LM head and greedy argmax warmed at %d row counts (%s..%s) in %.2f s", len(ladder.sizes),
                 ladder.sizes[0], ladder.sizes[-1], time.perf_counter() - start)
 
 
