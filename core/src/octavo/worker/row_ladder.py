@@ -83,8 +83,9 @@ def warm_up_logits(ladder: RowLadder, compute_logits: Callable[[torch.Tensor], t
         argmax_rows(compute_logits(hidden[:rows]))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    logger.info("LM head and greedy argmax warmed at %d row counts (%s..%s) in %.2f s", len(ladder.sizes),
-                ladder.sizes[0], ladder.sizes[-1], time.perf_counter() - start)
+    logger.info("LM head and greedy argmax warmed at %d row counts (%s..%s) in %.2f s",
+                len(ladder.sizes), ladder.sizes[0], ladder.sizes[-1],
+                time.perf_counter() - start)
 
 
 def pad_step(ladder: RowLadder, input_ids: torch.Tensor, positions: torch.Tensor,
