@@ -40,6 +40,22 @@ def run_and_compare(batch, dtype, max_seq_len=None, **launch):
     assert_close(out[:n], expected[:n], dtype)
 
 
+def record_launches(monkeypatch, kernel_name: str) -> list:
+    """The grids of ``decode_attention``'s launches of ``kernel_name`` from now on (each still
+    runs)."""
+    module = importlib.import_module("octavo.kernels.triton.decode_attention")
+    grids: list = []
+    kernel = getattr(module, kernel_name)
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, kernel_name, RecordingKernel())
+    return grids
+
+
 # name -> context lengths (one decode token per sequence) as functions of the block size
 CONTEXT_CASES = {
     "one-token": lambda bs: [1],
@@ -95,17 +111,7 @@ def test_decode_many_partitions():
 @pytest.mark.parametrize("threshold,expect_split", [(4, False), (100, True)])
 def test_decode_wide_batch_is_not_split(threshold, expect_split, monkeypatch):
     # 3 sequences x 2 KV heads = 6 programs; contexts span up to 12 partitions of 16.
-    module = importlib.import_module("octavo.kernels.triton.decode_attention")
-
-    launched = []
-    reduce_kernel = module._decode_reduce_kernel
-
-    class RecordingKernel:  # records launches of the reduce kernel, then runs it
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return reduce_kernel[grid]
-
-    monkeypatch.setattr(module, "_decode_reduce_kernel", RecordingKernel())
+    launched = record_launches(monkeypatch, "_decode_reduce_kernel")
     batch = make_paged_batch([1, 1, 1], [190, 33, 70], num_heads=4, num_kv_heads=2,
                              head_dim=64, block_size=16)
     run_and_compare(batch, torch.float32, block_n=16, partition_size=16,
@@ -164,16 +170,7 @@ def test_decode_wide_batch_span_must_be_a_multiple_of_block_n():
 def test_decode_short_contexts_under_a_graph_bound_spread(seq_lens, monkeypatch):
     """A captured graph passes max_model_len as the bound: a narrow batch of short contexts
     is cut into many partitions, each sequence's span following its own length."""
-    module = importlib.import_module("octavo.kernels.triton.decode_attention")
-    grids = []
-    partition_kernel = module._decode_partition_kernel
-
-    class RecordingKernel:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return partition_kernel[grid]
-
-    monkeypatch.setattr(module, "_decode_partition_kernel", RecordingKernel())
+    grids = record_launches(monkeypatch, "_decode_partition_kernel")
     batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2,
                              head_dim=64, block_size=16)
     run_and_compare(batch, torch.float32, max_seq_len=4096, block_n=16, partition_size=512,
@@ -272,15 +269,7 @@ def test_folded_reduce_under_a_graph_bound_spread():
 def test_folded_reduce_is_off_unless_asked(monkeypatch):
     module = importlib.import_module("octavo.kernels.triton.decode_attention")
     assert module._fold_reduce_default() is False  # OCTAVO_DECODE_FOLD_REDUCE unset
-    launched = []
-    reduce_kernel = module._decode_reduce_kernel
-
-    class RecordingKernel:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return reduce_kernel[grid]
-
-    monkeypatch.setattr(module, "_decode_reduce_kernel", RecordingKernel())
+    launched = record_launches(monkeypatch, "_decode_reduce_kernel")
     batch = make_paged_batch([1, 1], [40, 20], num_heads=4, num_kv_heads=2, head_dim=64,
                              block_size=8)
     run_and_compare(batch, torch.float32, block_n=16, partition_size=16)
