@@ -92,9 +92,10 @@ def _reference_inputs(runner, so) -> dict:
     }
 
 
-def _compare_every_step(llm) -> list[tuple[int, int]]:
+def _compare_every_step(llm) -> list[tuple[int, int, bool]]:
     """Wrap the runner so that every step's inputs are compared with ``_reference_inputs``;
-    returns (number of requests, number of tokens) per step compared."""
+    returns (number of requests, number of tokens, whether the inputs were read as a view of
+    the last step's sampled tokens) per step compared."""
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     prepare, flat_to_device = runner._prepare_inputs, runner._flat_to_device
     checked: list[tuple[int, int]] = []
@@ -131,7 +132,17 @@ def _compare_every_step(llm) -> list[tuple[int, int]]:
         assert md.query_start_loc.tolist() == want["query_start_loc"]
         assert md.seq_lens.tolist() == want["seq_lens"]
         assert md.max_query_len == max(np.diff(want["query_start_loc"]))
-        checked.append((len(want["seq_lens"]), num_tokens))
+        # The shortcuts of a steady decode: every input pending, input i being row i of the
+        # last step's sampled tokens; and sampled rows that are the first rows.
+        num_pending = want["num_pending"]
+        pending_rows = want["flat_host"][3 * num_tokens + num_pending : 3 * num_tokens
+                                         + 2 * num_pending]
+        assert inputs.pending_in_order == (num_pending == num_tokens
+                                           and pending_rows == list(range(num_tokens)))
+        if inputs.samples_first_rows:
+            sample_indices = want["flat_host"][3 * num_tokens + 2 * num_pending:]
+            assert sample_indices == list(range(len(want["sample_rows"])))
+        checked.append((len(want["seq_lens"]), num_tokens, inputs.pending_in_order))
         return inputs
 
     runner._prepare_inputs = compared
@@ -162,8 +173,10 @@ def test_inputs_are_the_per_token_loops(tiny_llama: Path, setting: str,
         assert stats.num_preemptions > 0
     # Steps of several requests holding prompt chunks (more tokens than requests), and pure
     # decodes (as many tokens as requests).
-    assert any(1 < num_reqs < num_tokens for num_reqs, num_tokens in checked), checked
-    assert any(num_reqs == num_tokens > 1 for num_reqs, num_tokens in checked), checked
+    assert any(1 < num_reqs < num_tokens for num_reqs, num_tokens, _ in checked), checked
+    assert any(num_reqs == num_tokens > 1 for num_reqs, num_tokens, _ in checked), checked
+    # With tokens in flight, steady decodes read them as a view of the last sampled tokens.
+    assert any(in_order for _, _, in_order in checked) == async_scheduling, checked
     llm.llm_engine.shutdown()
 
 

@@ -103,6 +103,14 @@ class CachedRequestState:
     lora_request: LoRARequest | None = None
 
 
+def pending_in_order(num_tokens: int, sampled_rows: np.ndarray) -> bool:
+    """Whether a step of ``num_tokens`` inputs, ``sampled_rows`` of them pending (each one's
+    row in the last step's sampled tokens), has input i at row i for every i: its inputs are
+    then those tokens' first rows."""
+    return len(sampled_rows) == num_tokens and bool(
+        (sampled_rows == np.arange(num_tokens)).all())
+
+
 @dataclass(slots=True)
 class _StepInputs:
     """The flat batch of one step, on the device."""
@@ -134,6 +142,9 @@ class _StepInputs:
     # sample_indices is 0, 1, ..., k - 1 (a decode step): the sampled rows are the first k
     # rows of the hidden states, a view (no gather kernel).
     samples_first_rows: bool = False
+    # Every input is pending and input i is row i of the previous step's sampled tokens (a
+    # steady decode): the inputs are a view of those tokens (no gather and scatter kernels).
+    pending_in_order: bool = False
 
     def sampled_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden states of the rows that sample, in sample order."""
@@ -725,6 +736,7 @@ class ModelRunner:
             prompt_logprob_positions=prompt_positions,
             spec_drafts=spec_drafts,
             pending_inputs=pending,
+            pending_in_order=pending_in_order(num_tokens, sampled_rows),
         )
 
     def _positions_and_slots(self, rows: np.ndarray, query_start_loc: list[int],
@@ -783,8 +795,8 @@ class ModelRunner:
         bs = self.block_size
         slots = self.block_table.block_ids_at(rows, start // bs).astype(np.int64) * bs + start % bs
         num_reqs = len(req_ids)
-        flat_host = np.concatenate([input_ids, start, slots, pending_flat,
-                                    rows_state.sampled_row[rows[pending_flat]],
+        pending_rows = rows_state.sampled_row[rows[pending_flat]]
+        flat_host = np.concatenate([input_ids, start, slots, pending_flat, pending_rows,
                                     np.arange(num_reqs, dtype=np.int64)])
         token_ids, positions, slot_mapping, sample_indices, pending = self._flat_to_device(
             flat_host, num_reqs, len(pending_flat))
@@ -805,6 +817,7 @@ class ModelRunner:
             spec_drafts=None,
             pending_inputs=pending,
             samples_first_rows=True,
+            pending_in_order=pending_in_order(num_reqs, pending_rows),
         )
 
     def _flat_to_device(
@@ -832,8 +845,12 @@ class ModelRunner:
         if inputs.pending_inputs is None:
             return
         assert self._last_step is not None and self._last_step.sampled_token_ids is not None
+        sampled = self._last_step.sampled_token_ids
+        if inputs.pending_in_order:
+            inputs.input_ids = sampled[: inputs.input_ids.shape[0]]
+            return
         where, rows = inputs.pending_inputs
-        inputs.input_ids[where] = self._last_step.sampled_token_ids[rows]
+        inputs.input_ids[where] = sampled[rows]
 
     def _build_metadata(
         self,
