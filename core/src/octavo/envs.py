@@ -197,7 +197,7 @@ def grammar_cpus() -> set[int] | None:
     """``OCTAVO_GRAMMAR_CPUS``: the CPUs the grammar process and its threads run on (a list
     as ``taskset -c`` takes it: ``8-15`` or ``2,4,6-7``; default unset: wherever the
     scheduler puts them), so that they can be kept off the engine core's CPUs; for
-    experiments on hosts where where they run changes the constrained throughput."""
+    experiments on hosts where their placement changes the constrained throughput."""
     raw = os.environ.get("OCTAVO_GRAMMAR_CPUS", "").strip()
     if not raw:
         return None
