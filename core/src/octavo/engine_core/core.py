@@ -63,6 +63,13 @@ from octavo.structured_output.tokenizer import load_grammar_tokenizer
 
 logger = logging.getLogger(__name__)
 
+try:  # per-thread resource usage (Linux); thread_usage counts no switches elsewhere
+    import resource
+
+    _RUSAGE_THREAD: int | None = resource.RUSAGE_THREAD
+except (ImportError, AttributeError):
+    _RUSAGE_THREAD = None
+
 
 @dataclass(slots=True)
 class _InFlightStep:
@@ -105,12 +112,10 @@ class _StepTimes:
 def thread_usage() -> tuple[float, int]:
     """The calling thread's CPU seconds and involuntary context switches (the switches: 0
     where the OS does not count them per thread)."""
-    try:
-        import resource
-
-        switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
-    except (ImportError, AttributeError, OSError):  # not Linux
-        switches = 0
+    switches = 0
+    if _RUSAGE_THREAD is not None:
+        with contextlib.suppress(OSError):
+            switches = resource.getrusage(_RUSAGE_THREAD).ru_nivcsw
     return time.thread_time(), switches
 
 
