@@ -29,7 +29,9 @@ programmatic dependent launch where the GPU has it, as in the model), then the k
 output, so that a kernel which loads its first weights before it waits for the norm
 (``octavo.kernels.triton.pdl``) is timed with the overlap it gets in a decode step; the norm
 alone is printed as ``norm`` (``bench_dense_gemv.py`` times bf16 pairs so). ``quant-configs``
-sweeps this way.
+sweeps this way; at one row it times each fp8 config with the next kernel let launch early
+(at the wait) and late (after the K loop), and the table records the faster
+(``SkinnyConfig.early_trigger``).
 
 The last line is the whole result as one JSON object. Without CUDA it exits with a message.
 """
@@ -39,7 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -158,8 +160,12 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
                 continue
             best = None
             # the grid, then the kernel's own tuner candidates not in it (int4: split_k=16)
-            for config in dict.fromkeys([*sweep_configs(m),
-                                         *module.candidate_configs(m_bucket(m))]):
+            configs = [*sweep_configs(m), *module.candidate_configs(m_bucket(m))]
+            if label == "fp8" and m == 1 and args.after_norm:
+                # under PDL the next kernel may launch at the wait or after the K loop:
+                # which is faster depends on the shape (as for dense_gemv)
+                configs += [replace(c, early_trigger=False) for c in configs]
+            for config in dict.fromkeys(configs):
                 try:
                     us = time_per_call(lambda w, c=config, f=call: f(w, c), ws)
                 except Exception as exc:  # noqa: BLE001  (a tile too big for this GPU)
@@ -275,8 +281,9 @@ def main() -> None:
         for label in ("fp8", "int4"):
             if f"{label}_best_us" in r:
                 c = r[f"{label}_best_config"]
+                trigger = "" if c.get("early_trigger", True) else " late"
                 line += (f"  {label} best {r[f'{label}_best_us']:.1f} (n{c['block_n']} "
-                         f"k{c['block_k']} s{c['split_k']} w{c['num_warps']})")
+                         f"k{c['block_k']} s{c['split_k']} w{c['num_warps']}{trigger})")
         print(line)
     print(f"\none decode step's linear layers ({NUM_LAYERS} x {' + '.join(STEP_SHAPES)}), ms:")
     for m in rows:

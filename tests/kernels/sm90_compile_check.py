@@ -5,7 +5,8 @@ Run as a script (``python tests/kernels/sm90_compile_check.py``) in a process wi
 specialisation a real launch gets (16-byte aligned pointers, sizes divisible by 16; the
 int4 kernel's compile-time arguments from ``int4_gemv.kernel_constexprs``), and the script
 prints one JSON line per variant: the K loop's ``bar.sync`` count (shared-memory shuffles),
-its global loads, whether the weight loads are 16-byte vectors, the kernel's local-memory
+its global loads (in the PTX, and in the SASS, where ``ptxas`` has merged repeated unmasked
+loads), whether the weight loads are 16-byte vectors, the kernel's local-memory
 instructions (register spills) and the SASS instructions of the loop (disassembled with
 Triton's bundled ``nvdisasm``). ``test_skinny_sm90.py`` runs it in CI; on a GPU the same
 kernels are compiled by the launches.
@@ -123,17 +124,21 @@ def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> di
             "loop_global_loads": len(re.findall(r"ld\.global", body)),
             "loop_vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body)),
             "local_memory_ops": sum(op in ("LDL", "STL") for op in sass_opcodes(code)),
-            "loop_sass": len(sass_opcodes(sass_loop(code)))}
+            "loop_sass": len(sass_opcodes(sass_loop(code))),
+            "loop_sass_global_loads": sass_opcodes(sass_loop(code)).count("LDG")}
 
 
 def main() -> None:
     # (rows, launched with PDL): PDL is for one row only (octavo.kernels.triton.pdl)
     for block_m, use_pdl in ((1, False), (1, True), (16, False)):
-        consts = {"BLOCK_M": block_m, "BLOCK_N": 16 if block_m == 1 else 32,
-                  "BLOCK_K": 512 if block_m == 1 else 256, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
-                  "UPCAST_DOT": False, "USE_PDL": use_pdl}
-        print(json.dumps({"kernel": "fp8_gemv", **consts,
-                          **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
+        # whole steps (Llama-3-8B's shapes), and at one row also a masked tail
+        for even in (True, False) if block_m == 1 else (True,):
+            consts = {"BLOCK_M": block_m, "BLOCK_N": 16 if block_m == 1 else 32,
+                      "BLOCK_K": 512 if block_m == 1 else 256, "SPLIT_K": 1,
+                      "IN_KERNEL_SUM": False, "UPCAST_DOT": False, "EARLY_TRIGGER": True,
+                      "EVEN_K": even, "EVEN_N": even, "USE_PDL": use_pdl}
+            print(json.dumps({"kernel": "fp8_gemv", **consts,
+                              **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
         for has_g_idx in (False, True):
             if use_pdl and has_g_idx:
                 continue  # act-order launches without PDL

@@ -38,13 +38,15 @@ def operands(n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = DE
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("early_trigger", [False, True], ids=["late", "early"])
-def test_matches_linear_with_tails(config, dtype, with_bias, early_trigger):
-    # N and K not multiples of the blocks: masked rows and a masked last step
-    x, weight, bias = operands(n=37, k=200, dtype=dtype)
+# N and K not multiples of the blocks (masked rows and a masked last step), or whole blocks
+# and steps (loads without masks)
+@pytest.mark.parametrize("n, k", [(37, 200), (32, 192)], ids=["tails", "whole"])
+def test_matches_linear(config, dtype, with_bias, early_trigger, n, k):
+    x, weight, bias = operands(n=n, k=k, dtype=dtype)
     bias = bias if with_bias else None
     out = launch(x, weight, bias, config, early_trigger=early_trigger)
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    assert out.shape == (1, 37) and out.dtype == dtype
+    assert out.shape == (1, n) and out.dtype == dtype
     assert relative_error(out, expected) < 1e-2
 
 

@@ -75,8 +75,9 @@ def test_small_m_threshold_and_buckets():
 @pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["split1", "split3"])
 @pytest.mark.parametrize("m", [1, 3, 16], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_fp8_gemv_matches_the_dequantized_reference(config, m, dtype):
-    n, k = 40, 200  # neither a multiple of the blocks: masked edges
+# neither a multiple of the blocks (masked edges), or whole blocks and steps (no masks)
+@pytest.mark.parametrize("n, k", [(40, 200), (64, 256)], ids=["tails", "whole"])
+def test_fp8_gemv_matches_the_dequantized_reference(config, m, dtype, n, k):
     weight, scale = fp8_weight(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     weight, scale = weight.to(DEVICE), scale.to(DEVICE)

@@ -62,12 +62,15 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     IN_KERNEL_SUM: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,  # one row under PDL: the next kernel may launch at the wait
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: the one-row loop without masks along K
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
     USE_PDL: tl.constexpr,  # one row: launched with PDL (octavo.kernels.triton.pdl)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    n_mask = (offs_n < N) | EVEN_N  # all true (no masks) when N % BLOCK_N == 0
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
@@ -76,8 +79,8 @@ def _fp8_gemv_kernel(
     scale_ptrs = scale_ptr + offs_n  # [BLOCK_N]
     if BLOCK_M == 1:
         # The first step's weights loaded before the PDL wait (dense_gemv.one_row_sums)
-        acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K, True,
-                           USE_PDL)
+        acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K,
+                           EARLY_TRIGGER, USE_PDL, EVEN_K)
         acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -124,6 +127,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         k_per_split(k, split, config.block_k), x.stride(0), weight.stride(0),
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum, UPCAST_DOT=upcast_dot(x.dtype),
+        EARLY_TRIGGER=config.early_trigger, EVEN_K=k % config.block_k == 0,
+        EVEN_N=n % config.block_n == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **skinny_pdl_launch(x.device, m),
     )

@@ -67,7 +67,7 @@ class SkinnyConfig:
     # Software pipelining depth of the K loop.
     num_stages: int = 2
     # The one-row loops under PDL (``dense_gemv``): let the next kernel launch once the first
-    # tile's loads are issued (True) or after the K loop (False).
+    # tile's loads are issued (True) or after the K loop (False); also ``fp8_gemv``'s.
     early_trigger: bool = True
 
 
