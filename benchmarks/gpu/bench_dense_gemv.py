@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,12 @@ SHAPES = [("0.5b", "qkv", 1152, 896, True), ("0.5b", "o", 896, 896, False),
 LAYERS = {"0.5b": 24, "8b": 32}
 VARIANTS = {"off": {"use_pdl": False}, "late": {"early_trigger": False},
             "early": {"early_trigger": True}}
+
+
+def brief(config: dict) -> str:
+    """A config as the summary lines print it: ``n8 k1024 s0 w4`` (+ ``runs``)."""
+    return (f"n{config['block_n']} k{config['block_k']} s{config['split_k']} "
+            f"w{config['num_warps']}" + (" runs" if config.get("sum_runs") else ""))
 
 
 def main() -> None:
@@ -91,9 +98,7 @@ def main() -> None:
             out = dense.launch(rms_norm(x, norm_w, 1e-6), dense_w, bias, best[1], **options)
             err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
             row[f"triton_{variant}_us"] = best[0]
-            row[f"triton_{variant}_config"] = [best[1].block_n, best[1].block_k,
-                                               best[1].split_k, best[1].num_warps,
-                                               best[1].num_stages]
+            row[f"triton_{variant}_config"] = asdict(best[1])
             row[f"triton_{variant}_rel_err"] = err
             if variant != "off" and (best_by_shape.get((model, proj)) is None
                                      or best[0] < best_by_shape[(model, proj)][0]):
@@ -102,8 +107,8 @@ def main() -> None:
         print(f"{model:>4} {proj:>8} N{n:>6} K{k:>6} floor {row['floor_us']:5.1f} norm "
               f"{row['norm_us']:5.1f} | pair: cublas {row['cublas_us']:6.1f}  triton off "
               f"{row['triton_off_us']:6.1f} late {row['triton_late_us']:6.1f} early "
-              f"{row['triton_early_us']:6.1f}  ({row['triton_early_config']} early, "
-              f"{row['triton_late_config']} late)", flush=True)
+              f"{row['triton_early_us']:6.1f}  ({brief(row['triton_early_config'])} early, "
+              f"{brief(row['triton_late_config'])} late)", flush=True)
         del ws, dense_w
 
     if args.write_configs:
@@ -147,8 +152,8 @@ def main() -> None:
         del weights
     print(json.dumps({"bench": "dense_gemv_pdl", "copy_bandwidth_gb_per_s": bandwidth / 1e9,
                       "pairs": results, "layers": layers,
-                      "best": {f"{m} {p}": [c.block_n, c.block_k, c.split_k, c.num_warps,
-                                            c.num_stages, o.get("early_trigger", False)]
+                      "best": {f"{m} {p}": {**asdict(c),
+                                            "early_trigger": o.get("early_trigger", False)}
                                for (m, p), (_, c, o) in best_by_shape.items()}}))
 
 
@@ -169,11 +174,9 @@ def write_configs(path: str, results: list[dict]) -> None:
     entries = table["kernels"].setdefault("dense_gemv", {})
     for r in results:
         early = r["triton_early_us"] <= r["triton_late_us"]
-        block_n, block_k, split_k, num_warps, num_stages = r[
-            "triton_early_config" if early else "triton_late_config"]
+        config = r["triton_early_config" if early else "triton_late_config"]
         entries[tune_key(n=r["n"], k=r["k"], m=1, dtype=torch.bfloat16)] = {
-            "block_n": block_n, "block_k": block_k, "split_k": split_k,
-            "num_warps": num_warps, "num_stages": num_stages, "early_trigger": early}
+            **config, "early_trigger": early}
     table["kernels"]["dense_gemv"] = dict(sorted(entries.items()))
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(json.dumps(table, indent=1) + "\n")

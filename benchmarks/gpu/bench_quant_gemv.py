@@ -282,8 +282,9 @@ def main() -> None:
             if f"{label}_best_us" in r:
                 c = r[f"{label}_best_config"]
                 trigger = "" if c.get("early_trigger", True) else " late"
+                runs = " runs" if c.get("sum_runs") else ""
                 line += (f"  {label} best {r[f'{label}_best_us']:.1f} (n{c['block_n']} "
-                         f"k{c['block_k']} s{c['split_k']} w{c['num_warps']}{trigger})")
+                         f"k{c['block_k']} s{c['split_k']} w{c['num_warps']}{trigger}{runs})")
         print(line)
     print(f"\none decode step's linear layers ({NUM_LAYERS} x {' + '.join(STEP_SHAPES)}), ms:")
     for m in rows:

@@ -7,7 +7,7 @@ int4 kernel's compile-time arguments from ``int4_gemv.kernel_constexprs``), and 
 prints one JSON line per variant: the K loop's ``bar.sync`` count (shared-memory shuffles),
 its global loads (in the PTX, and in the SASS, where ``ptxas`` has merged repeated unmasked
 loads), whether the weight loads are 16-byte vectors, the kernel's local-memory
-instructions (register spills) and the SASS instructions of the loop (disassembled with
+instructions (register spills), its registers per thread and the SASS instructions of the loop (disassembled with
 Triton's bundled ``nvdisasm``). ``test_skinny_sm90.py`` runs it in CI; on a GPU the same
 kernels are compiled by the launches.
 """
@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+CUOBJDUMP = NVDISASM.with_name("cuobjdump")
 FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
            "sums_ptr": "*fp32", "arrivals_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
@@ -111,6 +112,16 @@ def barrier_before_zeroing(ptx: str) -> bool | None:
     return "bar.sync" in ptx[load:ptx.rfind("st.global", load, reset)]
 
 
+def registers(kernel) -> int:
+    """Registers per thread of the kernel (``cuobjdump --dump-resource-usage``)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
 def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
     kernel = compile_kernel(fn, signature, constexprs, num_warps)
     body = loop_body(kernel.asm["ptx"])
@@ -125,7 +136,8 @@ def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> di
             "loop_vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body)),
             "local_memory_ops": sum(op in ("LDL", "STL") for op in sass_opcodes(code)),
             "loop_sass": len(sass_opcodes(sass_loop(code))),
-            "loop_sass_global_loads": sass_opcodes(sass_loop(code)).count("LDG")}
+            "loop_sass_global_loads": sass_opcodes(sass_loop(code)).count("LDG"),
+            "registers": registers(kernel)}
 
 
 def main() -> None:
@@ -136,7 +148,7 @@ def main() -> None:
             consts = {"BLOCK_M": block_m, "BLOCK_N": 16 if block_m == 1 else 32,
                       "BLOCK_K": 512 if block_m == 1 else 256, "SPLIT_K": 1,
                       "IN_KERNEL_SUM": False, "UPCAST_DOT": False, "EARLY_TRIGGER": True,
-                      "EVEN_K": even, "EVEN_N": even, "USE_PDL": use_pdl}
+                      "EVEN_K": even, "EVEN_N": even, "SUM_RUN": 0, "USE_PDL": use_pdl}
             print(json.dumps({"kernel": "fp8_gemv", **consts,
                               **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
         for has_g_idx in (False, True):
@@ -147,6 +159,13 @@ def main() -> None:
             signature = INT4_SIG  # split-K summed in the kernel: bf16 out, float32 sums
             print(json.dumps({"kernel": "int4_gemv", **consts,
                               **compile_variant(_int4_gemv_kernel, signature, consts, 4)}))
+    # A 16 KiB tile per step whose products are summed over each thread's 16-input runs
+    # (SkinnyConfig.sum_runs)
+    consts = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
+              "UPCAST_DOT": False, "EARLY_TRIGGER": True, "EVEN_K": True, "EVEN_N": True,
+              "SUM_RUN": 16, "USE_PDL": True}
+    print(json.dumps({"kernel": "fp8_gemv", **consts,
+                      **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
 
 
 if __name__ == "__main__":

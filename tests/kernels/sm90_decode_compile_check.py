@@ -63,10 +63,10 @@ CASES = [
     ("silu_and_mul", _silu_and_mul_kernel, {"BLOCK": 1024, "EMULATE_BF16": False}),
     ("dense_gemv", _dense_gemv_kernel,
      {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
-      "EARLY_TRIGGER": True, "EVEN_K": False, "EVEN_N": True}),
+      "EARLY_TRIGGER": True, "EVEN_K": False, "EVEN_N": True, "SUM_RUN": 0}),
     ("dense_gemv late trigger, split", _dense_gemv_kernel,
      {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 4, "IN_KERNEL_SUM": True,
-      "EARLY_TRIGGER": False, "EVEN_K": True, "EVEN_N": True}),
+      "EARLY_TRIGGER": False, "EVEN_K": True, "EVEN_N": True, "SUM_RUN": 8}),
     ("argmax chunks", _chunk_argmax_kernel, {"BLOCK": 8192}),
     ("argmax rows", _row_argmax_kernel, {"CHUNKS": 32}),
 ]

@@ -11,14 +11,16 @@ import torch
 import torch.nn.functional as F
 from octavo.kernels.dense import dense_linear, uses_one_row_kernel
 from octavo.kernels.triton import dense_gemv as dense_gemv_module
-from octavo.kernels.triton.dense_gemv import candidate_configs, dense_gemv, launch
+from octavo.kernels.triton.dense_gemv import candidate_configs, dense_gemv, launch, sum_run
 from octavo.kernels.triton.rmsnorm import rms_norm
 from octavo.kernels.triton.skinny_gemm import SkinnyConfig
 
 from tests.kernels.conftest import DEVICE
 
 SMALL_CONFIGS = [SkinnyConfig(block_n=8, block_k=64, split_k=1),
-                 SkinnyConfig(block_n=16, block_k=32, split_k=3)]
+                 SkinnyConfig(block_n=16, block_k=32, split_k=3),
+                 # each step's products summed over 8-input runs first
+                 SkinnyConfig(block_n=8, block_k=64, split_k=2, sum_runs=True)]
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -34,7 +36,7 @@ def operands(n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = DE
     return x, weight, bias
 
 
-@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["one-split", "split-3"])
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["one-split", "split-3", "sum-runs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("early_trigger", [False, True], ids=["late", "early"])
@@ -57,6 +59,16 @@ def test_default_and_candidates_run_under_the_interpreter():
     # The tuner's candidates are valid launches (cut to this shape's K by masks)
     for config in candidate_configs()[:3]:
         assert relative_error(launch(x, weight, bias, config), expected) < 1e-2
+
+
+def test_runs_summed_first_take_one_vector_load_of_inputs():
+    """``SkinnyConfig.sum_runs``: each thread's 16 bytes of inputs (8 bfloat16, 16 e4m3),
+    where a step holds whole runs; nothing otherwise."""
+    bf16, e4m3 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.float8_e4m3fn)
+    runs = SkinnyConfig(8, 64, sum_runs=True)
+    assert (sum_run(runs, bf16), sum_run(runs, e4m3)) == (8, 16)
+    assert sum_run(SkinnyConfig(8, 8, sum_runs=True), e4m3) == 0  # a step of 8: no whole run
+    assert sum_run(SkinnyConfig(8, 64), bf16) == 0
 
 
 def test_bias_added_once_over_splits():

@@ -48,6 +48,8 @@ from tests.kernels.test_triton_quant_gemm import gguf_weight, int4_weight
 # Interpreter configs: one program per block of outputs, and K split over 3 programs (atomics).
 SMALL_CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1),
                  SkinnyConfig(block_n=32, block_k=64, split_k=3)]
+# fp8's one-row loop with each step's products summed over 16-input runs first
+SUM_RUNS_CONFIG = SkinnyConfig(block_n=16, block_k=64, split_k=2, sum_runs=True)
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -72,7 +74,8 @@ def test_small_m_threshold_and_buckets():
         m_bucket(17)
 
 
-@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["split1", "split3"])
+@pytest.mark.parametrize("config", [*SMALL_CONFIGS, SUM_RUNS_CONFIG],
+                         ids=["split1", "split3", "sum-runs"])
 @pytest.mark.parametrize("m", [1, 3, 16], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 # neither a multiple of the blocks (masked edges), or whole blocks and steps (no masks)
@@ -469,6 +472,31 @@ def test_fp8_gemv_llama3_8b_shapes_on_gpu(n, k, m):
     out = fp8_gemv(x, weight, scale)  # tuned on first use
     assert relative_error(out, fp8_linear_reference(x, weight, scale, None)) \
         < GPU_RELATIVE_ERROR
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
+def test_fp8_gemv_one_row_every_config_after_a_norm_llama3_8b_shapes_on_gpu(n, k):
+    """Every one-row launch config the tuner or a table may choose (16-input runs summed
+    first or not, either PDL trigger), after the RMS norm that produces ``x`` (PDL: the
+    weights are read before the norm is done), eagerly and replayed from a graph."""
+    from octavo.kernels.triton.rmsnorm import rms_norm
+
+    weight, scale = (t.cuda() for t in fp8_weight(n, k))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
+    norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    expected = fp8_linear_reference(rms_norm(x, norm_weight, 1e-6), weight, scale, None)
+    configs = [fp8_gemv_module.default_config(n, k, 1), *fp8_gemv_module.candidate_configs(1)]
+    for config in dict.fromkeys(configs):
+        assert relative_error(fp8_gemv(rms_norm(x, norm_weight, 1e-6), weight, scale, config),
+                              expected) < GPU_RELATIVE_ERROR, config
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_gemv(rms_norm(x, norm_weight, 1e-6), weight, scale, config)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, expected) < GPU_RELATIVE_ERROR, config
 
 
 @pytest.mark.gpu

@@ -73,8 +73,20 @@ def _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexp
 
 
 @triton.jit
+def _step_products(w, x, SUM_RUN: tl.constexpr):
+    """A step's products ``w * x`` in float32, ``[BLOCK_N, BLOCK_K]``, or with ``SUM_RUN``
+    summed over runs of that many consecutive inputs (``[BLOCK_N, BLOCK_K / SUM_RUN]``)."""
+    products = w.to(tl.float32) * x.to(tl.float32)
+    if SUM_RUN > 0:
+        products = tl.sum(tl.reshape(products, (w.shape[0], w.shape[1] // SUM_RUN, SUM_RUN)),
+                          axis=2)
+    return products
+
+
+@triton.jit
 def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.constexpr,
-                 EARLY_TRIGGER: tl.constexpr, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr):
+                 EARLY_TRIGGER: tl.constexpr, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
+                 SUM_RUN: tl.constexpr):
     """``[BLOCK_N]`` float32 sums ``sum_k W[n, k] * x[k]`` over ``k_start .. k_end`` for the
     weight rows at ``w_rows`` (``[BLOCK_N, 1]`` pointers; 16-bit or e4m3 weights, upcast in
     registers), products summed per lane over the steps and reduced once at the end.
@@ -83,21 +95,33 @@ def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.cons
     weights): their read overlaps the kernel before. ``EARLY_TRIGGER``: the next kernel may
     launch from the wait on; else after the K loop. ``EVEN_K``: the range is whole steps
     (``K % BLOCK_K == 0``; every program has at least one), loaded without masks along K.
-    Also ``fp8_gemv``'s one-row loop."""
+    ``SUM_RUN`` (0, or the inputs one thread loads in a vector: 16 bytes' worth): each step's
+    products are first summed over runs of that many inputs, inside each thread, so the
+    per-lane sums take ``BLOCK_N * BLOCK_K / SUM_RUN`` registers instead of one per weight of
+    the tile (~0.5 more instructions a weight; larger tiles fit, more bytes in flight per
+    SM: ``SkinnyConfig.sum_runs``). Also ``fp8_gemv``'s one-row loop."""
     w = _weights(w_rows, n_mask, k_start, k_end, BLOCK_K, EVEN_K)
     if USE_PDL:
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x = _x_tile(x_ptr, offs_n, k_start, k_end, BLOCK_K, EVEN_K)
-    acc_lanes = w.to(tl.float32) * x.to(tl.float32)
+    acc_lanes = _step_products(w, x, SUM_RUN)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
         x = _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K)
-        acc_lanes += w.to(tl.float32) * x.to(tl.float32)
+        acc_lanes += _step_products(w, x, SUM_RUN)
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     return tl.sum(acc_lanes, axis=1)
+
+
+def sum_run(config: SkinnyConfig, weight: torch.Tensor) -> int:
+    """``one_row_sums``'s ``SUM_RUN`` for ``config`` and weights of ``weight``'s dtype: the
+    inputs of one 16-byte load (8 bfloat16, 16 e4m3), when the config asks for
+    ``sum_runs`` and a step holds whole runs."""
+    run = 16 // weight.element_size()
+    return run if config.sum_runs and config.block_k % run == 0 else 0
 
 
 @triton.jit
@@ -120,6 +144,7 @@ def _dense_gemv_kernel(
     EARLY_TRIGGER: tl.constexpr,  # let the next kernel launch before the K loop, not after
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
+    SUM_RUN: tl.constexpr,  # one_row_sums: a step's products summed over runs of inputs
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -130,7 +155,7 @@ def _dense_gemv_kernel(
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K, EARLY_TRIGGER,
-                       USE_PDL, EVEN_K)  # [BLOCK_N]
+                       USE_PDL, EVEN_K, SUM_RUN)  # [BLOCK_N]
     if HAS_BIAS:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -149,7 +174,9 @@ def candidate_configs() -> list[SkinnyConfig]:
             SkinnyConfig(8, 512), SkinnyConfig(16, 1024, num_warps=8),
             SkinnyConfig(32, 256), SkinnyConfig(4, 2048, num_warps=8),
             SkinnyConfig(8, 1024, split_k=1), SkinnyConfig(4, 1024, split_k=1),
-            SkinnyConfig(8, 1024, split_k=4), SkinnyConfig(16, 512, split_k=8)]
+            SkinnyConfig(8, 1024, split_k=4), SkinnyConfig(16, 512, split_k=8),
+            # 8-input runs summed first: 32 KiB tiles in ~96 registers (not ~200)
+            SkinnyConfig(16, 1024, sum_runs=True), SkinnyConfig(8, 2048, sum_runs=True)]
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -171,7 +198,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum,
         EARLY_TRIGGER=config.early_trigger if early_trigger is None else early_trigger,
         EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        SUM_RUN=sum_run(config, weight), num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl,
     )
     return out.result()
 

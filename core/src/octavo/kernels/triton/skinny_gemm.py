@@ -69,6 +69,10 @@ class SkinnyConfig:
     # The one-row loops under PDL (``dense_gemv``): let the next kernel launch once the first
     # tile's loads are issued (True) or after the K loop (False); also ``fp8_gemv``'s.
     early_trigger: bool = True
+    # The one-row loops of ``dense_gemv`` and ``fp8_gemv``: sum each step's products over
+    # each thread's 16-byte runs of inputs before accumulating, so the per-lane sums hold
+    # ``block_n * block_k / run`` floats, not one per weight (``one_row_sums``).
+    sum_runs: bool = False
 
 
 @functools.cache
