@@ -2,7 +2,8 @@
 # Run Octavo's GPU checks and benchmarks on the device machine (NVIDIA H100/H200).
 #   bash benchmarks/gpu/run_h100.sh [setup] [tests] [conformance] [bench] [bench-offline]
 #                                    [bench-offline-sync] [bench-offline-mp] [bench-async]
-#                                    [latency] [latency-ab] [latency-sync] [latency-mp] [profile]
+#                                    [latency] [latency-ab] [latency-trees] [latency-sync]
+#                                    [latency-mp] [profile]
 #                                    [profile-b1] [profile-8b]
 #                                    [w1-timeline] [w1-timeline-async] [w1-timeline-cold]
 #                                    [profile-sync] [profile-cprofile] [decode-attn-sweep]
@@ -39,6 +40,16 @@ structured_w1() {
   octavo bench throughput --model $JSON_MODEL --dtype bfloat16 --num-prompts 256 \
     --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
     --max-num-seqs 256 --async-engine --structured json "$@"
+}
+# The model arguments of a batch-1 latency run ($1: 05b, 8b, 8b-fp8 or 8b-int4) into $args.
+latency_args() {
+  case $1 in
+    05b) args=(--model $MODEL) ;;
+    8b) args=(--model $L8B --load-format dummy --max-model-len 4096) ;;
+    8b-fp8) args=(--model $L8B --load-format dummy --max-model-len 4096 --quantization fp8) ;;
+    8b-int4) args=(--model $L8B_GPTQ --load-format dummy --max-model-len 4096) ;;
+    *) echo "unknown model entry $1 (05b, 8b, 8b-fp8, 8b-int4)"; return 1 ;;
+  esac
 }
 # Waits until the server started in the background as $1 (its pid) answers /health on port $2.
 wait_health() {
@@ -159,26 +170,51 @@ for stage in "${stages[@]}"; do
     latency-ab)
       # Batch-1 ms per output token with an A/B switch on and off in turns, one process each
       # (AB_ENV names it, e.g. OCTAVO_PDL, OCTAVO_ROTARY_CACHE_WRITE,
-      # OCTAVO_SKINNY_IN_KERNEL_SUM; AB_MODELS="05b 8b 8b-fp8 8b-int4", default 05b; each
-      # value twice, ~25 s a run on the 0.5B shape, ~45 s on the 8B).
+      # OCTAVO_SKINNY_IN_KERNEL_SUM; AB_VALUES its two values, default "1 0", e.g.
+      # AB_ENV=OCTAVO_SKINNY_CONFIG_DIR AB_VALUES="$OUT/tables core/src/octavo/kernels/triton/configs";
+      # AB_MODELS="05b 8b 8b-fp8 8b-int4", default 05b; each value twice, ~25 s a run on the
+      # 0.5B shape, ~45 s on the 8B).
       [ -n "${AB_ENV:-}" ] || { echo "latency-ab needs AB_ENV=NAME"; exit 1; }
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       make_l8b
       for which in ${AB_MODELS:-05b}; do
-        case $which in
-          05b) args=(--model $MODEL) ;;
-          8b) args=(--model $L8B --load-format dummy --max-model-len 4096) ;;
-          8b-fp8) args=(--model $L8B --load-format dummy --max-model-len 4096 --quantization fp8) ;;
-          8b-int4) args=(--model $L8B_GPTQ --load-format dummy --max-model-len 4096) ;;
-          *) echo "unknown AB_MODELS entry $which"; exit 1 ;;
-        esac
-        for value in 1 0 1 0; do
+        latency_args "$which" || exit 1
+        read -r value_a value_b <<< "${AB_VALUES:-1 0}"
+        for value in "$value_a" "$value_b" "$value_a" "$value_b"; do
           ms=$(env "$AB_ENV=$value" octavo bench latency "${args[@]}" --dtype bfloat16 \
             --input-len 128 --output-len 256 --num-iters 3 2>>"$OUT/latency-ab.err" \
             | python3 -c "import json, sys; print([json.loads(l) for l in sys.stdin if l.startswith('{')][-1]['ms_per_output_token'])")
           echo "$which $AB_ENV=$value: $ms ms per output token" | tee -a "$OUT/latency-ab.log"
         done
       done
+      ;;
+    latency-trees)
+      # Batch-1 ms per output token of several source trees in turn, one fresh process a run:
+      # AB_TREES="NAME=DIR ..." as bench-structured-trees takes them (DIR holds core/ and
+      # backends/ of one revision, e.g. `git archive REV core backends | tar -x -C .ab/REV`
+      # on the workstation, carried), AB_MODELS as latency-ab (default 8b), AB_ORDER (default:
+      # the names, twice); `.` is installed again at the end.
+      [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
+      make_l8b
+      declare -A tree_of=()
+      names=()
+      for arg in ${AB_TREES:?AB_TREES=\"NAME=DIR ...\" names the trees}; do
+        tree_of[${arg%%=*}]=${arg#*=}
+        names+=("${arg%%=*}")
+      done
+      for name in ${AB_ORDER:-${names[*]} ${names[*]}}; do
+        dir=${tree_of[$name]:?unknown tree $name}
+        python3 -m pip install -q --no-deps --no-build-isolation -e "$dir/core" \
+          -e "$dir/backends/cuda" || exit 1
+        for which in ${AB_MODELS:-8b}; do
+          latency_args "$which" || exit 1
+          ms=$(octavo bench latency "${args[@]}" --dtype bfloat16 --input-len 128 \
+            --output-len 256 --num-iters 3 2>>"$OUT/latency-trees.err" \
+            | python3 -c "import json, sys; print([json.loads(l) for l in sys.stdin if l.startswith('{')][-1]['ms_per_output_token'])")
+          echo "$which tree $name: $ms ms per output token" | tee -a "$OUT/latency-trees.log"
+        done
+      done
+      python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./backends/cuda
       ;;
     latency-sync)
       # As latency, one step at a time (no async scheduling).

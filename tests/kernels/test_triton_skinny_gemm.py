@@ -401,6 +401,28 @@ def test_a_gpu_takes_its_own_table_then_those_of_the_same_chip(tmp_path):
                                                      "multi_processor_count": 108}, tmp_path)
 
 
+def test_the_device_table_comes_from_the_folder_the_environment_names(tmp_path, monkeypatch):
+    """``OCTAVO_SKINNY_CONFIG_DIR``: a fresh sweep's tables instead of the package's (an A/B
+    run); unset, the package's."""
+    hopper = types.SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: hopper)
+    (tmp_path / "skinny_NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps(
+        {"chip": chip_of(hopper), "kernels": {"fp8_gemv": {"n=1,k=2,m=1,dtype=bfloat16": {
+            "block_n": 16, "block_k": 1024, "sum_runs": True}}}}))
+    skinny_gemm_module._device_table.cache_clear()
+    try:
+        monkeypatch.setenv("OCTAVO_SKINNY_CONFIG_DIR", str(tmp_path))
+        assert skinny_gemm_module._device_table(0) == {
+            "fp8_gemv": {"n=1,k=2,m=1,dtype=bfloat16": SkinnyConfig(16, 1024, sum_runs=True)}}
+        skinny_gemm_module._device_table.cache_clear()
+        monkeypatch.delenv("OCTAVO_SKINNY_CONFIG_DIR")
+        shipped = read_config_table(CONFIG_DIR / "skinny_NVIDIA_H100_80GB_HBM3.json")
+        assert skinny_gemm_module._device_table(0)["dense_gemv"] == shipped["dense_gemv"]
+    finally:
+        skinny_gemm_module._device_table.cache_clear()
+
+
 def test_merged_tables_keep_the_first_config_of_a_case_and_every_other_case():
     own = {"dense_gemv": {"a": SkinnyConfig(4, 1024)}, "int4_gemv": {"b": SkinnyConfig(64, 128)}}
     mate = {"int4_gemv": {"b": SkinnyConfig(256, 32), "c": SkinnyConfig(128, 128)},

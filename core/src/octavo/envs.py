@@ -12,6 +12,7 @@
 | ``OCTAVO_GRAMMAR_ACCEPT`` | how the grammar thread advances the matchers of a step's constrained rows: ``parallel`` (default: llguidance's ``consume_token_par``, the GIL released; measured best on the H100) or ``loop`` (one ``consume_token`` after the other, holding the GIL) |
 | ``OCTAVO_GRAMMAR_SWITCH_INTERVAL_US`` | the GIL switch interval (``sys.setswitchinterval``) while the grammar thread works beside the engine thread, in µs (default 200; ``0`` leaves Python's 5,000 alone) |
 | ``OCTAVO_SKINNY_CONFIG_TABLES`` | ``0`` ignores the per-GPU launch-config tables of the small-M Triton kernels (``octavo.kernels.triton.skinny_gemm``): configs are then timed at start-up (default ``1``) |
+| ``OCTAVO_SKINNY_CONFIG_DIR`` | a folder of ``skinny_<GPU name>.json`` launch-config tables for the small-M Triton kernels, read instead of the package's own (``octavo/kernels/triton/configs``; as vLLM's ``VLLM_TUNED_CONFIG_FOLDER``; for A/B runs of a freshly swept table) |
 | ``OCTAVO_SKINNY_IN_KERNEL_SUM`` | ``0``: split-K launches of the small-M Triton kernels add into a zeroed float32 output and cast it after, instead of summing in the kernel through a per-device workspace (read once per process; default ``1``; for A/B runs) |
 | ``OCTAVO_PDL`` | ``0``: the decode step's Triton kernels launch in plain stream order instead of with programmatic dependent launch on compute capability 9.0+ (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_ROTARY_CACHE_WRITE`` | ``0``: the Triton attention backend rotates the keys, then writes the cache, in two kernels instead of one (``apply_rotary_write_kv``; read when a layer's kernels are made; default ``1``) |
@@ -228,6 +229,12 @@ def skinny_config_tables() -> bool:
     configs from the GPU's table when it has one (default yes; ``0``/``false``: timed)."""
     return os.environ.get("OCTAVO_SKINNY_CONFIG_TABLES", "1").strip() not in ("0", "false",
                                                                                "False")
+
+
+def skinny_config_dir() -> str | None:
+    """``OCTAVO_SKINNY_CONFIG_DIR``: a folder of config tables read instead of the package's
+    (``None``: unset or empty)."""
+    return os.environ.get("OCTAVO_SKINNY_CONFIG_DIR", "").strip() or None
 
 
 def skinny_pdl() -> bool:

@@ -23,6 +23,8 @@ takes the zeroed buffer); with 1 they store the result directly. ``split_k = 0``
    the H200 and the H100: their kernels differ only in memory speed), which a table records
    under ``"chip"``; where both exist, a case missing from the GPU's own table is taken from
    the other's. ``OCTAVO_SKINNY_CONFIG_TABLES=0`` ignores the tables;
+   ``OCTAVO_SKINNY_CONFIG_DIR`` reads the tables of another folder instead (a fresh sweep's,
+   for an A/B run);
 2. else the first time the shape is seen outside CUDA-graph capture, by timing a few
    candidates (whole calls, on a flushed L2 via
    ``triton.testing.do_bench``), kept for the process;
@@ -282,7 +284,8 @@ def _device_table(device_index: int) -> dict[str, dict[str, SkinnyConfig]]:
         return {}
     name = torch.cuda.get_device_name(device_index)
     chip = chip_of(torch.cuda.get_device_properties(device_index))
-    found = find_config_tables(name, chip)
+    config_dir = envs.skinny_config_dir()
+    found = find_config_tables(name, chip, Path(config_dir) if config_dir else CONFIG_DIR)
     table = merge_config_tables([read_config_table(path) for path, _ in found])
     for path, own in found:
         if own:
