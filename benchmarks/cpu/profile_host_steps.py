@@ -21,8 +21,8 @@ thread: ``grammar_rows`` (the engine core's bookkeeping: which rows need masks, 
 step's sampled tokens to the grammar thread or process) and ``grammar_apply`` (the
 runner's masks: their rows, the upload and ``mask_by_bitmask``, taken out of ``sample``); with
 ``--fast-sample``, ``fast_sample_pick`` is the stand-in for ``mask_by_bitmask`` that picks an
-allowed token per row (numpy work a GPU host does not do; note that the CPU argmax over logits
-holding the picked 1e9 costs ~0.4 ms more than over zeros, which stays in ``sample``).
+allowed token per row (numpy work a GPU host does not do), and the greedy argmax takes the
+picks without reading the logits (random tokens for unconstrained rows).
 
 ``--clock cpu`` times with the engine thread's CPU time (``time.thread_time``) instead of wall
 time: on a machine shared with other jobs, time the thread spends descheduled is left out
@@ -110,12 +110,13 @@ def main() -> None:
                         help="also record the timed windows with py-spy (--native; a .svg "
                              "flame graph, or raw/speedscope by the extension)")
     parser.add_argument("--fast-sample", action="store_true",
-                        help="replace the LM head and the mask's application (tens to hundreds "
-                             "of ms of torch work per step for 256 rows of a 49k vocabulary "
-                             "on one core) by a pick of an allowed token per row from the "
-                             "bitmask (numpy, ~1 ms): the host's Python and the grammar "
-                             "thread then make up the step, as on a GPU host; tokens are "
-                             "not the model's")
+                        help="replace the LM head, the mask's application and the greedy "
+                             "argmax (tens of ms of torch work per step for 256 rows of a 49k "
+                             "vocabulary on one core, which also flush the caches) by a pick "
+                             "of an allowed token per row from the bitmask (numpy, ~1 ms) and "
+                             "random tokens for the other rows: the host's Python and the "
+                             "grammar work then make up the step, as on a GPU host; tokens "
+                             "are not the model's")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="after the timed windows, run one more window under cProfile "
                              "(the engine thread only) and list its N top functions by own "
@@ -414,8 +415,18 @@ def _fast_sample(runner, vocab: int) -> None:
         logits[row_ids, tokens] = 1e9
         picked.append((row_ids, tokens))
 
+    def argmax_rows(logits):
+        """The greedy pick without reading the logits: the constrained rows' picked tokens,
+        random ones elsewhere (as a random model's argmax; EOS is ignored)."""
+        tokens = torch.from_numpy(rng.integers(3, vocab, size=logits.shape[0]))
+        if picked:
+            rows, chosen = picked[-1]
+            tokens[rows] = chosen
+        return tokens
+
     runner.model.compute_logits = compute_logits
     model_runner.mask_by_bitmask = pick_allowed
+    model_runner.argmax_rows = argmax_rows
 
 
 def _first_nonzero_from(words, start, window: int = 64):

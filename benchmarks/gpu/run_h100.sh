@@ -41,6 +41,25 @@ structured_w1() {
     --input-len 100:1024 --output-len 100:1024 --workload-seed 0 \
     --max-num-seqs 256 --async-engine --structured json "$@"
 }
+# Runs "$1 NAME DIR" for each source tree of AB_TREES="NAME=DIR ..." (DIR holds core/ and
+# backends/ of one revision: `.`, or `git archive REV core backends | tar -x -C .ab/REV` made
+# on the workstation and carried) in the order AB_ORDER (default: the names, twice), each
+# after installing its core and CUDA backend editable; `.` is installed again at the end.
+over_trees() {
+  local -A tree_of=()
+  local names=() arg name
+  for arg in ${AB_TREES:?AB_TREES=\"NAME=DIR ...\" names the trees}; do
+    tree_of[${arg%%=*}]=${arg#*=}
+    names+=("${arg%%=*}")
+  done
+  for name in ${AB_ORDER:-${names[*]} ${names[*]}}; do
+    [ -n "${tree_of[$name]:-}" ] || { echo "unknown tree $name"; exit 1; }
+    python3 -m pip install -q --no-deps --no-build-isolation -e "${tree_of[$name]}/core" \
+      -e "${tree_of[$name]}/backends/cuda" || exit 1
+    "$1" "$name" "${tree_of[$name]}"
+  done
+  python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./backends/cuda
+}
 # The model arguments of a batch-1 latency run ($1: 05b, 8b, 8b-fp8 or 8b-int4) into $args.
 latency_args() {
   case $1 in
@@ -196,25 +215,16 @@ for stage in "${stages[@]}"; do
       # the names, twice); `.` is installed again at the end.
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       make_l8b
-      declare -A tree_of=()
-      names=()
-      for arg in ${AB_TREES:?AB_TREES=\"NAME=DIR ...\" names the trees}; do
-        tree_of[${arg%%=*}]=${arg#*=}
-        names+=("${arg%%=*}")
-      done
-      for name in ${AB_ORDER:-${names[*]} ${names[*]}}; do
-        dir=${tree_of[$name]:?unknown tree $name}
-        python3 -m pip install -q --no-deps --no-build-isolation -e "$dir/core" \
-          -e "$dir/backends/cuda" || exit 1
+      latency_of_tree() {
         for which in ${AB_MODELS:-8b}; do
           latency_args "$which" || exit 1
           ms=$(octavo bench latency "${args[@]}" --dtype bfloat16 --input-len 128 \
             --output-len 256 --num-iters 3 2>>"$OUT/latency-trees.err" \
             | python3 -c "import json, sys; print([json.loads(l) for l in sys.stdin if l.startswith('{')][-1]['ms_per_output_token'])")
-          echo "$which tree $name: $ms ms per output token" | tee -a "$OUT/latency-trees.log"
+          echo "$which tree $1: $ms ms per output token" | tee -a "$OUT/latency-trees.log"
         done
-      done
-      python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./backends/cuda
+      }
+      over_trees latency_of_tree
       ;;
     latency-sync)
       # As latency, one step at a time (no async scheduling).
@@ -433,23 +443,14 @@ for stage in "${stages[@]}"; do
       # twice) sets the order; AB_ARGS adds arguments (e.g. "--distributed-executor-backend mp").
       [ -d $JSON_MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b \
         --tokenizer .bench-assets/smollm2-tokenizer --out $JSON_MODEL
-      declare -A tree_of=()
-      names=()
-      for arg in ${AB_TREES:?AB_TREES=\"NAME=DIR ...\" names the trees}; do
-        tree_of[${arg%%=*}]=${arg#*=}
-        names+=("${arg%%=*}")
-      done
-      for name in ${AB_ORDER:-${names[*]} ${names[*]}}; do
-        dir=${tree_of[$name]:?unknown tree $name}
-        python3 -m pip install -q --no-deps --no-build-isolation -e "$dir/core" \
-          -e "$dir/backends/cuda" || exit 1
+      structured_of_tree() {
         python3 benchmarks/gpu/host_probe.py | tee -a "$OUT/bench-structured-trees.log"
-        echo "== tree $name ($dir) ${AB_ARGS:-} (at $(date +%s.%N))" \
+        echo "== tree $1 ($2) ${AB_ARGS:-} (at $(date +%s.%N))" \
           | tee -a "$OUT/bench-structured-trees.log"
-        structured_w1 ${AB_ARGS:-} 2>>"$OUT/bench-structured-trees-$name.err" \
+        structured_w1 ${AB_ARGS:-} 2>>"$OUT/bench-structured-trees-$1.err" \
           | tee -a "$OUT/bench-structured-trees.log" | grep -E "^(json|free|ratio|grammar|engine|host) "
-      done
-      python3 -m pip install -q --no-deps --no-build-isolation -e ./core -e ./backends/cuda
+      }
+      over_trees structured_of_tree
       ;;
     w1-timeline-structured)
       # bench-structured's pair of runs REPEAT times (default 5) on one AsyncLLM engine, each
