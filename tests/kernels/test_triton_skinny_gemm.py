@@ -90,6 +90,25 @@ def test_fp8_gemv_matches_the_dequantized_reference(config, m, dtype, n, k):
     assert relative_error(out, expected) < TOLERANCES[dtype][0]
 
 
+@pytest.mark.parametrize("config", [*SMALL_CONFIGS, SUM_RUNS_CONFIG],
+                         ids=["split1", "split3", "sum-runs"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n, k", [(40, 200), (64, 256)], ids=["tails", "whole"])
+def test_fp8_gemv_with_gated_inputs_equals_silu_and_mul_then_fp8_gemv(config, dtype, n, k):
+    """``silu(gate) * up`` computed as the inputs are loaded, as ``silu_and_mul`` stores it:
+    the same sums."""
+    from octavo.kernels.triton.activation import silu_and_mul
+    from octavo.kernels.triton.fp8_gemv import fp8_gemv_after_silu_and_mul
+
+    weight, scale = (t.to(DEVICE) for t in fp8_weight(n, k))
+    gen = torch.Generator().manual_seed(8)
+    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(dtype).to(DEVICE)
+    fused = fp8_gemv_after_silu_and_mul(gate_up, weight, scale, config)
+    assert torch.equal(fused, fp8_gemv(silu_and_mul(gate_up), weight, scale, config))
+    with pytest.raises(ValueError, match="fp8_gemv_after_silu_and_mul"):
+        fp8_gemv_after_silu_and_mul(gate_up[:, 1:], weight, scale)
+
+
 def test_fp8_gemv_takes_a_per_tensor_scale_and_refuses_block_scales():
     weight, _ = fp8_weight(16, 64)
     x = torch.randn(2, 64).to(DEVICE)
