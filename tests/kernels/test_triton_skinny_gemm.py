@@ -541,6 +541,28 @@ def test_fp8_gemv_one_row_every_config_after_a_norm_llama3_8b_shapes_on_gpu(n, k
 
 
 @pytest.mark.gpu
+def test_fp8_gemv_with_gated_inputs_at_llama3_8b_down_on_gpu():
+    """The down projection's one-row candidates with ``silu(gate) * up`` computed in the
+    kernel, against ``silu_and_mul`` then ``fp8_gemv``: equal without split-K, within float32
+    rounding of the atomics' order with it."""
+    from octavo.kernels.triton.activation import silu_and_mul
+    from octavo.kernels.triton.fp8_gemv import fp8_gemv_after_silu_and_mul
+
+    n, k = 4096, 14336
+    weight, scale = (t.cuda() for t in fp8_weight(n, k))
+    gate_up = (torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(9)) * 3).to(
+        torch.bfloat16).cuda()
+    configs = [fp8_gemv_module.default_config(n, k, 1), *fp8_gemv_module.candidate_configs(1)]
+    for config in dict.fromkeys(configs):
+        fused = fp8_gemv_after_silu_and_mul(gate_up, weight, scale, config)
+        unfused = fp8_gemv(silu_and_mul(gate_up), weight, scale, config)
+        if skinny_gemm_module.choose_split_k(n, k, config, gate_up.device) == 1:
+            assert torch.equal(fused, unfused), config
+        else:
+            assert relative_error(fused, unfused) < GPU_RELATIVE_ERROR, config
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
 @pytest.mark.parametrize("m", [1, 4, 16], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act-order"])
