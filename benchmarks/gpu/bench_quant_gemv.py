@@ -160,7 +160,7 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
                 continue
             best = None
             # the grid, then the kernel's own tuner candidates not in it (int4: split_k=16)
-            configs = [*sweep_configs(m), *module.candidate_configs(m_bucket(m))]
+            configs = [*sweep_configs(m, label), *module.candidate_configs(m_bucket(m))]
             if label == "fp8" and m == 1 and args.after_norm:
                 # under PDL the next kernel may launch at the wait or after the K loop:
                 # which is faster depends on the shape (as for dense_gemv)
@@ -183,8 +183,10 @@ def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
     return ((out.float() - expected).abs().max() / expected.abs().max()).item()
 
 
-def sweep_configs(m: int):
-    """About 35 configs: output blocks x input steps x warps, split-K chosen from the shape."""
+def sweep_configs(m: int, kernel: str = "int4"):
+    """About 35 configs: output blocks x input steps x warps, split-K chosen from the shape;
+    for fp8 at one row also tiles of 16-64 Ki weights with their products summed over 16-input
+    runs first (``SkinnyConfig.sum_runs``: the per-lane sums would not fit in registers)."""
     from octavo.kernels.triton.skinny_gemm import SkinnyConfig
 
     for block_n in (16, 32, 64, 128, 256):
@@ -192,6 +194,13 @@ def sweep_configs(m: int):
             for warps in (4, 8):
                 if block_n * block_k <= 32 * 1024:  # registers of the per-lane accumulator
                     yield SkinnyConfig(block_n, block_k, 0, warps)
+    if kernel == "fp8" and m == 1:
+        for block_n in (8, 16, 32, 64):
+            for block_k in (1024, 2048):
+                for warps in (4, 8):
+                    # the tile in registers: at most 256 bytes a thread (spills beyond)
+                    if 16 * 1024 <= block_n * block_k <= warps * 8 * 1024:
+                        yield SkinnyConfig(block_n, block_k, 0, warps, sum_runs=True)
 
 
 def written_by_kernel(table: dict) -> dict[str, str]:

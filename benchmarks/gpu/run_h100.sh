@@ -510,7 +510,8 @@ for stage in "${stages[@]}"; do
       # The skinny kernels' config table for this GPU (octavo.kernels.triton.skinny_gemm):
       # the sweep's best config per Llama-3-8B projection and row bucket in $ROWS (default 1;
       # kernels in $SWEEP_KERNELS, default fp8,int4; each call timed after an RMS norm, as in
-      # a decode step, so that loads issued before the PDL wait count;
+      # a decode step, so that loads issued before the PDL wait count; fp8 at one row also
+      # each config with the late trigger and tiles summed over runs, ~6 min alone;
       # ~5 min per new row bucket's compiles), added to the repo's table, written to $OUT.
       table=$(python3 -c "import torch; from octavo.kernels.triton.skinny_gemm import \
 config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
