@@ -125,6 +125,8 @@ class AsyncLLM:
         self.core_info = await self.core.start(self.config, self._on_core_exit)
         info = self.core_info
         self.processor.kv_cache = KVCacheCapacity(info.num_blocks, info.block_size)
+        if info.stats is not None:  # counters since start-up: a first run's baseline
+            self.scheduler_stats = info.stats
         self._output_task = asyncio.create_task(self._output_loop(), name="octavo-output-loop")
 
     # ---- properties -----------------------------------------------------------------------

@@ -147,6 +147,7 @@ class EngineCoreProc:
                 num_blocks=self.engine_core.num_blocks,
                 block_size=config.cache_config.block_size,
                 max_model_len=config.model_config.max_model_len,
+                stats=self.engine_core.stats(),  # on the thread that will run the steps
             )
         )
 

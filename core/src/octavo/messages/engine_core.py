@@ -195,6 +195,9 @@ class EngineCoreReady(msgspec.Struct, tag="ready", kw_only=True):
     block_size: int
     # Longest prompt + completion in tokens.
     max_model_len: int
+    # The scheduler when ready, from the engine core's thread: the baseline of the counters
+    # (the engine thread's CPU time counts start-up's work too) until a step sends its own.
+    stats: SchedulerStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
