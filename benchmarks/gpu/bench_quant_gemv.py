@@ -231,8 +231,9 @@ def write_configs(path: str, results: list[dict], after_norm: bool) -> None:
                                           else ")"))
     kernels = table["kernels"]
     written_by = written_by_kernel(table)
-    for kernel in ("fp8_gemv", "int4_gemv"):
-        written_by[kernel] = how
+    for label, kernel in (("fp8", "fp8_gemv"), ("int4", "int4_gemv")):
+        if any(f"{label}_best_config" in r for r in results):  # swept now (--sweep-kernels)
+            written_by[kernel] = how
     for r in results:
         key = tune_key(n=r["n"], k=r["k"], m=m_bucket(r["m"]), dtype=torch.bfloat16)
         if "fp8_best_config" in r:
