@@ -7,8 +7,8 @@ int4 kernel's compile-time arguments from ``int4_gemv.kernel_constexprs``), and 
 prints one JSON line per variant: the K loop's ``bar.sync`` count (shared-memory shuffles),
 its global loads (in the PTX, and in the SASS, where ``ptxas`` has merged repeated unmasked
 loads), whether the weight loads are 16-byte vectors, the kernel's local-memory
-instructions (register spills), its registers per thread and the SASS instructions of the
-loop (disassembled with Triton's bundled ``nvdisasm``). ``test_skinny_sm90.py`` runs it in CI; on a GPU the same
+instructions (register spills), its registers per thread and the SASS instructions of the loop (disassembled with
+Triton's bundled ``nvdisasm``). ``test_skinny_sm90.py`` runs it in CI; on a GPU the same
 kernels are compiled by the launches.
 """
 
@@ -148,8 +148,7 @@ def main() -> None:
             consts = {"BLOCK_M": block_m, "BLOCK_N": 16 if block_m == 1 else 32,
                       "BLOCK_K": 512 if block_m == 1 else 256, "SPLIT_K": 1,
                       "IN_KERNEL_SUM": False, "UPCAST_DOT": False, "EARLY_TRIGGER": True,
-                      "EVEN_K": even, "EVEN_N": even, "SUM_RUN": 0, "GATED": False,
-                      "EMULATE_BF16": False, "USE_PDL": use_pdl}
+                      "EVEN_K": even, "EVEN_N": even, "SUM_RUN": 0, "USE_PDL": use_pdl}
             print(json.dumps({"kernel": "fp8_gemv", **consts,
                               **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
         for has_g_idx in (False, True):
@@ -164,7 +163,7 @@ def main() -> None:
     # (SkinnyConfig.sum_runs)
     consts = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
               "UPCAST_DOT": False, "EARLY_TRIGGER": True, "EVEN_K": True, "EVEN_N": True,
-              "SUM_RUN": 16, "GATED": False, "EMULATE_BF16": False, "USE_PDL": True}
+              "SUM_RUN": 16, "USE_PDL": True}
     print(json.dumps({"kernel": "fp8_gemv", **consts,
                       **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
 

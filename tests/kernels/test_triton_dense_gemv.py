@@ -2,32 +2,18 @@
 float32: under the interpreter at small shapes (one program per block, K split with the sums
 done in the kernel, masked tails of N and K, a bias), and on the GPU at Qwen2.5-0.5B's and
 Llama-3-8B's layer shapes with PDL on, eagerly and replayed from a CUDA graph after the
-kernels that produce its input. Its gated inputs (``silu(gate) * up`` computed as they are
-loaded) against ``silu_and_mul`` then the GEMV: equal outputs."""
+kernels that produce its input."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from octavo.kernels import dense as dense_module
-from octavo.kernels.dense import (
-    dense_linear,
-    dense_linear_after_silu_and_mul,
-    uses_one_row_kernel,
-)
+from octavo.kernels.dense import dense_linear, uses_one_row_kernel
 from octavo.kernels.triton import dense_gemv as dense_gemv_module
-from octavo.kernels.triton.activation import silu_and_mul
-from octavo.kernels.triton.dense_gemv import (
-    candidate_configs,
-    dense_gemv,
-    dense_gemv_after_silu_and_mul,
-    launch,
-    sum_run,
-)
+from octavo.kernels.triton.dense_gemv import candidate_configs, dense_gemv, launch, sum_run
 from octavo.kernels.triton.rmsnorm import rms_norm
-from octavo.kernels.triton.skinny_gemm import SkinnyConfig, choose_split_k
-from octavo.model_executor.layers.activation import SiluAndMul
+from octavo.kernels.triton.skinny_gemm import SkinnyConfig
 
 from tests.kernels.conftest import DEVICE
 
@@ -183,87 +169,3 @@ def test_model_shapes_after_a_norm_eager_and_in_a_graph_on_gpu(n, k):
                             bias.float())
         for out in outs:
             assert relative_error(out, expected) < 1e-2
-
-
-# ---- the down projection with silu(gate) * up computed as its inputs are loaded -----------
-
-
-def gate_up_operands(n: int, k: int, dtype: torch.dtype, seed: int = 4, device: str = DEVICE):
-    """An MLP's [gate | up] row (gates spread over silu's curve) and a down weight."""
-    gen = torch.Generator().manual_seed(seed)
-    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(device=device, dtype=dtype)
-    weight = (torch.randn(n, k, generator=gen) * 0.05).to(device=device, dtype=dtype)
-    return gate_up, weight
-
-
-@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["one-split", "split-3", "sum-runs"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n, k", [(37, 200), (32, 192)], ids=["tails", "whole"])
-def test_gated_inputs_equal_silu_and_mul_then_the_gemv(config, dtype, n, k):
-    """The same inputs as ``silu_and_mul`` stores, summed in the same order: equal outputs."""
-    gate_up, weight = gate_up_operands(n, k, dtype)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
-    fused = dense_gemv_after_silu_and_mul(gate_up, weight, bias, config)
-    assert fused.shape == (1, n) and fused.dtype == dtype
-    assert torch.equal(fused, launch(silu_and_mul(gate_up), weight, bias, config))
-    expected = F.linear(SiluAndMul().forward_native(gate_up).float(), weight.float(),
-                        bias.float())
-    assert relative_error(fused, expected) < 1e-2
-
-
-def test_gated_inputs_refuse_a_gate_up_of_another_width():
-    gate_up, weight = gate_up_operands(8, 32, torch.bfloat16)
-    with pytest.raises(ValueError, match="dense_gemv_after_silu_and_mul"):
-        dense_gemv_after_silu_and_mul(gate_up[:, :48], weight)
-    with pytest.raises(ValueError, match="dense_gemv_after_silu_and_mul"):
-        dense_gemv_after_silu_and_mul(torch.cat([gate_up, gate_up]), weight)
-
-
-def test_gated_linear_is_for_the_one_row_kernel_when_switched_on(monkeypatch):
-    """``dense_linear_after_silu_and_mul``: ``None`` (the caller runs the activation and the
-    linear layer) off the GPU's one-row kernel, or with ``OCTAVO_DENSE_GEMV_SILU`` unset."""
-    gate_up, weight = gate_up_operands(8, 32, torch.bfloat16, device="cpu")
-    dense_module.gated_inputs_on.cache_clear()
-    try:
-        monkeypatch.setenv("OCTAVO_DENSE_GEMV_SILU", "1")
-        assert dense_module.gated_inputs_on()
-        assert dense_linear_after_silu_and_mul(gate_up, weight, None) is None  # the CPU
-        dense_module.gated_inputs_on.cache_clear()
-        monkeypatch.delenv("OCTAVO_DENSE_GEMV_SILU")
-        assert not dense_module.gated_inputs_on()
-    finally:
-        dense_module.gated_inputs_on.cache_clear()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(896, 4864), (4096, 14336)], ids=["0.5b-down", "8b-down"])
-def test_gated_inputs_equal_silu_and_mul_then_the_gemv_after_gate_up_on_gpu(n, k):
-    """At the models' down shapes, every candidate config, eagerly after the gate/up GEMV
-    that produces the row (PDL: the weights are read before it is done) and replayed from a
-    graph: equal to ``silu_and_mul`` then the GEMV (within float32 rounding where K is split:
-    the atomics add the partial sums in any order)."""
-    _, weight = gate_up_operands(n, k, torch.bfloat16, device="cuda")
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    up_weight = torch.randn(2 * k, 1024, device="cuda", dtype=torch.bfloat16) * 0.05
-    for config in candidate_configs():
-        split = choose_split_k(n, k, config, x.device)
-
-        def both(config=config):
-            row = launch(x, up_weight, None, config)
-            return (dense_gemv_after_silu_and_mul(row, weight, None, config),
-                    launch(silu_and_mul(row), weight, None, config))
-
-        def check(fused, unfused, config=config, split=split):
-            if split == 1:
-                assert torch.equal(fused, unfused), config
-            else:
-                assert relative_error(fused, unfused) < 1e-2, config  # ~2 bf16 ulps
-
-        check(*both())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = both()
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        check(*outs)

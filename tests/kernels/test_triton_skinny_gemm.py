@@ -90,25 +90,6 @@ def test_fp8_gemv_matches_the_dequantized_reference(config, m, dtype, n, k):
     assert relative_error(out, expected) < TOLERANCES[dtype][0]
 
 
-@pytest.mark.parametrize("config", [*SMALL_CONFIGS, SUM_RUNS_CONFIG],
-                         ids=["split1", "split3", "sum-runs"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n, k", [(40, 200), (64, 256)], ids=["tails", "whole"])
-def test_fp8_gemv_with_gated_inputs_equals_silu_and_mul_then_fp8_gemv(config, dtype, n, k):
-    """``silu(gate) * up`` computed as the inputs are loaded, as ``silu_and_mul`` stores it:
-    the same sums."""
-    from octavo.kernels.triton.activation import silu_and_mul
-    from octavo.kernels.triton.fp8_gemv import fp8_gemv_after_silu_and_mul
-
-    weight, scale = (t.to(DEVICE) for t in fp8_weight(n, k))
-    gen = torch.Generator().manual_seed(8)
-    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(dtype).to(DEVICE)
-    fused = fp8_gemv_after_silu_and_mul(gate_up, weight, scale, config)
-    assert torch.equal(fused, fp8_gemv(silu_and_mul(gate_up), weight, scale, config))
-    with pytest.raises(ValueError, match="fp8_gemv_after_silu_and_mul"):
-        fp8_gemv_after_silu_and_mul(gate_up[:, 1:], weight, scale)
-
-
 def test_fp8_gemv_takes_a_per_tensor_scale_and_refuses_block_scales():
     weight, _ = fp8_weight(16, 64)
     x = torch.randn(2, 64).to(DEVICE)
@@ -538,28 +519,6 @@ def test_fp8_gemv_one_row_every_config_after_a_norm_llama3_8b_shapes_on_gpu(n, k
             graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, expected) < GPU_RELATIVE_ERROR, config
-
-
-@pytest.mark.gpu
-def test_fp8_gemv_with_gated_inputs_at_llama3_8b_down_on_gpu():
-    """The down projection's one-row candidates with ``silu(gate) * up`` computed in the
-    kernel, against ``silu_and_mul`` then ``fp8_gemv``: equal without split-K, within float32
-    rounding of the atomics' order with it."""
-    from octavo.kernels.triton.activation import silu_and_mul
-    from octavo.kernels.triton.fp8_gemv import fp8_gemv_after_silu_and_mul
-
-    n, k = 4096, 14336
-    weight, scale = (t.cuda() for t in fp8_weight(n, k))
-    gate_up = (torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(9)) * 3).to(
-        torch.bfloat16).cuda()
-    configs = [fp8_gemv_module.default_config(n, k, 1), *fp8_gemv_module.candidate_configs(1)]
-    for config in dict.fromkeys(configs):
-        fused = fp8_gemv_after_silu_and_mul(gate_up, weight, scale, config)
-        unfused = fp8_gemv(silu_and_mul(gate_up), weight, scale, config)
-        if skinny_gemm_module.choose_split_k(n, k, config, gate_up.device) == 1:
-            assert torch.equal(fused, unfused), config
-        else:
-            assert relative_error(fused, unfused) < GPU_RELATIVE_ERROR, config
 
 
 @pytest.mark.gpu

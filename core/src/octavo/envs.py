@@ -18,7 +18,6 @@
 | ``OCTAVO_ROTARY_CACHE_WRITE`` | ``0``: the Triton attention backend rotates the keys, then writes the cache, in two kernels instead of one (``apply_rotary_write_kv``; read when a layer's kernels are made; default ``1``) |
 | ``OCTAVO_SKINNY_PDL`` | ``0``: ``fp8_gemv`` and ``int4_gemv`` at one row launch in plain stream order instead of with PDL, loading their first step's weights before they wait (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_DENSE_GEMV`` | ``0``: dense (unquantized) linear layers at one row run ``F.linear`` (cuBLAS) instead of the Triton one-row GEMV that reads its weights before it waits for the kernel before it (``octavo.kernels.dense``; compute capability 9.0+ with PDL on; read once per process; default ``1``) |
-| ``OCTAVO_DENSE_GEMV_SILU`` | ``1``: a SiLU-gated MLP's down projection at one row computes ``silu(gate) * up`` as it loads its inputs (the one-row dense or fp8 GEMV), with no ``silu_and_mul`` kernel before it (read once per process; default ``0`` until measured on a GPU; ``octavo.kernels.dense``) |
 | ``OCTAVO_CPU_PIN_STEPS`` | ``0`` leaves the CPU backend's calling thread unpinned during steps (``octavo_cpu.threads``; default ``1``: pinned to its core while a step computes) |
 | ``OCTAVO_CPU_ATTENTION_HEAD_TILES`` | ``0`` turns off the CPU decode attention's head tiles (all KV heads of a sequence in one tile; read by the C++ kernels once per process; default ``1``) |
 | ``OCTAVO_GC_THRESHOLD`` | the cyclic garbage collector's thresholds (``gc.set_threshold``) in the processes the engine owns (the API server, the engine core, ``octavo bench``), three comma-separated integers (default ``50000,20,100``; ``700,10,10`` is Python's own; ``octavo.engine_core.gc_heap``) |
@@ -275,14 +274,6 @@ def dense_gemv() -> bool:
     GEMV where it is on (CUDA compute capability 9.0+ with PDL; default yes; ``0``/``false``:
     ``F.linear``; ``octavo.kernels.dense``; for A/B runs)."""
     return os.environ.get("OCTAVO_DENSE_GEMV", "1").strip() not in ("0", "false", "False")
-
-
-def dense_gemv_silu() -> bool:
-    """``OCTAVO_DENSE_GEMV_SILU``: whether a SiLU-gated MLP's down projection at one row
-    computes ``silu(gate) * up`` in its own input loads (``dense_gemv_after_silu_and_mul``,
-    ``fp8_gemv_after_silu_and_mul``) instead of after a ``silu_and_mul`` kernel (default no,
-    until measured on a GPU; ``1``/``true``: on)."""
-    return os.environ.get("OCTAVO_DENSE_GEMV_SILU", "0").strip() in ("1", "true", "True")
 
 
 def decode_fold_reduce() -> bool:

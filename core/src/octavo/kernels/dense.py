@@ -8,12 +8,6 @@ decode-like chain on an H200 it took a 0.5B model's layer from 27.7 to 17.7 µs 
 and norms (docs/benchmarks.md, ``bench_dense_gemv.py``). Not on ROCm (not run there) nor on
 GPUs without PDL (not measured); ``OCTAVO_DENSE_GEMV=0`` keeps ``F.linear`` everywhere.
 
-``dense_linear_after_silu_and_mul`` is the down projection of a SiLU-gated MLP fed its
-``[gate | up]``: where the one-row GEMV runs and ``OCTAVO_DENSE_GEMV_SILU=1``, the GEMV computes
-``silu(gate) * up`` as it loads its inputs (``dense_gemv_after_silu_and_mul``: no activation
-kernel between the MLP's two projections); elsewhere it answers ``None`` and the caller runs
-the activation and ``dense_linear``.
-
 Importable without Triton: the kernel module is imported on first use.
 """
 
@@ -59,23 +53,3 @@ def dense_linear(x: torch.Tensor,  # [num_tokens, K] in the model dtype
     if uses_one_row_kernel(x, weight, bias):
         return optional_triton_kernels("dense_gemv").dense_gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-@functools.cache
-def gated_inputs_on() -> bool:
-    """``OCTAVO_DENSE_GEMV_SILU``, read once per process (layers ask on every call)."""
-    return envs.dense_gemv_silu()
-
-
-def dense_linear_after_silu_and_mul(
-        gate_up: torch.Tensor,  # [num_tokens, 2 * K]: an MLP's [gate | up]
-        weight: torch.Tensor,  # [N, K]
-        bias: torch.Tensor | None) -> torch.Tensor | None:  # [num_tokens, N]
-    """``dense_linear(silu_and_mul(gate_up), weight, bias)`` in one kernel where the one-row
-    GEMV runs with gated inputs on (module docstring), else ``None``."""
-    k = weight.shape[-1]
-    if not gated_inputs_on() or gate_up.shape[-1] != 2 * k \
-            or not uses_one_row_kernel(gate_up[..., :k], weight, bias):
-        return None
-    return optional_triton_kernels("dense_gemv").dense_gemv_after_silu_and_mul(gate_up, weight,
-                                                                               bias)

@@ -30,7 +30,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from octavo.kernels.dense import gated_inputs_on
 from octavo.kernels.skinny import use_small_m_kernel
 from octavo.kernels.triton_support import optional_triton_kernels
 
@@ -147,30 +146,6 @@ def fp8_linear(
         out = out.to(x.dtype)
         return out if bias is None else out + bias
     return F.linear(x, dequantize_fp8(weight, weight_scale, x.dtype, block), bias)
-
-
-def fp8_linear_after_silu_and_mul(
-    gate_up: torch.Tensor,  # [M, 2K]: an MLP's [gate | up]
-    weight: torch.Tensor,  # [N, K] e4m3
-    weight_scale: torch.Tensor,  # [N] float32 (per channel)
-    bias: torch.Tensor | None,  # [N] or None
-    block: tuple[int, int] | None = None,
-) -> torch.Tensor | None:  # [M, N] in gate_up's dtype
-    """``fp8_linear(silu_and_mul(gate_up), ...)`` in one kernel for one row where the w8a16
-    skinny kernel runs and ``OCTAVO_DENSE_GEMV_SILU=1`` (``fp8_gemv_after_silu_and_mul``);
-    ``None`` elsewhere (the caller runs the activation and ``fp8_linear``). The skinny kernel
-    leaves activations unquantized, so a static ``input_scale`` plays no part, as in
-    ``fp8_linear``'s."""
-    k = weight.shape[-1]
-    if (block is not None or gate_up.dim() != 2 or gate_up.shape[0] != 1
-            or gate_up.shape[1] != 2 * k or not gated_inputs_on()
-            or not scaled_mm_supported(gate_up, weight)):
-        return None
-    kernels = optional_triton_kernels("fp8_gemv")
-    if kernels is None:
-        return None
-    out = kernels.fp8_gemv_after_silu_and_mul(gate_up, weight, weight_scale)
-    return out if bias is None else out + bias
 
 
 def fp8_linear_reference(

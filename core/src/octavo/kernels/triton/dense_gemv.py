@@ -24,11 +24,6 @@ fast or faster at 7 of 8 shapes in one run, 4 of 8 in another; on an H100 late w
 shape's gate_up and down by ~1 µs), so it is part of the launch config
 (``SkinnyConfig.early_trigger``, default early) that the config tables record per shape.
 
-``dense_gemv_after_silu_and_mul`` is the down projection of a SiLU-gated MLP with the
-activation folded into its input loads: it reads the gate/up projection's output and computes
-``silu(gate) * up`` as ``silu_and_mul`` would, so one kernel and one dependency fewer a layer
-(``octavo.kernels.dense``; ``OCTAVO_DENSE_GEMV_SILU``).
-
 Reference: ``torch.nn.functional.linear`` in float32.
 """
 
@@ -38,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.triton.cache_write import KERNELS_INTERPRETED, store_skinny_output
+from octavo.kernels.triton.cache_write import store_skinny_output
 from octavo.kernels.triton.pdl import pdl_launch
-from octavo.kernels.triton.rmsnorm import round_to
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyOutput,
@@ -65,34 +59,17 @@ def _weights(w_rows, n_mask, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.conste
 
 
 @triton.jit
-def _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            GATED: tl.constexpr, up_offset, EMULATE_BF16: tl.constexpr):
+def _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """``x[k0 : k0 + BLOCK_K]`` as a ``[BLOCK_N, BLOCK_K]`` broadcast: the weight tile's
     register layout, no shuffle through shared memory. Unmasked (``EVEN_K``) the rows' loads
     are one load: a thread loads and converts its inputs once for all its rows (masked,
     the compiler keeps one load and conversion per row: ~1.5 more instructions per fp8
-    weight).
-
-    ``GATED``: ``x_ptr`` holds an MLP's ``[gate | up]`` (up at ``up_offset``) and the inputs
-    are ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds them (``triton.activation``:
-    the same float32 formula, silu and the product each rounded to the activations' dtype),
-    so the sums are those of ``silu_and_mul`` then the GEMV."""
+    weight)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_k[None, :] + offs_n[:, None] * 0
     if EVEN_K:
-        x = tl.load(x_ptrs)
-    else:
-        x = tl.load(x_ptrs, mask=(offs_k < k_end)[None, :], other=0.0)
-    if GATED:
-        if EVEN_K:
-            up = tl.load(x_ptrs + up_offset)
-        else:
-            up = tl.load(x_ptrs + up_offset, mask=(offs_k < k_end)[None, :], other=0.0)
-        dtype = x_ptr.dtype.element_ty
-        gate = x.to(tl.float32)
-        silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype, EMULATE_BF16)
-        x = round_to(silu * up.to(tl.float32), dtype, EMULATE_BF16)
-    return x
+        return tl.load(x_ptrs)
+    return tl.load(x_ptrs, mask=(offs_k < k_end)[None, :], other=0.0)
 
 
 @triton.jit
@@ -109,8 +86,7 @@ def _step_products(w, x, SUM_RUN: tl.constexpr):
 @triton.jit
 def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.constexpr,
                  EARLY_TRIGGER: tl.constexpr, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                 SUM_RUN: tl.constexpr, GATED: tl.constexpr, up_offset,
-                 EMULATE_BF16: tl.constexpr):
+                 SUM_RUN: tl.constexpr):
     """``[BLOCK_N]`` float32 sums ``sum_k W[n, k] * x[k]`` over ``k_start .. k_end`` for the
     weight rows at ``w_rows`` (``[BLOCK_N, 1]`` pointers; 16-bit or e4m3 weights, upcast in
     registers), products summed per lane over the steps and reduced once at the end.
@@ -123,21 +99,17 @@ def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.cons
     products are first summed over runs of that many inputs, inside each thread, so the
     per-lane sums take ``BLOCK_N * BLOCK_K / SUM_RUN`` registers instead of one per weight of
     the tile (~0.5 more instructions a weight; larger tiles fit, more bytes in flight per
-    SM: ``SkinnyConfig.sum_runs``). ``GATED``, ``up_offset``: the inputs are ``silu(gate) *
-    up`` of an MLP's ``[gate | up]`` at ``x_ptr`` (``_x_tile``). Also ``fp8_gemv``'s one-row
-    loop."""
+    SM: ``SkinnyConfig.sum_runs``). Also ``fp8_gemv``'s one-row loop."""
     w = _weights(w_rows, n_mask, k_start, k_end, BLOCK_K, EVEN_K)
     if USE_PDL:
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    x = _x_tile(x_ptr, offs_n, k_start, k_end, BLOCK_K, EVEN_K, GATED, up_offset,
-                EMULATE_BF16)
+    x = _x_tile(x_ptr, offs_n, k_start, k_end, BLOCK_K, EVEN_K)
     acc_lanes = _step_products(w, x, SUM_RUN)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
-        x = _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K, GATED, up_offset,
-                    EMULATE_BF16)
+        x = _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K)
         acc_lanes += _step_products(w, x, SUM_RUN)
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -173,8 +145,6 @@ def _dense_gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
     SUM_RUN: tl.constexpr,  # one_row_sums: a step's products summed over runs of inputs
-    GATED: tl.constexpr,  # x holds [gate | up]: the inputs are silu(gate) * up
-    EMULATE_BF16: tl.constexpr,  # GATED: bfloat16 rounding by integer ops (the interpreter)
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -185,7 +155,7 @@ def _dense_gemv_kernel(
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K, EARLY_TRIGGER,
-                       USE_PDL, EVEN_K, SUM_RUN, GATED, K, EMULATE_BF16)  # [BLOCK_N]
+                       USE_PDL, EVEN_K, SUM_RUN)  # [BLOCK_N]
     if HAS_BIAS:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -211,10 +181,9 @@ def candidate_configs() -> list[SkinnyConfig]:
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            config: SkinnyConfig, early_trigger: bool | None = None,
-           use_pdl: bool | None = None, gated: bool = False) -> torch.Tensor:
+           use_pdl: bool | None = None) -> torch.Tensor:
     """One launch with ``config`` (``early_trigger=None``: the config's; ``use_pdl=None``:
-    as ``pdl_launch`` says for the device; ``gated``: ``x`` is ``[1, 2K]``, an MLP's
-    ``[gate | up]``, and the GEMV's inputs are ``silu(gate) * up``)."""
+    as ``pdl_launch`` says for the device)."""
     n, k = weight.shape
     split = choose_split_k(n, k, config, x.device)
     out = SkinnyOutput.make(1, n, config.block_n, split, x.dtype, x.device)
@@ -229,8 +198,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum,
         EARLY_TRIGGER=config.early_trigger if early_trigger is None else early_trigger,
         EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
-        SUM_RUN=sum_run(config, weight), GATED=gated, EMULATE_BF16=KERNELS_INTERPRETED,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        SUM_RUN=sum_run(config, weight), num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl,
     )
     return out.result()
 
@@ -250,38 +219,9 @@ def dense_gemv(
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"dense_gemv: bias {tuple(bias.shape)} for {weight.shape[0]} outputs")
     x = x.contiguous()
-    return launch(x, weight, bias, _config(x, weight, bias, config))
-
-
-def dense_gemv_after_silu_and_mul(
-    gate_up: torch.Tensor,  # [1, 2K] bfloat16 / float16: an MLP's [gate | up]
-    weight: torch.Tensor,  # [N, K] in gate_up's dtype, rows contiguous
-    bias: torch.Tensor | None = None,  # [N] or None
-    config: SkinnyConfig | None = None,  # None: dense_gemv's for the shape
-) -> torch.Tensor:  # [1, N] in gate_up's dtype
-    """``silu_and_mul(gate_up) @ weight^T + bias`` in one kernel: the GEMV computes its inputs
-    from the gate and up halves as it loads them, the same values ``silu_and_mul`` stores
-    (``_x_tile``), so no activation kernel runs between the MLP's two projections."""
-    if gate_up.dim() != 2 or gate_up.shape[0] != 1 or weight.dim() != 2 \
-            or gate_up.shape[1] != 2 * weight.shape[1] or weight.dtype != gate_up.dtype \
-            or weight.stride(1) != 1:
-        raise ValueError(f"dense_gemv_after_silu_and_mul: gate_up {tuple(gate_up.shape)} "
-                         f"{gate_up.dtype} and weight {tuple(weight.shape)} {weight.dtype} are "
-                         "not one [1, 2K] row and a row-contiguous [N, K] weight of its dtype")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"dense_gemv_after_silu_and_mul: bias {tuple(bias.shape)} for "
-                         f"{weight.shape[0]} outputs")
-    gate_up = gate_up.contiguous()
-    x = gate_up[:, :weight.shape[1]]  # what the tuner may time with: the same shape's GEMV
-    return launch(gate_up, weight, bias, _config(x, weight, bias, config), gated=True)
-
-
-def _config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            config: SkinnyConfig | None) -> SkinnyConfig:
-    """``config``, or the shape's from the table, timed (GPU) or the default."""
-    if config is not None:
-        return config
     n, k = weight.shape
-    return TUNER.choose(tune_key(n=n, k=k, m=1, dtype=x.dtype), x.device,
-                        default_config(n, k), candidate_configs(),
-                        lambda c: launch(x, weight, bias, c))
+    if config is None:
+        config = TUNER.choose(tune_key(n=n, k=k, m=1, dtype=x.dtype), x.device,
+                              default_config(n, k), candidate_configs(),
+                              lambda c: launch(x, weight, bias, c))
+    return launch(x, weight, bias, config)

@@ -26,12 +26,7 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.skinny import m_bucket
-from octavo.kernels.triton.cache_write import (
-    KERNELS_INTERPRETED,
-    dot_fp32,
-    store_skinny_output,
-    upcast_dot,
-)
+from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
 from octavo.kernels.triton.dense_gemv import one_row_sums, sum_run
 from octavo.kernels.triton.pdl import skinny_pdl_launch
 from octavo.kernels.triton.skinny_gemm import (
@@ -71,8 +66,6 @@ def _fp8_gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: the one-row loop without masks along K
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
     SUM_RUN: tl.constexpr,  # one row: a step's products summed over runs (one_row_sums)
-    GATED: tl.constexpr,  # one row: x holds [gate | up], the inputs are silu(gate) * up
-    EMULATE_BF16: tl.constexpr,  # GATED: bfloat16 rounding by integer ops (the interpreter)
     USE_PDL: tl.constexpr,  # one row: launched with PDL (octavo.kernels.triton.pdl)
 ):
     pid_n = tl.program_id(0)
@@ -88,8 +81,7 @@ def _fp8_gemv_kernel(
     if BLOCK_M == 1:
         # The first step's weights loaded before the PDL wait (dense_gemv.one_row_sums)
         acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K,
-                           EARLY_TRIGGER, USE_PDL, EVEN_K, SUM_RUN, GATED, K,
-                           EMULATE_BF16)
+                           EARLY_TRIGGER, USE_PDL, EVEN_K, SUM_RUN)
         acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -132,11 +124,9 @@ def candidate_configs(m: int) -> list[SkinnyConfig]:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-            config: SkinnyConfig, gated: bool = False) -> torch.Tensor:
-    """One launch (``gated``: one row of an MLP's ``[gate | up]``, the inputs
-    ``silu(gate) * up``)."""
-    m = x.shape[0]
-    n, k = weight.shape
+            config: SkinnyConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
     split = choose_split_k(n, k, config, x.device)
     out = SkinnyOutput.make(m, n, config.block_n, split, x.dtype, x.device)
     grid = (triton.cdiv(n, config.block_n), split)
@@ -146,9 +136,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum, UPCAST_DOT=upcast_dot(x.dtype),
         EARLY_TRIGGER=config.early_trigger, EVEN_K=k % config.block_k == 0,
-        EVEN_N=n % config.block_n == 0, SUM_RUN=sum_run(config, weight), GATED=gated,
-        EMULATE_BF16=KERNELS_INTERPRETED, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        EVEN_N=n % config.block_n == 0, SUM_RUN=sum_run(config, weight),
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **skinny_pdl_launch(x.device, m),
     )
     return out.result()
@@ -161,58 +150,23 @@ def fp8_gemv(
     config: SkinnyConfig | None = None,  # None: tuned (GPU) or default_config
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ (weight * weight_scale[:, None])^T`` without quantizing ``x`` (module docstring)."""
-    k = x.shape[1]
+    m, k = x.shape
     n = weight.shape[0]
     if weight.dtype != FP8_DTYPE or weight.shape[1] != k:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          f"{weight.dtype} are not [M, K] activations and an e4m3 [N, K] weight")
-    scale = _channel_scales(weight_scale, n)
-    x = x.contiguous()
-    weight = weight.contiguous()
-    return _launch(x, weight, scale, _config(x, weight, scale, config))
-
-
-def fp8_gemv_after_silu_and_mul(
-    gate_up: torch.Tensor,  # [1, 2K] bfloat16 / float16 / float32: an MLP's [gate | up]
-    weight: torch.Tensor,  # e4m3 [N, K]
-    weight_scale: torch.Tensor,  # float32 [N] (or a scalar)
-    config: SkinnyConfig | None = None,  # None: fp8_gemv's for the shape
-) -> torch.Tensor:  # [1, N] in gate_up's dtype
-    """``fp8_gemv(silu_and_mul(gate_up), weight, weight_scale)`` in one kernel: the inputs are
-    computed from the gate and up halves as they are loaded, the values ``silu_and_mul``
-    stores (``dense_gemv._x_tile``)."""
-    if gate_up.dim() != 2 or gate_up.shape[0] != 1 or weight.dtype != FP8_DTYPE \
-            or gate_up.shape[1] != 2 * weight.shape[1]:
-        raise ValueError(f"fp8_gemv_after_silu_and_mul: gate_up {tuple(gate_up.shape)} and "
-                         f"weight {tuple(weight.shape)} {weight.dtype} are not one [1, 2K] row "
-                         "and an e4m3 [N, K] weight")
-    n, k = weight.shape
-    scale = _channel_scales(weight_scale, n)
-    gate_up = gate_up.contiguous()
-    weight = weight.contiguous()
-    x = gate_up[:, :k]  # what the tuner may time with: the same shape's GEMV
-    return _launch(gate_up, weight, scale, _config(x, weight, scale, config), gated=True)
-
-
-def _channel_scales(weight_scale: torch.Tensor, n: int) -> torch.Tensor:
-    """float32 ``[N]`` scales from per-channel or per-tensor ones."""
     scale = weight_scale.float().reshape(-1)
     if scale.numel() == 1:
         scale = scale.expand(n).contiguous()
     if scale.numel() != n:
         raise ValueError(f"fp8_gemv: {scale.numel()} weight scales for {n} output channels "
                          "(per-channel or per-tensor scales only)")
-    return scale
-
-
-def _config(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-            config: SkinnyConfig | None) -> SkinnyConfig:
-    """``config``, or the case's from the table, timed (GPU) or the default."""
-    if config is not None:
-        return config
-    m = x.shape[0]
-    n, k = weight.shape
-    bucket = m_bucket(m)
-    return TUNER.choose(tune_key(n=n, k=k, m=bucket, dtype=x.dtype), x.device,
-                        default_config(n, k, bucket), candidate_configs(bucket),
-                        lambda c: _launch(x, weight, scale, c))
+    x = x.contiguous()
+    weight = weight.contiguous()
+    if config is None:
+        bucket = m_bucket(m)
+        config = TUNER.choose(
+            tune_key(n=n, k=k, m=bucket, dtype=x.dtype), x.device,
+            default_config(n, k, bucket),
+            candidate_configs(bucket), lambda c: _launch(x, weight, scale, c))
+    return _launch(x, weight, scale, config)

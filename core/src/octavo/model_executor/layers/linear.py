@@ -288,25 +288,8 @@ class RowParallelLinear(nn.Module):
         out = self.quant_method.apply(self, x, self.bias if single else None)
         if self.lora is not None:
             self.lora.add_to(x, out)
-        return self._reduced(out)
-
-    def forward_after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """``forward(silu_and_mul(gate_up))`` in one kernel, for the down projection of a
-        SiLU-gated MLP fed this rank's ``[gate | up]``, where the layer's method has such a
-        kernel for it (``LinearMethod.apply_after_silu_and_mul``) and no LoRA adapter reads
-        the activation; ``None`` otherwise (the caller runs the activation and ``forward``)."""
-        if self.lora is not None:
-            return None
-        single = self.parallel.tp_size == 1
-        out = self.quant_method.apply_after_silu_and_mul(self, gate_up,
-                                                         self.bias if single else None)
-        return None if out is None else self._reduced(out)
-
-    def _reduced(self, out: torch.Tensor) -> torch.Tensor:
-        """This rank's ``out`` summed over the ranks (and the bias added once) where the layer
-        reduces its results."""
-        if self.parallel.tp_size == 1 or not self.reduce_results:
-            return out  # one rank: the bias was fused; else this rank's part (caller reduces)
+        if single or not self.reduce_results:  # (else this rank's part; the caller reduces)
+            return out
         out = self.parallel.all_reduce(out)
         return out if self.bias is None else out + self.bias
 

@@ -92,9 +92,7 @@ def effective_sliding_windows(config: Any, max_model_len: int | None) -> tuple[i
 
 class LlamaMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up merged into one matmul (SiLU unless
-    ``act`` says otherwise). With SiLU the down projection computes the activation as it loads
-    its inputs where its method has such a kernel (``RowParallelLinear.forward_after_silu_and_mul``;
-    ``OCTAVO_DENSE_GEMV_SILU``)."""
+    ``act`` says otherwise)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  parallel: ParallelState, reduce_results: bool = True,
@@ -109,14 +107,9 @@ class LlamaMLP(nn.Module):
                                            reduce_results, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
         self.act = act if act is not None else SiluAndMul()
-        self.fuse_silu = type(self.act) is SiluAndMul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp]
-        if self.fuse_silu:
-            out = self.down_proj.forward_after_silu_and_mul(gate_up)
-            if out is not None:
-                return out
         return self.down_proj(self.act(gate_up))  # [num_tokens, hidden_size]
 
 

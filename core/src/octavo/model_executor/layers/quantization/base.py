@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from octavo.kernels.dense import dense_linear, dense_linear_after_silu_and_mul
+from octavo.kernels.dense import dense_linear
 from octavo.model_executor.layers.weights import DENSE_LAYOUT, ParamLayout, set_layout
 
 
@@ -86,14 +86,6 @@ class LinearMethod(ABC):
               bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W^T + bias``: ``[num_tokens, input_size]`` -> ``[num_tokens, output_size]``,
         in ``x``'s dtype."""
-
-    def apply_after_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor,
-                                 bias: torch.Tensor | None) -> torch.Tensor | None:
-        """``apply(layer, silu_and_mul(gate_up), bias)`` in one kernel where the method has
-        one that computes ``silu(gate) * up`` from an MLP's ``[gate | up]`` as it loads its
-        inputs; ``None`` (the default) where it has not: the caller then runs the activation
-        and ``apply``."""
-        return None
 
     def fill_dummy_weights(self, layer: nn.Module, generator: torch.Generator) -> None:
         """Random weights of the right format (``load_format="dummy"``, benchmarks)."""
@@ -179,7 +171,3 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         return dense_linear(x, layer.weight, bias)
-
-    def apply_after_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor,
-                                 bias: torch.Tensor | None) -> torch.Tensor | None:
-        return dense_linear_after_silu_and_mul(gate_up, layer.weight, bias)
