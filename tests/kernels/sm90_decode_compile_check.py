@@ -3,8 +3,7 @@
 Run as a script in a process without ``TRITON_INTERPRET`` (``test_skinny_sm90.py`` runs it in
 CI): each kernel of ``octavo.kernels.triton.pdl``'s list is lowered with ``USE_PDL`` on (as on
 an H100), the rotary kernel in both variants (plain, and rotating the keys into the cache),
-the decode partition kernel also with its folded reduce (arrival count, then the last program
-combines), and one JSON line per kernel says whether its PTX has the grid-dependency wait and trigger,
+and one JSON line per kernel says whether its PTX has the grid-dependency wait and trigger,
 and how many global loads come before the wait (none but the one-row dense GEMV's weight
 tile: every other kernel waits before it reads).
 Pointers are bf16 unless named below, other arguments int32 or (named) float32.
@@ -13,7 +12,6 @@ Pointers are bf16 unless named below, other arguments int32 or (named) float32.
 from __future__ import annotations
 
 import json
-import re
 
 import triton
 from octavo.kernels.triton.activation import _silu_and_mul_kernel
@@ -52,12 +50,8 @@ CASES = [
      {"CACHE_BLOCK_SIZE": 16, "HEADS_PADDED": 8, "HEAD_DIM_PADDED": 128, "QUANTIZE_FP8": False}),
     ("decode partition", _decode_partition_kernel,
      {"GROUP": 4, "ROWS": 16, "HEAD_DIM_PADDED": 128, "BLOCK_N": 64, "CACHE_BLOCK_SIZE": 16,
-      "SINGLE_PARTITION": False, "FOLD_REDUCE": False, "BLOCK_P": 16, "UPCAST_DOT": False,
-      "DOT_PRECISION": "ieee", "SLIDING": False, "SOFT_CAP": False}),
-    ("decode partition, folded reduce", _decode_partition_kernel,
-     {"GROUP": 4, "ROWS": 16, "HEAD_DIM_PADDED": 128, "BLOCK_N": 64, "CACHE_BLOCK_SIZE": 16,
-      "SINGLE_PARTITION": False, "FOLD_REDUCE": True, "BLOCK_P": 16, "UPCAST_DOT": False,
-      "DOT_PRECISION": "ieee", "SLIDING": True, "SOFT_CAP": False}),
+      "SINGLE_PARTITION": False, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
+      "SLIDING": False, "SOFT_CAP": False}),
     ("decode reduce", _decode_reduce_kernel,
      {"BLOCK_N": 64, "BLOCK_P": 16, "HEAD_DIM_PADDED": 128, "SLIDING": False}),
     ("silu_and_mul", _silu_and_mul_kernel, {"BLOCK": 1024, "EMULATE_BF16": False}),
@@ -91,16 +85,9 @@ def main() -> None:
         kernel = triton.compile(source, target=TARGET, options={"num_warps": 4})
         ptx = kernel.asm["ptx"]
         wait = ptx.find("griddepcontrol.wait")
-        found = re.search(r"atom\.global\.\S*acq_rel", ptx)  # e.g. atom.global.gpu.acq_rel.add
-        atomic = found.start() if found else -1
         print(json.dumps({"kernel": name, "grid_dependency_control": all(
             op in ptx for op in ("griddepcontrol.launch_dependents", "griddepcontrol.wait")),
-            "loads_before_wait": ptx[:wait].count("ld.global") if wait >= 0 else None,
-            # A count that publishes other threads' stores: a CTA barrier before it, and the
-            # reads after it from L2 (".cg").
-            "acq_rel_atomic": atomic >= 0,
-            "barrier_before_atomic": atomic >= 0 and "bar.sync" in ptx[:atomic],
-            "cg_loads_after_atomic": atomic >= 0 and "ld.global.cg" in ptx[atomic:]}))
+            "loads_before_wait": ptx[:wait].count("ld.global") if wait >= 0 else None}))
 
 
 if __name__ == "__main__":

@@ -90,12 +90,11 @@ def test_prefill_fp8_window_softcap(scales, dtype):
 
 
 @pytest.mark.parametrize("scales", SCALES, ids=str)
-@pytest.mark.parametrize("partition_size,fold_reduce", [(16, False), (512, False), (16, True)],
-                         ids=["split", "single", "split-folded"])
+@pytest.mark.parametrize("partition_size", [16, 512])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_fp8_window_softcap(scales, partition_size, fold_reduce, dtype):
+def test_decode_fp8_window_softcap(scales, partition_size, dtype):
     """partition_size 16 splits the contexts, some partitions wholly before the window (the
-    reduce kernel, or the folded reduce, must skip them and apply v_scale once)."""
+    reduce kernel must skip them and apply v_scale once)."""
     k_scale, v_scale = scales
     window, cap = 17, 3.0
     seq_lens = [1, 9, 40, 70]
@@ -109,8 +108,7 @@ def test_decode_fp8_window_softcap(scales, partition_size, fold_reduce, dtype):
     out = decode_attention(batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, meta.max_seq_len, batch.scale,
                            sliding_window=window, logits_soft_cap=cap, k_scale=k_scale,
-                           v_scale=v_scale, block_n=16, partition_size=partition_size,
-                           fold_reduce=fold_reduce)
+                           v_scale=v_scale, block_n=16, partition_size=partition_size)
     n = batch.num_real_tokens
     assert not out[:n].isnan().any()
     assert_close(out[:n], expected_of(batch, window, cap, k_scale, v_scale)[:n], dtype)

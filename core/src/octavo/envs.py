@@ -276,14 +276,6 @@ def dense_gemv() -> bool:
     return os.environ.get("OCTAVO_DENSE_GEMV", "1").strip() not in ("0", "false", "False")
 
 
-def decode_fold_reduce() -> bool:
-    """``OCTAVO_DECODE_FOLD_REDUCE``: whether a split decode-attention launch combines its
-    partitions in the partition kernel's last program of each (sequence, KV head) instead of a
-    second kernel (default no: not yet run on a GPU; ``1``/``true``: on;
-    ``octavo.kernels.triton.decode_attention``; read once per process)."""
-    return os.environ.get("OCTAVO_DECODE_FOLD_REDUCE", "0").strip() in ("1", "true", "True")
-
-
 def argmax_kernel() -> bool:
     """``OCTAVO_ARGMAX_KERNEL``: whether greedy sampling of up to 16 rows on NVIDIA GPUs takes
     its argmax from the two-kernel Triton argmax (default yes; ``0``/``false``: torch's;

@@ -22,10 +22,7 @@ every span within ``partition_size`` keys and what brings a small batch to about
 ``unsplit_min_programs`` programs (at most one partition per ``block_n`` keys).
 
 When that is one partition, step 1 normalizes and writes the output itself and step 2 is
-skipped. With ``fold_reduce`` (``OCTAVO_DECODE_FOLD_REDUCE``; off by default until measured on
-a GPU) step 2 is folded into step 1: each program of a (sequence, KV head) counts its
-arrival after storing its statistics, and the last to arrive combines that KV head's query
-heads as step 2 would (``_combine_partitions``, the loop both use), so one kernel runs. So does a batch wide enough to fill the GPU on its own
+skipped. So does a batch wide enough to fill the GPU on its own
 (``num_seqs * num_kv_heads >= unsplit_min_programs``): splitting it would only add programs
 and the reduce pass, since the bytes of K/V read are the same either way. The token's own K/V
 must already be in the cache (``write_kv_cache``). With a sliding window ``W`` only positions
@@ -38,14 +35,12 @@ softmax scale (before the soft cap); ``v_scale`` multiplies the normalized outpu
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from octavo import envs
 from octavo.kernels.triton.cache_write import (
     check_attention_inputs,
     dot_fp32,
@@ -55,7 +50,6 @@ from octavo.kernels.triton.cache_write import (
     upcast_dot,
 )
 from octavo.kernels.triton.pdl import pdl_begin, pdl_launch
-from octavo.kernels.triton.skinny_gemm import SPLIT_K_WORKSPACE
 
 # Start value of the running max (finite, so padded rows stay NaN-free).
 NEG_LARGE = tl.constexpr(-1.0e30)
@@ -77,47 +71,6 @@ def _partition_span(seq_len, num_partitions, min_span, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _combine_partitions(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, base,
-                        first_part, num_parts, v_scale, stride_o_token, stride_o_head, head_dim,
-                        BLOCK_P: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                        CACHE_MODIFIER: tl.constexpr):
-    """Store head ``head``'s output for ``token``: partitions ``first_part ..
-    num_parts - 1`` of its statistics (from ``base`` in ``part_max`` / ``part_sum``, times
-    ``head_dim`` in ``part_acc``) rescaled by ``exp2(m_p - max_p m_p)``, summed, divided by
-    the summed ``l_p``. ``CACHE_MODIFIER``: the loads' (".cg": from L2, for statistics other
-    programs of the same launch wrote)."""
-    dims = tl.arange(0, HEAD_DIM_PADDED)
-    dim_valid = dims < head_dim
-    # One pass with a running max (as the online softmax): each step loads BLOCK_P
-    # partitions' max, sum and output together, so a context of up to BLOCK_P partitions
-    # costs one round of loads instead of a max pass and then a sum pass.
-    run_max = tl.full([1], NEG_LARGE, tl.float32)
-    run_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM_PADDED], tl.float32)
-    for p0 in range(first_part, num_parts, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        part_valid = parts < num_parts
-        m_p = tl.load(part_max_ptr + base + parts, mask=part_valid, other=NEG_LARGE,
-                      cache_modifier=CACHE_MODIFIER)
-        l_p = tl.load(part_sum_ptr + base + parts, mask=part_valid, other=0.0,
-                      cache_modifier=CACHE_MODIFIER)
-        acc_offsets = (base + parts)[:, None] * head_dim + dims[None, :]
-        acc_mask = part_valid[:, None] & dim_valid[None, :]
-        acc_p = tl.load(part_acc_ptr + acc_offsets, mask=acc_mask, other=0.0,
-                        cache_modifier=CACHE_MODIFIER)  # [BLOCK_P, D]
-        new_max = tl.maximum(run_max, tl.max(m_p, axis=0))  # [1]
-        rescale = tl.exp2(run_max - new_max)  # [1]: 1 while the max holds
-        weight = tl.where(part_valid, tl.exp2(m_p - new_max), 0.0)  # [BLOCK_P]
-        run_sum = run_sum * rescale + tl.sum(weight * l_p, axis=0)
-        acc = acc * rescale + tl.sum(acc_p * weight[:, None], axis=0)
-        run_max = new_max
-
-    out = acc / tl.sum(run_sum, axis=0) * v_scale  # [D] (v_scale 1: exact)
-    o_offsets = token.to(tl.int64) * stride_o_token + head * stride_o_head + dims
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
-
-
-@triton.jit
 def _decode_partition_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -125,7 +78,6 @@ def _decode_partition_kernel(
     part_acc_ptr,  # [num_seqs, num_heads, num_partitions, head_dim] float32
     part_max_ptr,  # [num_seqs, num_heads, num_partitions] float32
     part_sum_ptr,  # [num_seqs, num_heads, num_partitions] float32
-    arrivals_ptr,  # [>= num_seqs * num_kv_heads] int32, zero before the launch (FOLD_REDUCE)
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -153,8 +105,6 @@ def _decode_partition_kernel(
     BLOCK_N: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
-    FOLD_REDUCE: tl.constexpr,  # the last partition of a (sequence, KV head) combines them
-    BLOCK_P: tl.constexpr,  # partitions per step of that combining (FOLD_REDUCE)
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
@@ -232,26 +182,6 @@ def _decode_partition_kernel(
         tl.store(part_sum_ptr + stat_index, l_i, mask=row_valid)
         acc_offsets = stat_index[:, None] * head_dim + dims[None, :]
         tl.store(part_acc_ptr + acc_offsets, acc, mask=q_mask)
-        if FOLD_REDUCE:
-            # Every thread's statistics stored before the count that publishes them; the
-            # program that counts last combines its KV head's query heads over the written
-            # partitions (as _decode_reduce_kernel) and leaves the count at zero.
-            tl.debug_barrier()
-            count = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-            first_part = 0
-            if SLIDING:
-                first_part = tl.maximum(seq_len - sliding_window, 0) // span
-            num_parts = tl.cdiv(seq_len, span)  # partitions written: [first_part, num_parts)
-            if arrived == num_parts - first_part - 1:
-                for g in tl.static_range(GROUP):
-                    head = kv_head * GROUP + g
-                    _combine_partitions(
-                        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head,
-                        seq.to(tl.int64) * stride_part_seq + head * stride_part_head,
-                        first_part, num_parts, v_scale, stride_o_token, stride_o_head,
-                        head_dim, BLOCK_P, HEAD_DIM_PADDED, ".cg")
-                tl.atomic_xchg(count, 0)
 
 
 @triton.jit
@@ -289,17 +219,34 @@ def _decode_reduce_kernel(
     first_part = 0
     if SLIDING:
         first_part = tl.maximum(seq_len - sliding_window, 0) // span
-    _combine_partitions(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head,
-                        seq.to(tl.int64) * stride_part_seq + head * stride_part_head,
-                        first_part, num_parts, v_scale, stride_o_token, stride_o_head, head_dim,
-                        BLOCK_P, HEAD_DIM_PADDED, "")
+    base = seq.to(tl.int64) * stride_part_seq + head * stride_part_head
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < head_dim
 
+    # One pass with a running max (as the online softmax): each step loads BLOCK_P
+    # partitions' max, sum and output together, so a context of up to BLOCK_P partitions
+    # costs one round of loads instead of a max pass and then a sum pass.
+    run_max = tl.full([1], NEG_LARGE, tl.float32)
+    run_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PADDED], tl.float32)
+    for p0 in range(first_part, num_parts, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        part_valid = parts < num_parts
+        m_p = tl.load(part_max_ptr + base + parts, mask=part_valid, other=NEG_LARGE)
+        l_p = tl.load(part_sum_ptr + base + parts, mask=part_valid, other=0.0)
+        acc_offsets = (base + parts)[:, None] * head_dim + dims[None, :]
+        acc_mask = part_valid[:, None] & dim_valid[None, :]
+        acc_p = tl.load(part_acc_ptr + acc_offsets, mask=acc_mask, other=0.0)  # [BLOCK_P, D]
+        new_max = tl.maximum(run_max, tl.max(m_p, axis=0))  # [1]
+        rescale = tl.exp2(run_max - new_max)  # [1]: 1 while the max holds
+        weight = tl.where(part_valid, tl.exp2(m_p - new_max), 0.0)  # [BLOCK_P]
+        run_sum = run_sum * rescale + tl.sum(weight * l_p, axis=0)
+        acc = acc * rescale + tl.sum(acc_p * weight[:, None], axis=0)
+        run_max = new_max
 
-@functools.cache
-def _fold_reduce_default() -> bool:
-    """``OCTAVO_DECODE_FOLD_REDUCE``, read once per process (launches are on the host's hot
-    path)."""
-    return envs.decode_fold_reduce()
+    out = acc / tl.sum(run_sum, axis=0) * v_scale  # [D] (v_scale 1: exact)
+    o_offsets = token.to(tl.int64) * stride_o_token + head * stride_o_head + dims
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
@@ -366,7 +313,6 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     fp32_dot_precision: str = "ieee",
-    fold_reduce: bool | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's single new token over its whole cached context (its last
     ``sliding_window`` positions when set; scores soft-capped at ``logits_soft_cap``).
@@ -383,10 +329,6 @@ def decode_attention(
     the shapes and ``max_seq_len``, so it is fixed inside a captured graph; each sequence's
     span follows its own length.
     ``k_scale``/``v_scale`` are an fp8 cache's per-tensor scales (1 for other caches).
-    ``fold_reduce`` (``None``: ``OCTAVO_DECODE_FOLD_REDUCE``): a split launch's last
-    partition program of each (sequence, KV head) combines the partitions itself, counting
-    arrivals in ``SPLIT_K_WORKSPACE``'s counts, so no reduce kernel runs (not during graph
-    capture before the counts exist: then the reduce kernel).
     """
     check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
     if not is_fp8_cache(kv_cache):
@@ -406,10 +348,6 @@ def decode_attention(
                                             partition_size, unsplit_min_programs,
                                             wide_batch_span, fill_programs)
     single = num_partitions == 1
-    arrivals = None
-    if not single and (_fold_reduce_default() if fold_reduce is None else fold_reduce):
-        workspace = SPLIT_K_WORKSPACE.get(query.device, 0, num_seqs * num_kv_heads)
-        arrivals = workspace[1] if workspace is not None else None
     if single:  # the statistics buffers are never touched; pass small placeholders
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=query.device)
         stride_part_seq = stride_part_head = 0
@@ -425,7 +363,6 @@ def decode_attention(
         )
         stride_part_seq, stride_part_head = part_max.stride(0), part_max.stride(1)
     head_dim_padded = triton.next_power_of_2(head_dim)
-    block_p = min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions))
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query,
         kv_cache,
@@ -433,7 +370,6 @@ def decode_attention(
         part_acc,
         part_max,
         part_sum,
-        arrivals if arrivals is not None else seq_lens,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -456,8 +392,6 @@ def decode_attention(
         BLOCK_N=block_n,
         CACHE_BLOCK_SIZE=kv_cache.shape[2],
         SINGLE_PARTITION=single,
-        FOLD_REDUCE=arrivals is not None,
-        BLOCK_P=block_p,
         UPCAST_DOT=upcast_dot(query.dtype),
         DOT_PRECISION=fp32_dot_precision,
         SLIDING=sliding_window is not None,
@@ -466,7 +400,7 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if single or arrivals is not None:
+    if single:
         return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out,
@@ -484,7 +418,7 @@ def decode_attention(
         num_partitions,
         min_span,
         BLOCK_N=block_n,
-        BLOCK_P=block_p,
+        BLOCK_P=min(_REDUCE_BLOCK, triton.next_power_of_2(num_partitions)),
         HEAD_DIM_PADDED=head_dim_padded,
         SLIDING=sliding_window is not None,
         **pdl_launch(query.device),

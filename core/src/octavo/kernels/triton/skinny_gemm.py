@@ -114,9 +114,7 @@ def capturing(device: torch.device) -> bool:
 
 class SplitKWorkspace:
     """Float32 partial sums and int32 arrival counts shared by the split-K launches of the
-    small-M kernels on one device (``store_skinny_output``'s ``IN_KERNEL_SUM``); the decode
-    attention's folded reduce counts its partitions' arrivals in the same counts
-    (``decode_attention``'s ``fold_reduce``).
+    small-M kernels on one device (``store_skinny_output``'s ``IN_KERNEL_SUM``).
 
     Contract: both are zero between launches (allocated zeroed; each launch's last program
     per block of outputs leaves its part at zero), so the kernels of a device must run one
