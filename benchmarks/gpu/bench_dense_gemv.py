@@ -43,9 +43,11 @@ VARIANTS = {"off": {"use_pdl": False}, "late": {"early_trigger": False},
 
 
 def brief(config: dict) -> str:
-    """A config as the summary lines print it: ``n8 k1024 s0 w4`` (+ ``runs``)."""
+    """A config as the summary lines print it: ``n8 k1024 s0 w4`` (+ ``runs``, + ``ls3``:
+    a pipelined loop)."""
     return (f"n{config['block_n']} k{config['block_k']} s{config['split_k']} "
-            f"w{config['num_warps']}" + (" runs" if config.get("sum_runs") else ""))
+            f"w{config['num_warps']}" + (" runs" if config.get("sum_runs") else "")
+            + (f" ls{config['load_stages']}" if config.get("load_stages", 0) > 1 else ""))
 
 
 def main() -> None:

@@ -160,7 +160,8 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
                 continue
             best = None
             # the grid, then the kernel's own tuner candidates not in it (int4: split_k=16)
-            configs = [*sweep_configs(m, label), *module.candidate_configs(m_bucket(m))]
+            grid = [] if args.candidates_only else list(sweep_configs(m, label))
+            configs = [*grid, *module.candidate_configs(m_bucket(m))]
             if label == "fp8" and m == 1 and args.after_norm:
                 # under PDL the next kernel may launch at the wait or after the K loop:
                 # which is faster depends on the shape (as for dense_gemv)
@@ -171,6 +172,7 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
                 except Exception as exc:  # noqa: BLE001  (a tile too big for this GPU)
                     print(f"  skip {label} {config}: {type(exc).__name__}", file=sys.stderr)
                     continue
+                result.setdefault(f"{label}_swept", []).append([asdict(config), us])
                 if best is None or us < best[0]:
                     best = (us, config)
             if best is not None:
@@ -259,6 +261,8 @@ def main() -> None:
                         help="also search the skinny kernels' launch configs")
     parser.add_argument("--sweep-kernels", default="fp8,int4",
                         help="with --sweep: which skinny kernels to search (fp8, int4)")
+    parser.add_argument("--candidates-only", action="store_true",
+                        help="with --sweep: only the kernels' tuner candidates, not the grid")
     parser.add_argument("--after-norm", action="store_true",
                         help="time each call after an RMS norm, as a pair (see above)")
     parser.add_argument("--write-configs", metavar="PATH",
@@ -293,8 +297,10 @@ def main() -> None:
                 c = r[f"{label}_best_config"]
                 trigger = "" if c.get("early_trigger", True) else " late"
                 runs = " runs" if c.get("sum_runs") else ""
+                staged = f" ls{c['load_stages']}" if c.get("load_stages", 0) > 1 else ""
                 line += (f"  {label} best {r[f'{label}_best_us']:.1f} (n{c['block_n']} "
-                         f"k{c['block_k']} s{c['split_k']} w{c['num_warps']}{trigger}{runs})")
+                         f"k{c['block_k']} s{c['split_k']} w{c['num_warps']}{trigger}{runs}"
+                         f"{staged})")
         print(line)
     print(f"\none decode step's linear layers ({NUM_LAYERS} x {' + '.join(STEP_SHAPES)}), ms:")
     for m in rows:

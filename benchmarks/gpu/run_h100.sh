@@ -513,12 +513,13 @@ for stage in "${stages[@]}"; do
       # a decode step, so that loads issued before the PDL wait count; fp8 at one row also
       # each config with the late trigger and tiles summed over runs, ~6 min alone;
       # ~5 min per new row bucket's compiles), added to the repo's table, written to $OUT.
+      # SWEEP_ARGS: more arguments, e.g. --candidates-only (the tuner's candidates alone).
       table=$(python3 -c "import torch; from octavo.kernels.triton.skinny_gemm import \
 config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
       cp "$table" "$OUT/" 2>/dev/null || true
       OCTAVO_SKINNY_CONFIG_TABLES=0 python3 benchmarks/gpu/bench_quant_gemv.py \
         --rows "${ROWS:-1}" --shapes qkv,o,gate_up,down --sweep --after-norm \
-        --sweep-kernels "${SWEEP_KERNELS:-fp8,int4}" \
+        --sweep-kernels "${SWEEP_KERNELS:-fp8,int4}" ${SWEEP_ARGS:-} \
         --write-configs "$OUT/$(basename "$table")" \
         2>"$OUT/quant-configs.err" | tee "$OUT/quant-configs.log" | tail -12
       ;;

@@ -55,7 +55,8 @@ def main() -> None:
               check.int4_constexprs(1, config), config)
     count("fp8_gemv", _fp8_gemv_kernel, check.FP8_SIG,
           {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
-           "UPCAST_DOT": False},
+           "UPCAST_DOT": False, "EARLY_TRIGGER": True, "EVEN_K": True, "EVEN_N": True,
+           "SUM_RUN": 0, "LOAD_STAGES": 0, "USE_PDL": False},
           SkinnyConfig(16, 512))
 
 

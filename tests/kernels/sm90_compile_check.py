@@ -133,6 +133,10 @@ def compile_variant(fn, signature: dict, constexprs: dict, num_warps: int) -> di
             "barrier_before_zeroing": barrier_before_zeroing(ptx),
             "loop_barriers": body.count("bar.sync"),
             "loop_global_loads": len(re.findall(r"ld\.global", body)),
+            # 16-byte copies to shared memory issued ahead (pipelined loops)
+            "loop_async_copies": len(re.findall(r"cp\.async\.cg\.shared\.global\s+\[[^]]+\], "
+                                                r"\[[^]]+\], 0x10\b", body)),
+            "shared_bytes": kernel.metadata.shared,
             "loop_vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body)),
             "local_memory_ops": sum(op in ("LDL", "STL") for op in sass_opcodes(code)),
             "loop_sass": len(sass_opcodes(sass_loop(code))),
@@ -148,7 +152,8 @@ def main() -> None:
             consts = {"BLOCK_M": block_m, "BLOCK_N": 16 if block_m == 1 else 32,
                       "BLOCK_K": 512 if block_m == 1 else 256, "SPLIT_K": 1,
                       "IN_KERNEL_SUM": False, "UPCAST_DOT": False, "EARLY_TRIGGER": True,
-                      "EVEN_K": even, "EVEN_N": even, "SUM_RUN": 0, "USE_PDL": use_pdl}
+                      "EVEN_K": even, "EVEN_N": even, "SUM_RUN": 0, "LOAD_STAGES": 0,
+                      "USE_PDL": use_pdl}
             print(json.dumps({"kernel": "fp8_gemv", **consts,
                               **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
         for has_g_idx in (False, True):
@@ -163,9 +168,16 @@ def main() -> None:
     # (SkinnyConfig.sum_runs)
     consts = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
               "UPCAST_DOT": False, "EARLY_TRIGGER": True, "EVEN_K": True, "EVEN_N": True,
-              "SUM_RUN": 16, "USE_PDL": True}
+              "SUM_RUN": 16, "LOAD_STAGES": 0, "USE_PDL": True}
     print(json.dumps({"kernel": "fp8_gemv", **consts,
                       **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
+    # Pipelined one-row loops (SkinnyConfig.load_stages), with PDL
+    consts = {**consts, "BLOCK_K": 512, "SUM_RUN": 0, "LOAD_STAGES": 3}
+    print(json.dumps({"kernel": "fp8_gemv", **consts,
+                      **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
+    consts = int4_constexprs(1, SkinnyConfig(128, 128, load_stages=4), use_pdl=True)
+    print(json.dumps({"kernel": "int4_gemv", **consts,
+                      **compile_variant(_int4_gemv_kernel, INT4_SIG, consts, 4)}))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ without the interpreter).
 - the fp8 one-row K loop over whole steps stays under 3.5 (~3.25: one e4m3x2 conversion
   per two weights, one widening and one FFMA per weight; ``x`` loaded once per thread, not
   per weight row it holds), and with its products summed over 16-input runs
-  (``SkinnyConfig.sum_runs``) a 16 KiB tile takes at most 96 registers.
+  (``SkinnyConfig.sum_runs``) a 16 KiB tile takes at most 96 registers;
+- pipelined one-row loops (``SkinnyConfig.load_stages``) copy later steps' weights ahead with
+  16-byte ``cp.async`` and keep one copy of ``x`` per step in shared memory, not one per
+  weight row (their loops do have barriers: the copies land in shared memory).
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ def test_skinny_kernels_compile_for_sm90_without_barriers_in_one_row_loops():
                           env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     variants = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(variants) == 11, done.stdout
-    assert sum(v["USE_PDL"] for v in variants) == 4  # fp8 (whole steps, tail, runs), int4
+    assert len(variants) == 13, done.stdout
+    # fp8 (whole steps, tail, runs, pipelined), int4 (plain, pipelined)
+    assert sum(v["USE_PDL"] for v in variants) == 6
     for variant in variants:
         assert variant["local_memory_ops"] == 0, variant
         # With PDL: the grid-dependency trigger and wait, the first step's weights loaded
@@ -66,9 +70,19 @@ def test_skinny_kernels_compile_for_sm90_without_barriers_in_one_row_loops():
         # thread layouts).
         if variant.get("IN_KERNEL_SUM"):
             assert variant["barrier_before_zeroing"], variant
-        if variant["BLOCK_M"] == 1:
+        pipelined = variant.get("LOAD_STAGES", 0) > 1
+        if variant["BLOCK_M"] == 1 and not pipelined:
             assert variant["loop_barriers"] == 0, variant
             assert variant["loop_vector_loads"] >= 1, variant
+        tile_bytes = variant["BLOCK_N"] * variant["BLOCK_K"] \
+            // (2 if variant["kernel"] == "int4_gemv" else 1)
+        if pipelined:
+            # Later steps' weights copied ahead in 16-byte pieces; the buffers hold the
+            # weight tiles and one copy of x (and the group's scales) per step, not a copy
+            # per weight row
+            assert variant["loop_async_copies"] >= 1, variant
+            assert variant["shared_bytes"] <= \
+                (variant["LOAD_STAGES"] - 1) * tile_bytes * 1.25, variant
         weights_per_thread = variant["BLOCK_N"] * variant["BLOCK_K"] / 128  # 4 warps
         if variant["kernel"] == "int4_gemv" and variant["BLOCK_M"] == 1 \
                 and not variant["HAS_G_IDX"]:
@@ -76,7 +90,7 @@ def test_skinny_kernels_compile_for_sm90_without_barriers_in_one_row_loops():
         # The fp8 one-row loop over whole steps loads and converts x once per thread, not
         # once per row it holds (masked loads are not merged: 4.9 per weight, 12 loads)
         if variant["kernel"] == "fp8_gemv" and variant["BLOCK_M"] == 1 and variant["EVEN_K"] \
-                and not variant["SUM_RUN"]:
+                and not variant["SUM_RUN"] and not pipelined:
             assert variant["loop_sass"] / weights_per_thread < 3.5, variant
             assert variant["loop_sass_global_loads"] <= 6, variant
         # Summed over 16-input runs, a 16 KiB tile takes ~70 registers (one float per weight:

@@ -20,7 +20,9 @@ from tests.kernels.conftest import DEVICE
 SMALL_CONFIGS = [SkinnyConfig(block_n=8, block_k=64, split_k=1),
                  SkinnyConfig(block_n=16, block_k=32, split_k=3),
                  # each step's products summed over 8-input runs first
-                 SkinnyConfig(block_n=8, block_k=64, split_k=2, sum_runs=True)]
+                 SkinnyConfig(block_n=8, block_k=64, split_k=2, sum_runs=True),
+                 # later steps' loads issued ahead (a pipelined loop on a GPU)
+                 SkinnyConfig(block_n=8, block_k=32, split_k=1, load_stages=3)]
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -36,7 +38,7 @@ def operands(n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = DE
     return x, weight, bias
 
 
-@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["one-split", "split-3", "sum-runs"])
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["one-split", "split-3", "sum-runs", "pipelined"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("early_trigger", [False, True], ids=["late", "early"])

@@ -303,6 +303,28 @@ def test_one_row_kernels_with_a_split_past_k_match_their_references(fresh_worksp
     assert not sums.any() and not arrivals.any()
 
 
+@pytest.mark.parametrize("n, k", [(40, 224), (32, 256)], ids=["tails", "whole"])
+def test_one_row_kernels_with_pipelined_loads_match_their_references(n, k):
+    """``SkinnyConfig.load_stages``: the one-row K loops as ``tl.range`` loops with later
+    steps' loads issued ahead (on a GPU through shared memory; the interpreter runs them as
+    plain loops), with masked tails and without; several steps per program."""
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    x = x.to(DEVICE)
+    qweight, scales, zeros = (t.to(DEVICE) for t in int4_weight(n, k, 32, sym=False,
+                                                                act_order=False)[:3])
+    int4_config = SkinnyConfig(block_n=32, block_k=32, split_k=1, load_stages=3)
+    out = int4_gemv(x, qweight, scales, zeros, 32, None, int4_config)
+    expected = int4_linear_reference(x.float(), qweight, scales, zeros, 32)
+    assert relative_error(out, expected) < TOLERANCES[torch.bfloat16][0]
+    weight, scale = (t.to(DEVICE) for t in fp8_weight(n, k, seed=8))
+    for config in (SkinnyConfig(block_n=16, block_k=32, split_k=2, load_stages=4),
+                   SkinnyConfig(block_n=16, block_k=32, split_k=1, sum_runs=True,
+                                load_stages=3)):
+        out = fp8_gemv(x, weight, scale, config)
+        assert relative_error(out, fp8_linear_reference(x, weight, scale, None)) \
+            < TOLERANCES[torch.bfloat16][0], config
+
+
 def test_split_k_workspace_grows_and_keeps_what_it_replaced(fresh_workspace):
     device = torch.device(DEVICE)
     first = fresh_workspace.get(device, 10, 3)

@@ -73,6 +73,16 @@ def _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexp
 
 
 @triton.jit
+def _x_row(x_ptr, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """``x[k0 : k0 + BLOCK_K]`` as ``[1, BLOCK_K]``: for the pipelined loop, whose loads go
+    through shared memory anyway (a broadcast tile would be copied ``BLOCK_N`` times)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(x_ptr + offs_k)[None, :]
+    return tl.load(x_ptr + offs_k, mask=offs_k < k_end, other=0.0)[None, :]
+
+
+@triton.jit
 def _step_products(w, x, SUM_RUN: tl.constexpr):
     """A step's products ``w * x`` in float32, ``[BLOCK_N, BLOCK_K]``, or with ``SUM_RUN``
     summed over runs of that many consecutive inputs (``[BLOCK_N, BLOCK_K / SUM_RUN]``)."""
@@ -86,7 +96,7 @@ def _step_products(w, x, SUM_RUN: tl.constexpr):
 @triton.jit
 def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.constexpr,
                  EARLY_TRIGGER: tl.constexpr, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                 SUM_RUN: tl.constexpr):
+                 SUM_RUN: tl.constexpr, LOAD_STAGES: tl.constexpr):
     """``[BLOCK_N]`` float32 sums ``sum_k W[n, k] * x[k]`` over ``k_start .. k_end`` for the
     weight rows at ``w_rows`` (``[BLOCK_N, 1]`` pointers; 16-bit or e4m3 weights, upcast in
     registers), products summed per lane over the steps and reduced once at the end.
@@ -107,10 +117,16 @@ def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.cons
         tl.extra.cuda.gdc_wait()
     x = _x_tile(x_ptr, offs_n, k_start, k_end, BLOCK_K, EVEN_K)
     acc_lanes = _step_products(w, x, SUM_RUN)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
-        x = _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K)
-        acc_lanes += _step_products(w, x, SUM_RUN)
+    if LOAD_STAGES > 1:  # later steps' loads issued ahead, through shared memory
+        for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=LOAD_STAGES):
+            w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
+            acc_lanes += _step_products(w, _x_row(x_ptr, k0, k_end, BLOCK_K, EVEN_K),
+                                        SUM_RUN)
+    else:  # each step's loads issued when it starts
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
+            x = _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K)
+            acc_lanes += _step_products(w, x, SUM_RUN)
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     return tl.sum(acc_lanes, axis=1)
@@ -145,6 +161,7 @@ def _dense_gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
     SUM_RUN: tl.constexpr,  # one_row_sums: a step's products summed over runs of inputs
+    LOAD_STAGES: tl.constexpr,  # one_row_sums: steps whose loads are in flight (SkinnyConfig)
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -155,7 +172,7 @@ def _dense_gemv_kernel(
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K, EARLY_TRIGGER,
-                       USE_PDL, EVEN_K, SUM_RUN)  # [BLOCK_N]
+                       USE_PDL, EVEN_K, SUM_RUN, LOAD_STAGES)  # [BLOCK_N]
     if HAS_BIAS:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -176,7 +193,11 @@ def candidate_configs() -> list[SkinnyConfig]:
             SkinnyConfig(8, 1024, split_k=1), SkinnyConfig(4, 1024, split_k=1),
             SkinnyConfig(8, 1024, split_k=4), SkinnyConfig(16, 512, split_k=8),
             # 8-input runs summed first: 32 KiB tiles in ~96 registers (not ~200)
-            SkinnyConfig(16, 1024, sum_runs=True), SkinnyConfig(8, 2048, sum_runs=True)]
+            SkinnyConfig(16, 1024, sum_runs=True), SkinnyConfig(8, 2048, sum_runs=True),
+            # pipelined K loops: later steps' weights copied ahead through shared memory
+            SkinnyConfig(8, 512, load_stages=4), SkinnyConfig(8, 1024, load_stages=3),
+            SkinnyConfig(16, 512, load_stages=3), SkinnyConfig(4, 1024, load_stages=4),
+            SkinnyConfig(16, 1024, sum_runs=True, load_stages=3)]
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -198,8 +219,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum,
         EARLY_TRIGGER=config.early_trigger if early_trigger is None else early_trigger,
         EVEN_K=k % config.block_k == 0, EVEN_N=n % config.block_n == 0,
-        SUM_RUN=sum_run(config, weight), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl,
+        SUM_RUN=sum_run(config, weight), LOAD_STAGES=config.load_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
     return out.result()
 

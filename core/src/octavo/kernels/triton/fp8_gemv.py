@@ -66,6 +66,7 @@ def _fp8_gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: the one-row loop without masks along K
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
     SUM_RUN: tl.constexpr,  # one row: a step's products summed over runs (one_row_sums)
+    LOAD_STAGES: tl.constexpr,  # one row: steps whose loads are in flight (one_row_sums)
     USE_PDL: tl.constexpr,  # one row: launched with PDL (octavo.kernels.triton.pdl)
 ):
     pid_n = tl.program_id(0)
@@ -81,7 +82,7 @@ def _fp8_gemv_kernel(
     if BLOCK_M == 1:
         # The first step's weights loaded before the PDL wait (dense_gemv.one_row_sums)
         acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K,
-                           EARLY_TRIGGER, USE_PDL, EVEN_K, SUM_RUN)
+                           EARLY_TRIGGER, USE_PDL, EVEN_K, SUM_RUN, LOAD_STAGES)
         acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -111,14 +112,20 @@ def candidate_configs(m: int) -> list[SkinnyConfig]:
     if m == 1:
         return [SkinnyConfig(8, 512), SkinnyConfig(16, 256), SkinnyConfig(16, 1024, num_warps=8),
                 SkinnyConfig(32, 256), SkinnyConfig(32, 512, num_warps=8),
-                SkinnyConfig(64, 256, num_warps=8), SkinnyConfig(16, 512, num_stages=3),
+                SkinnyConfig(64, 256, num_warps=8),
                 # 16-input runs summed first: 16-32 KiB tiles in ~70-130 registers
                 SkinnyConfig(16, 1024, sum_runs=True), SkinnyConfig(8, 2048, sum_runs=True),
                 SkinnyConfig(32, 1024, num_warps=8, sum_runs=True),
                 SkinnyConfig(16, 2048, num_warps=8, sum_runs=True),
                 SkinnyConfig(64, 512, num_warps=8, sum_runs=True),
                 SkinnyConfig(16, 1024, num_warps=8, early_trigger=False),
-                SkinnyConfig(32, 512, num_warps=8, early_trigger=False)]
+                SkinnyConfig(32, 512, num_warps=8, early_trigger=False),
+                # pipelined K loops: later steps' weights copied ahead through shared memory
+                SkinnyConfig(16, 512, load_stages=3), SkinnyConfig(16, 512, load_stages=4),
+                SkinnyConfig(8, 1024, load_stages=4), SkinnyConfig(32, 256, load_stages=4),
+                SkinnyConfig(16, 1024, sum_runs=True, load_stages=3),
+                SkinnyConfig(32, 512, num_warps=8, sum_runs=True, load_stages=4),
+                SkinnyConfig(16, 512, split_k=1, load_stages=4)]
     return [SkinnyConfig(16, 256), SkinnyConfig(64, 128), SkinnyConfig(32, 512, num_warps=8),
             SkinnyConfig(64, 256, num_warps=8), SkinnyConfig(32, 128)]
 
@@ -137,6 +144,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum, UPCAST_DOT=upcast_dot(x.dtype),
         EARLY_TRIGGER=config.early_trigger, EVEN_K=k % config.block_k == 0,
         EVEN_N=n % config.block_n == 0, SUM_RUN=sum_run(config, weight),
+        LOAD_STAGES=config.load_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **skinny_pdl_launch(x.device, m),
     )

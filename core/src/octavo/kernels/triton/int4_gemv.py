@@ -193,8 +193,10 @@ def _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS: t
 def _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end, offs_r, offs_n,
                   n_mask, N, c43, BLOCK_K: tl.constexpr, SLICE_ROWS: tl.constexpr,
                   SLICES: tl.constexpr, GROUP_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
-                  X_BF16_PAIRS: tl.constexpr, NIBBLE_ASM: tl.constexpr):
-    """The ``[SLICE_ROWS, BLOCK_N]`` partial sums of the step at ``k0`` from its words."""
+                  X_BF16_PAIRS: tl.constexpr, NIBBLE_ASM: tl.constexpr,
+                  PIPELINED: tl.constexpr = False):
+    """The ``[SLICE_ROWS, BLOCK_N]`` partial sums of the step at ``k0`` from its words
+    (``PIPELINED``: a step of the pipelined loop, ``LOAD_STAGES``)."""
     # Nibble-major over the slices: every slice's words are needed from the start, so
     # ptxas issues all of a step's loads together (slice by slice, it sinks each slice's
     # loads to just before its sums).
@@ -224,12 +226,18 @@ def _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end, offs_
         if SLICES > 2:
             qx += x2[j] * _nibble_128(lo2, hi2, j, c43, NIBBLE_ASM)
             qx += x3[j] * _nibble_128(lo3, hi3, j, c43, NIBBLE_ASM)
-    # The group's scales and zeros broadcast over the rows in the load itself (repeats hit
-    # L1), to stay in the words' register layout (no shared-memory shuffle).
     g = (k0 // BLOCK_K) // GROUP_STEPS
-    sz = g * N + offs_n[None, :] + offs_r[:, None] * 0  # [R, BLOCK_N]
-    scale = tl.load(scales_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
-    zero = tl.load(zeros_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    if PIPELINED:
+        # loads that go through shared memory anyway: one row of each, not R copies
+        sz = g * N + offs_n
+        scale = tl.load(scales_ptr + sz, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        zero = tl.load(zeros_ptr + sz, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    else:
+        # The group's scales and zeros broadcast over the rows in the load itself (repeats
+        # hit L1), to stay in the words' register layout (no shared-memory shuffle).
+        sz = g * N + offs_n[None, :] + offs_r[:, None] * 0  # [R, BLOCK_N]
+        scale = tl.load(scales_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        zero = tl.load(zeros_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
     return (qx - xs * (zero + 128.0)) * scale
 
 
@@ -238,7 +246,8 @@ def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start
                            offs_n, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SLICE_ROWS: tl.constexpr, GROUP_STEPS: tl.constexpr,
                            EVEN_K: tl.constexpr, X_BF16_PAIRS: tl.constexpr,
-                           NIBBLE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
+                           NIBBLE_ASM: tl.constexpr, LOAD_STAGES: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     """``[BLOCK_N]`` float32 sums of one row over ``k_start .. k_end`` (natural-order groups).
 
     A step's ``BLOCK_K / 8`` word rows are loaded as 1, 2 or 4 ``[SLICE_ROWS, BLOCK_N]``
@@ -257,12 +266,20 @@ def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start
     acc = _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k_start, k_end, offs_r,
                         offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES, GROUP_STEPS,
                         EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
-                                     SLICE_ROWS, SLICES, EVEN_K)
-        acc += _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end, offs_r,
-                             offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES, GROUP_STEPS,
-                             EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
+    if LOAD_STAGES > 1:  # later steps' words loaded ahead, through shared memory
+        for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=LOAD_STAGES):
+            c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
+                                         SLICE_ROWS, SLICES, EVEN_K)
+            acc += _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end,
+                                 offs_r, offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES,
+                                 GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM, True)
+    else:  # each step's words loaded when it starts
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
+                                         SLICE_ROWS, SLICES, EVEN_K)
+            acc += _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end,
+                                 offs_r, offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES,
+                                 GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
     return tl.sum(acc, axis=0)
 
 
@@ -294,6 +311,7 @@ def _int4_gemv_kernel(
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no column masks
     X_BF16_PAIRS: tl.constexpr,  # x is bfloat16 and 4-byte aligned: loaded in int32 pairs
     NIBBLE_ASM: tl.constexpr,  # the nibble unpacking in inline PTX (not in the interpreter)
+    LOAD_STAGES: tl.constexpr,  # one row, natural order: steps in flight (SkinnyConfig)
     USE_PDL: tl.constexpr,  # one row, natural order: launched with PDL (octavo.kernels.triton.pdl)
 ):
     pid_n = tl.program_id(0)
@@ -308,7 +326,7 @@ def _int4_gemv_kernel(
         acc = _one_row_natural_order(
             x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start, k_end, offs_n, n_mask,
             BLOCK_N, BLOCK_K, SLICE_ROWS, GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM,
-            USE_PDL)
+            LOAD_STAGES, USE_PDL)
     else:
         acc = _by_steps(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k_start, k_end,
                         stride_xm, offs_m, m_mask, offs_n, n_mask, HAS_G_IDX, BLOCK_M, BLOCK_N,
@@ -407,7 +425,13 @@ def candidate_configs(m: int) -> list[SkinnyConfig]:
                 SkinnyConfig(128, 128, split_k=16), SkinnyConfig(64, 128, split_k=16),
                 SkinnyConfig(256, 64, num_warps=8), SkinnyConfig(256, 32),
                 SkinnyConfig(512, 32, num_warps=8), SkinnyConfig(32, 128),
-                SkinnyConfig(128, 64, num_stages=3)]
+                SkinnyConfig(128, 64),
+                # pipelined K loops: later steps' words copied ahead through shared memory
+                SkinnyConfig(64, 128, load_stages=4), SkinnyConfig(128, 128, load_stages=3),
+                SkinnyConfig(128, 128, load_stages=4), SkinnyConfig(256, 128, load_stages=3),
+                SkinnyConfig(512, 128, num_warps=8, load_stages=3),
+                SkinnyConfig(128, 128, split_k=4, load_stages=4),
+                SkinnyConfig(64, 128, split_k=4, load_stages=4)]
     return [SkinnyConfig(32, 128), SkinnyConfig(128, 128, num_warps=8),
             SkinnyConfig(64, 64), SkinnyConfig(128, 64)]
 
@@ -449,6 +473,7 @@ def kernel_constexprs(x: torch.Tensor, n: int, k: int, group_size: int, has_g_id
         "EVEN_N": n % config.block_n == 0,
         "X_BF16_PAIRS": x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0,
         "NIBBLE_ASM": not interpreting(),
+        "LOAD_STAGES": config.load_stages,
         "USE_PDL": use_pdl,
     }
 

@@ -75,6 +75,11 @@ class SkinnyConfig:
     # each thread's 16-byte runs of inputs before accumulating, so the per-lane sums hold
     # ``block_n * block_k / run`` floats, not one per weight (``one_row_sums``).
     sum_runs: bool = False
+    # The one-row loops (``dense_gemv``, ``fp8_gemv``, ``int4_gemv``): K steps whose weight
+    # loads are in flight at once, copied ahead through shared memory (``tl.range``'s
+    # ``num_stages``: the K loop is software-pipelined); 0 or 1: each step's loads are
+    # issued when the step starts. ``num_stages`` is the ``tl.dot`` paths' (2 to 16 rows).
+    load_stages: int = 0
 
 
 @functools.cache
