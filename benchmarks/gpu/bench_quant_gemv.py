@@ -145,10 +145,11 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
             lambda w: int4_module.int4_gemv(h(), w, scales, zeros, GROUP), int4_ws),
         "int4_floor_us": int4_bytes / bandwidth * 1e6,
     }
-    result["fp8_rel_err"] = rel_err(fp8_module.fp8_gemv(x, fp8_w, fp8_s),
-                                    x.float() @ (fp8_w.float() * fp8_s[:, None]).t())
+    expected = {"fp8": x.float() @ (fp8_w.float() * fp8_s[:, None]).t(),
+                "int4": x.float() @ ((q.float() - 8.0) * scales[0, 0].float())}
+    result["fp8_rel_err"] = rel_err(fp8_module.fp8_gemv(x, fp8_w, fp8_s), expected["fp8"])
     result["int4_rel_err"] = rel_err(int4_module.int4_gemv(x, qweight, scales, zeros, GROUP),
-                                     x.float() @ ((q.float() - 8.0) * scales[0, 0].float()))
+                                     expected["int4"])
     del q
     if args.sweep:
         for label, module, ws, call in (
@@ -172,13 +173,24 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
                 except Exception as exc:  # noqa: BLE001  (a tile too big for this GPU)
                     print(f"  skip {label} {config}: {type(exc).__name__}", file=sys.stderr)
                     continue
-                result.setdefault(f"{label}_swept", []).append([asdict(config), us])
+                # a config goes into a table only if its output is right (the sweep runs
+                # configs that no test may have run on this GPU)
+                err = rel_err(call(ws[0], config), expected[label])
+                result.setdefault(f"{label}_swept", []).append([asdict(config), us, err])
+                if err > SWEEP_MAX_REL_ERR:
+                    print(f"  WRONG {label} {config}: relative error {err:.3g}", file=sys.stderr)
+                    continue
                 if best is None or us < best[0]:
                     best = (us, config)
             if best is not None:
                 result[f"{label}_best_us"], result[f"{label}_best_config"] = \
                     best[0], asdict(best[1])
     return result
+
+
+# Largest error (of the largest output) a swept config may give to be chosen: the kernels'
+# float32 sums of bf16 inputs give ~3e-3 here (bf16 output rounding)
+SWEEP_MAX_REL_ERR = 2e-2
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -215,7 +227,8 @@ def written_by_kernel(table: dict) -> dict[str, str]:
     return written_by
 
 
-def write_configs(path: str, results: list[dict], after_norm: bool) -> None:
+def write_configs(path: str, results: list[dict], after_norm: bool,
+                  candidates_only: bool = False) -> None:
     """Add each case's best swept config to the table at ``path`` under the key the kernels
     look up (``tune_key``: bf16 activations; int4 with groups of ``GROUP``, natural order)."""
     from pathlib import Path
@@ -229,8 +242,9 @@ def write_configs(path: str, results: list[dict], after_norm: bool) -> None:
     # What lets a GPU of the same chip without a table of its own use this one.
     table["chip"] = chip_of(torch.cuda.get_device_properties())
     how = ("benchmarks/gpu/bench_quant_gemv.py --sweep (best of each case, CUDA-graph timing "
-           "over L2-cold weight copies" + (", each call after an RMS norm)" if after_norm
-                                          else ")"))
+           "over L2-cold weight copies" + (", each call after an RMS norm" if after_norm
+                                          else "")
+           + (", the tuner's candidates only)" if candidates_only else ")"))
     kernels = table["kernels"]
     written_by = written_by_kernel(table)
     for label, kernel in (("fp8", "fp8_gemv"), ("int4", "int4_gemv")):
@@ -309,7 +323,7 @@ def main() -> None:
                 for c in cols}
         print(f"  M={m:<3}" + "  ".join(f"{c} {v:.2f}" for c, v in step.items()))
     if args.write_configs:
-        write_configs(args.write_configs, results, args.after_norm)
+        write_configs(args.write_configs, results, args.after_norm, args.candidates_only)
     print(json.dumps({"bench": "quant_gemv", "device": torch.cuda.get_device_name(),
                       "copy_bandwidth_gb_per_s": bandwidth / 1e9, "results": results}))
 

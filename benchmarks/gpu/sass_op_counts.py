@@ -35,7 +35,8 @@ def count(name: str, fn, signature: dict, consts: dict, config: SkinnyConfig) ->
     total = len(check.sass_opcodes(code))
     step = sum(loop.values())
     weights = consts["BLOCK_N"] * consts["BLOCK_K"] // (32 * config.num_warps)  # per thread
-    print(f"{name} n{consts['BLOCK_N']} k{consts['BLOCK_K']} w{config.num_warps}: K step "
+    staged = f" ls{config.load_stages}" if config.load_stages > 1 else ""
+    print(f"{name} n{consts['BLOCK_N']} k{consts['BLOCK_K']} w{config.num_warps}{staged}: K step "
           f"{step} SASS per thread for {weights} weights -> {step / weights:.2f} per weight "
           f"(whole kernel {total})")
     print("   ", ", ".join(f"{op} {n}" for op, n in loop.most_common(12)))
@@ -47,7 +48,7 @@ def count(name: str, fn, signature: dict, consts: dict, config: SkinnyConfig) ->
 def main() -> None:
     # The one-row default and the tuner's candidates (block_k as cut for groups of 128).
     # (split-K changes only the epilogue: each loop shape once)
-    loops = {(c.block_n, c.block_k, c.num_warps, c.num_stages): c
+    loops = {(c.block_n, c.block_k, c.num_warps, c.load_stages): c
              for c in [int4_gemv.default_config(4096, 4096, 1),
                        *int4_gemv.candidate_configs(1)]}
     for config in loops.values():
