@@ -109,7 +109,11 @@ def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.cons
     products are first summed over runs of that many inputs, inside each thread, so the
     per-lane sums take ``BLOCK_N * BLOCK_K / SUM_RUN`` registers instead of one per weight of
     the tile (~0.5 more instructions a weight; larger tiles fit, more bytes in flight per
-    SM: ``SkinnyConfig.sum_runs``). Also ``fp8_gemv``'s one-row loop."""
+    SM: ``SkinnyConfig.sum_runs``). ``LOAD_STAGES`` > 1 (``SkinnyConfig.load_stages``): the
+    steps after the first run as a software-pipelined ``tl.range`` loop, later steps' weights
+    copied into shared memory while the current one is summed, and ``x`` loaded as one row a
+    step (a broadcast tile would be copied once per weight row). Also ``fp8_gemv``'s one-row
+    loop."""
     w = _weights(w_rows, n_mask, k_start, k_end, BLOCK_K, EVEN_K)
     if USE_PDL:
         if EARLY_TRIGGER:

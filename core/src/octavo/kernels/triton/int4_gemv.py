@@ -32,7 +32,10 @@ scale and zero are applied once per output, after the sum:
   checked in ``tests/kernels/test_triton_skinny_gemm.py``). A step's word rows are loaded as
   slices of one word row per thread (``slice_rows``): ``x`` is loaded (bfloat16 in int32
   pairs) and converted once per row and thread, the scale and zero once per output, step
-  and thread. SASS per weight of the K loop: ``benchmarks/gpu/sass_op_counts.py``;
+  and thread. SASS per weight of the K loop: ``benchmarks/gpu/sass_op_counts.py``. With
+  ``SkinnyConfig.load_stages`` > 1 the steps after the first are a software-pipelined
+  ``tl.range`` loop (later steps' words copied into shared memory while the current one is
+  summed; the group's scales and zeros loaded as one row a step);
 - 2 to 16 rows: ``tl.dot`` of the rows (a 16-row block) with the nibbles as 16-bit values
   (exact: 0..15);
 - act-order (``g_idx`` not the natural order): every input has its own group, so the tile is
