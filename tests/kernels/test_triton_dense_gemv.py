@@ -38,7 +38,8 @@ def operands(n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = DE
     return x, weight, bias
 
 
-@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["one-split", "split-3", "sum-runs", "pipelined"])
+@pytest.mark.parametrize("config", SMALL_CONFIGS,
+                         ids=["one-split", "split-3", "sum-runs", "pipelined"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("early_trigger", [False, True], ids=["late", "early"])

@@ -530,7 +530,8 @@ def test_fp8_gemv_one_row_every_config_after_a_norm_llama3_8b_shapes_on_gpu(n, k
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
     norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     expected = fp8_linear_reference(rms_norm(x, norm_weight, 1e-6), weight, scale, None)
-    configs = [fp8_gemv_module.default_config(n, k, 1), *fp8_gemv_module.candidate_configs(1, pipelined=True)]
+    configs = [fp8_gemv_module.default_config(n, k, 1),
+               *fp8_gemv_module.candidate_configs(1, pipelined=True)]
     for config in dict.fromkeys(configs):
         assert relative_error(fp8_gemv(rms_norm(x, norm_weight, 1e-6), weight, scale, config),
                               expected) < GPU_RELATIVE_ERROR, config
