@@ -121,16 +121,15 @@ def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.cons
         tl.extra.cuda.gdc_wait()
     x = _x_tile(x_ptr, offs_n, k_start, k_end, BLOCK_K, EVEN_K)
     acc_lanes = _step_products(w, x, SUM_RUN)
-    if LOAD_STAGES > 1:  # later steps' loads issued ahead, through shared memory
-        for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=LOAD_STAGES):
-            w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
-            acc_lanes += _step_products(w, _x_row(x_ptr, k0, k_end, BLOCK_K, EVEN_K),
+    # LOAD_STAGES > 1: later steps' loads copied ahead through shared memory (a pipelined
+    # loop); else each step's loads are issued when it starts
+    for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=max(LOAD_STAGES, 1)):
+        w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
+        if LOAD_STAGES > 1:
+            acc_lanes += _step_products(w, _x_row(x_ptr, k0, k_end, BLOCK_K, EVEN_K), SUM_RUN)
+        else:
+            acc_lanes += _step_products(w, _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K),
                                         SUM_RUN)
-    else:  # each step's loads issued when it starts
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
-            x = _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K)
-            acc_lanes += _step_products(w, x, SUM_RUN)
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     return tl.sum(acc_lanes, axis=1)

@@ -269,20 +269,14 @@ def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start
     acc = _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k_start, k_end, offs_r,
                         offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES, GROUP_STEPS,
                         EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
-    if LOAD_STAGES > 1:  # later steps' words loaded ahead, through shared memory
-        for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=LOAD_STAGES):
-            c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
-                                         SLICE_ROWS, SLICES, EVEN_K)
-            acc += _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end,
-                                 offs_r, offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES,
-                                 GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM, True)
-    else:  # each step's words loaded when it starts
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
-                                         SLICE_ROWS, SLICES, EVEN_K)
-            acc += _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end,
-                                 offs_r, offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES,
-                                 GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM)
+    # LOAD_STAGES > 1: later steps' words copied ahead through shared memory (a pipelined
+    # loop); else each step's words are loaded when it starts
+    for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=max(LOAD_STAGES, 1)):
+        c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
+                                     SLICE_ROWS, SLICES, EVEN_K)
+        acc += _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end, offs_r,
+                             offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES, GROUP_STEPS,
+                             EVEN_K, X_BF16_PAIRS, NIBBLE_ASM, LOAD_STAGES > 1)
     return tl.sum(acc, axis=0)
 
 
