@@ -162,7 +162,7 @@ def run_case(name: str, n: int, k: int, m: int, args, bandwidth: float) -> dict:
             best = None
             # the grid, then the kernel's own tuner candidates not in it (int4: split_k=16)
             grid = [] if args.candidates_only else list(sweep_configs(m, label))
-            configs = [*grid, *module.candidate_configs(m_bucket(m), pipelined=True)]
+            configs = [*grid, *module.candidate_configs(m_bucket(m))]
             if label == "fp8" and m == 1 and args.after_norm:
                 # under PDL the next kernel may launch at the wait or after the K loop:
                 # which is faster depends on the shape (as for dense_gemv)

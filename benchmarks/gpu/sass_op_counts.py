@@ -50,7 +50,7 @@ def main() -> None:
     # (split-K changes only the epilogue: each loop shape once)
     loops = {(c.block_n, c.block_k, c.num_warps, c.load_stages): c
              for c in [int4_gemv.default_config(4096, 4096, 1),
-                       *int4_gemv.candidate_configs(1, pipelined=True)]}
+                       *int4_gemv.candidate_configs(1)]}
     for config in loops.values():
         count("int4_gemv", _int4_gemv_kernel, check.INT4_SIG,
               check.int4_constexprs(1, config), config)

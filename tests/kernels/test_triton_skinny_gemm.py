@@ -531,7 +531,7 @@ def test_fp8_gemv_one_row_every_config_after_a_norm_llama3_8b_shapes_on_gpu(n, k
     norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     expected = fp8_linear_reference(rms_norm(x, norm_weight, 1e-6), weight, scale, None)
     configs = [fp8_gemv_module.default_config(n, k, 1),
-               *fp8_gemv_module.candidate_configs(1, pipelined=True)]
+               *fp8_gemv_module.candidate_configs(1)]
     for config in dict.fromkeys(configs):
         assert relative_error(fp8_gemv(rms_norm(x, norm_weight, 1e-6), weight, scale, config),
                               expected) < GPU_RELATIVE_ERROR, config
@@ -576,7 +576,7 @@ def test_int4_gemv_one_row_every_config_llama3_8b_shapes_on_gpu(n, k, act_order,
     expected = int4_linear_reference(args[0].float(), *args[1:], 128, g)
     configs = [int4_gemv_module.default_config(n, k, 1)]
     if not act_order:
-        configs += int4_gemv_module.candidate_configs(1, pipelined=True)
+        configs += int4_gemv_module.candidate_configs(1)
     for config in dict.fromkeys(configs):
         out = int4_gemv(*args, 128, g, config)
         assert out.dtype == dtype

@@ -107,9 +107,8 @@ def default_config(n: int, k: int, m: int) -> SkinnyConfig:
     return SkinnyConfig(block_n=32, block_k=256)
 
 
-# One-row configs with software-pipelined K loops (``SkinnyConfig.load_stages``): swept on an
-# H100 (docs/benchmarks.md, "Pipelined one-row loops"), not yet run against the reference on a
-# GPU, so the start-up tuner and the shipped tables leave them out.
+# One-row configs with software-pipelined K loops (``SkinnyConfig.load_stages``; on the H100
+# they won at every shape but gate_up: docs/benchmarks.md, "Pipelined one-row loops").
 PIPELINED_CONFIGS = [SkinnyConfig(16, 512, load_stages=3), SkinnyConfig(16, 512, load_stages=4),
                      SkinnyConfig(8, 1024, load_stages=4), SkinnyConfig(32, 256, load_stages=4),
                      SkinnyConfig(16, 1024, sum_runs=True, load_stages=3),
@@ -117,9 +116,8 @@ PIPELINED_CONFIGS = [SkinnyConfig(16, 512, load_stages=3), SkinnyConfig(16, 512,
                      SkinnyConfig(16, 512, split_k=1, load_stages=4)]
 
 
-def candidate_configs(m: int, pipelined: bool = False) -> list[SkinnyConfig]:
-    """What the tuner times for rows bucket ``m`` (``pipelined``: also ``PIPELINED_CONFIGS``
-    at one row, for sweeps and GPU tests)."""
+def candidate_configs(m: int) -> list[SkinnyConfig]:
+    """What the tuner times for rows bucket ``m``."""
     if m == 1:
         return [SkinnyConfig(8, 512), SkinnyConfig(16, 256), SkinnyConfig(16, 1024, num_warps=8),
                 SkinnyConfig(32, 256), SkinnyConfig(32, 512, num_warps=8),
@@ -131,7 +129,7 @@ def candidate_configs(m: int, pipelined: bool = False) -> list[SkinnyConfig]:
                 SkinnyConfig(64, 512, num_warps=8, sum_runs=True),
                 SkinnyConfig(16, 1024, num_warps=8, early_trigger=False),
                 SkinnyConfig(32, 512, num_warps=8, early_trigger=False),
-                *(PIPELINED_CONFIGS if pipelined else [])]
+                *PIPELINED_CONFIGS]
     return [SkinnyConfig(16, 256), SkinnyConfig(64, 128), SkinnyConfig(32, 512, num_warps=8),
             SkinnyConfig(64, 256, num_warps=8), SkinnyConfig(32, 128)]
 

@@ -411,9 +411,8 @@ def default_config(n: int, k: int, m: int) -> SkinnyConfig:
     return SkinnyConfig(block_n=128 if m == 1 else 64, block_k=128)
 
 
-# One-row configs with software-pipelined K loops (``SkinnyConfig.load_stages``): swept on an
-# H100 (docs/benchmarks.md, "Pipelined one-row loops"), not yet run against the reference on a
-# GPU, so the start-up tuner and the shipped tables leave them out.
+# One-row configs with software-pipelined K loops (``SkinnyConfig.load_stages``; on the H100
+# they won at gate_up only: docs/benchmarks.md, "Pipelined one-row loops").
 PIPELINED_CONFIGS = [SkinnyConfig(64, 128, load_stages=4), SkinnyConfig(128, 128, load_stages=3),
                      SkinnyConfig(128, 128, load_stages=4), SkinnyConfig(256, 128, load_stages=3),
                      SkinnyConfig(512, 128, num_warps=8, load_stages=3),
@@ -421,9 +420,8 @@ PIPELINED_CONFIGS = [SkinnyConfig(64, 128, load_stages=4), SkinnyConfig(128, 128
                      SkinnyConfig(64, 128, split_k=4, load_stages=4)]
 
 
-def candidate_configs(m: int, pipelined: bool = False) -> list[SkinnyConfig]:
-    """What the tuner times for rows bucket ``m`` (``block_k`` is cut to the group size;
-    ``pipelined``: also ``PIPELINED_CONFIGS`` at one row, for sweeps and GPU tests)."""
+def candidate_configs(m: int) -> list[SkinnyConfig]:
+    """What the tuner times for rows bucket ``m`` (``block_k`` is cut to the group size)."""
     if m == 1:
         # split_k=16: short K chains and ~6 or more programs per SM, for more bytes in flight
         # than choose_split_k's two programs per SM give (the one-row loop now needs few
@@ -433,7 +431,7 @@ def candidate_configs(m: int, pipelined: bool = False) -> list[SkinnyConfig]:
                 SkinnyConfig(128, 128, split_k=16), SkinnyConfig(64, 128, split_k=16),
                 SkinnyConfig(256, 64, num_warps=8), SkinnyConfig(256, 32),
                 SkinnyConfig(512, 32, num_warps=8), SkinnyConfig(32, 128),
-                SkinnyConfig(128, 64), *(PIPELINED_CONFIGS if pipelined else [])]
+                SkinnyConfig(128, 64), *PIPELINED_CONFIGS]
     return [SkinnyConfig(32, 128), SkinnyConfig(128, 128, num_warps=8),
             SkinnyConfig(64, 64), SkinnyConfig(128, 64)]
 
