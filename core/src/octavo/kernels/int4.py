@@ -17,7 +17,8 @@ Both formats store, for a linear layer with ``K`` inputs and ``N`` outputs, 4-bi
 
 What the matmul reads (``int4_linear``): GPTQ's ``qweight`` layout ``[K / 8, N]`` (AWQ weights
 are repacked to it once, at load), ``scales`` and unpacked ``zeros`` ``[G, N]`` as float16, and
-``g_idx`` only for act-order weights. On GPUs, up to ``SMALL_M_MAX`` rows (decode; see
+``g_idx`` only for act-order weights. A backend may take calls first (``int4_linear``'s
+``kernels``: the CUDA backend's tensor-core GEMV for 1 to 8 rows). On GPUs, up to ``SMALL_M_MAX`` rows (decode; see
 ``octavo.kernels.skinny``) run the skinny kernel (``octavo.kernels.triton.int4_gemv``: each
 packed word read once, group scales applied once per group), more rows the tile kernel
 (``octavo.kernels.triton.int4_gemm``: tiles dequantized inside the GEMM);
@@ -26,6 +27,8 @@ path and the tests' reference).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,9 +142,17 @@ def int4_linear(
     group_size: int,
     g_idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    kernels: Any = None,  # a backend's kernels for the method (octavo_quant_kernels)
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """On GPUs the Triton skinny kernel for at most ``SMALL_M_MAX`` rows, the
+    """The backend's ``kernels.int4_matmul(x, qweight, scales, zeros, group_size, g_idx)`` when
+    it has one and takes the call (it returns ``None`` for calls it leaves to the others);
+    else on GPUs the Triton skinny kernel for at most ``SMALL_M_MAX`` rows, the
     dequantize-in-GEMM tile kernel for more; the dequantized matmul elsewhere."""
+    backend_kernel = getattr(kernels, "int4_matmul", None)
+    if backend_kernel is not None:
+        out = backend_kernel(x, qweight, scales, zeros, group_size, g_idx)
+        if out is not None:
+            return out if bias is None else out + bias
     if x.device.type == "cuda":
         small = use_small_m_kernel(x.shape[0])
         kernels = optional_triton_kernels("int4_gemv" if small else "int4_gemm")

@@ -60,6 +60,7 @@ def triton_gpu_backend_plugin(
     attention: str,
     description: str,
     kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8"),
+    quant_kernels: str | None = None,
 ) -> BackendPlugin:
     """The declaration of a backend for GPUs that torch addresses as ``cuda`` (NVIDIA through
     CUDA, AMD through ROCm/HIP) running these kernels: the core's ``GPUWorker`` (device
@@ -70,6 +71,8 @@ def triton_gpu_backend_plugin(
 
     :param attention: reference to the backend's attention factory (its launch settings).
     :param kv_cache_dtypes: the --kv-cache-dtype values the backend's devices run.
+    :param quant_kernels: reference to the backend's own kernels for quantization methods
+        (``BackendPlugin``'s ``quant_kernels``), if it has any besides these.
     """
     backend = Backend(
         name=name,
@@ -87,6 +90,7 @@ def triton_gpu_backend_plugin(
         attention=attention,
         worker="octavo.worker.gpu_worker:GPUWorker",
         kv_cache_memory="octavo.worker.gpu_memory:available_kv_cache_memory",
+        quant_kernels=quant_kernels,
     )
 
 

@@ -55,10 +55,12 @@ def _group_size(value: Any, what: str) -> int:
 
 class Int4LinearMethod(LinearMethod):
     """Shared by GPTQ and AWQ: after loading, ``qweight [K/8, N]``, ``scales``/``zeros``
-    ``[G, N]``, ``g_idx`` (or None) and the group size, multiplied by ``int4_linear``."""
+    ``[G, N]``, ``g_idx`` (or None) and the group size, multiplied by ``int4_linear`` (with
+    the backend's ``kernels.int4_matmul`` first, where it has one)."""
 
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size  # -1: the whole input
+    def __init__(self, config: GPTQConfig | AWQConfig) -> None:
+        self.config = config
+        self.group_size = config.group_size  # -1: the whole input
 
     def _groups(self, shape: LinearShape, keep_all: bool) -> tuple[int, int, bool]:
         """(group size in inputs, groups held, whether scales follow the rank's inputs)."""
@@ -73,7 +75,7 @@ class Int4LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group_size,
-                           layer.int4_g_idx, bias)
+                           layer.int4_g_idx, bias, self.config.kernels)
 
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The dense ``[N, K]`` weight this layer multiplies by (tests, debugging)."""
@@ -140,9 +142,7 @@ class GPTQConfig(QuantizationConfig):
 
 
 class GPTQLinearMethod(Int4LinearMethod):
-    def __init__(self, config: GPTQConfig) -> None:
-        super().__init__(config.group_size)
-        self.config = config
+    config: GPTQConfig
 
     def create_weights(self, layer: nn.Module, shape: LinearShape) -> None:
         n, k = shape.output_size, shape.input_size
@@ -221,8 +221,6 @@ class AWQConfig(QuantizationConfig):
 
 
 class AWQLinearMethod(Int4LinearMethod):
-    def __init__(self, config: AWQConfig) -> None:
-        super().__init__(config.group_size)
 
     def create_weights(self, layer: nn.Module, shape: LinearShape) -> None:
         n, k = shape.output_size, shape.input_size
