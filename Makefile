@@ -31,10 +31,13 @@ install:
 	$(PYTHON) -m octavo_cpu.kernels
 
 # Every in-tree backend and plugin installs side by side; each is found only by its entry point.
+# NVRTC (CUDA's runtime compiler, no GPU needed) lets the tests compile the CUDA backend's C++
+# kernel for sm_80/sm_90 and check its SASS (backends/cuda/tests/test_cuda_int4_mma_compile.py).
 install-dev: install
 	$(PIP) install -e "./core[hf,ray]" -e ./backends/cuda -e ./backends/rocm \
 		-e ./plugins/gpt2 -e ./plugins/flex-attention -e ./plugins/template-accelerator \
-		pytest pytest-timeout hypothesis triton openai httpx jsonschema peft
+		pytest pytest-timeout hypothesis triton openai httpx jsonschema peft \
+		"nvidia-cuda-nvrtc-cu12; sys_platform == 'linux'"
 
 demo: install
 	octavo generate "$(PROMPT)" --max-tokens 32

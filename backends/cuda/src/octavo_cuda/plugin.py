@@ -2,7 +2,8 @@
 
 The backend is the core's GPU worker, GPU memory sizing and decode CUDA graphs with the
 portable Triton kernels (``octavo.kernels.triton_support.triton_gpu_backend_plugin``), at
-NVIDIA launch settings (``octavo_cuda.attention``). Importing this module is cheap: torch is
+NVIDIA launch settings (``octavo_cuda.attention``), plus one CUDA C++ kernel of its own: the
+tensor-core int4 GEMV (``octavo_cuda.quant``). Importing this module is cheap: torch is
 imported only by the availability probe, and the kernels only when the backend is chosen.
 """
 
@@ -37,4 +38,7 @@ plugin = triton_gpu_backend_plugin(
     package="octavo-backend-cuda",
     attention="octavo_cuda.attention:make_attention_backend",
     description="Triton paged attention on NVIDIA GPUs",
+    # the tensor-core int4 GEMV (CUDA C++ compiled with NVRTC) for gptq/awq at 1-8 rows,
+    # opt-in (OCTAVO_CUDA_INT4_MMA=1)
+    quant_kernels="octavo_cuda.quant:quant_kernels",
 )

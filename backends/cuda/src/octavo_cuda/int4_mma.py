@@ -1,0 +1,133 @@
+"""Int4 (GPTQ/AWQ) GEMV for 1 to 8 rows on tensor cores: ``kernels/int4_mma_gemv.cu``.
+
+The Triton ``int4_gemv`` does the arithmetic on the CUDA cores, about 3.3 SASS instructions a
+weight, which is near an H100 SM's issue rate at its share of the memory bandwidth (~5 a
+weight). This kernel unpacks two nibbles into a bfloat16 (or float16) pair with one LOP3
+and lets ``mma.sync`` do the multiply-adds: 1.5-2.4 instructions a weight (the loop of one
+group, compiled for sm_90), so it can stay memory-bound. It reads the weights as
+``octavo.kernels.int4`` holds them (GPTQ's ``[K / 8, N]`` words, float16 scales and zeros
+``[G, N]``): no repacking, the other paths keep working on the same tensors. The source's
+header says how the words become mma operands.
+
+What it takes (``supports``): 1 to 8 rows of bfloat16 or float16 ``x``, natural-order groups
+(no ``g_idx``) of a multiple of 32 inputs, ``N`` a multiple of 16, a GPU of compute
+capability 8.0 or more. Anything else stays on the Triton kernel. Models reach it through
+the backend's ``octavo_quant_kernels`` (``octavo_cuda.quant``), opt-in with
+``OCTAVO_CUDA_INT4_MMA=1`` until it has run against its reference on a GPU
+(``backends/cuda/tests/test_cuda_int4_mma.py``; CI compiles it and checks its SASS).
+
+Reference: ``octavo.kernels.int4.int4_linear_reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+from octavo.kernels.skinny import m_bucket
+from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, tune_key
+
+from octavo_cuda.nvrtc import load_kernel
+
+MAX_ROWS = 8
+# Launch configs chosen per shape like the Triton skinny kernels' (a device table's
+# "int4_mma_gemv" section, else timed once per shape, else the default).
+TUNER = SkinnyTuner("int4_mma_gemv")
+
+
+@dataclass(frozen=True)
+class MmaGemvConfig:
+    """``vec`` words per load (outputs per block: 16 * vec), ``warps`` per block (they split
+    the block's groups)."""
+
+    vec: int = 1
+    warps: int = 8
+
+    def as_skinny(self) -> SkinnyConfig:
+        """The same launch as the tuner and the tables spell configs: ``block_n`` outputs per
+        block, ``num_warps``."""
+        return SkinnyConfig(block_n=16 * self.vec, block_k=32, num_warps=self.warps)
+
+    @classmethod
+    def from_skinny(cls, config: SkinnyConfig) -> MmaGemvConfig:
+        return cls(vec=config.block_n // 16, warps=config.num_warps)
+
+
+CANDIDATES = [MmaGemvConfig(v, w) for v in (1, 2, 4) for w in (4, 8)]
+
+
+@functools.cache
+def _source() -> str:
+    return resources.files("octavo_cuda").joinpath("kernels/int4_mma_gemv.cu").read_text()
+
+
+def operands_supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       zeros: torch.Tensor, group_size: int,
+                       g_idx: torch.Tensor | None) -> bool:
+    """Whether the kernel takes these operands (rows, dtypes, grouping, sizes), wherever they
+    are."""
+    n = qweight.shape[1]
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS  # first: prefill calls stop here
+            and x.dtype in (torch.bfloat16, torch.float16) and g_idx is None
+            and group_size % 32 == 0 and x.shape[1] % group_size == 0 and n % 16 == 0
+            and scales.dtype == torch.float16 and zeros.dtype == torch.float16
+            and qweight.numel() < 2**31)
+
+
+def supports(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+             zeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None) -> bool:
+    """Whether ``int4_mma_gemv`` runs this call (else the caller's other kernel does): the
+    operands, on an NVIDIA GPU of compute capability 8.0 or more (``mma.sync`` bf16)."""
+    return (operands_supported(x, qweight, scales, zeros, group_size, g_idx) and x.is_cuda
+            and _major(x.device.index) >= 8)
+
+
+@functools.cache
+def _major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def default_config(n: int, k: int) -> MmaGemvConfig:
+    """16-byte loads (64 outputs a block) where that still leaves ~3 blocks per SM of an H100;
+    4-byte loads (16 outputs) for the narrow projections."""
+    if n % 64 == 0 and n >= 16384:
+        return MmaGemvConfig(vec=4, warps=8)
+    return MmaGemvConfig(vec=1, warps=8)
+
+
+def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor, group_size: int,
+                  config: MmaGemvConfig | None = None) -> torch.Tensor:
+    """``x @ W^T`` (``[M, N]`` in ``x``'s dtype) for a call ``supports`` accepts (``config``
+    None: tuned, ``TUNER``)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if config is None:
+        candidates = [c.as_skinny() for c in CANDIDATES if n % (16 * c.vec) == 0]
+        chosen = TUNER.choose(
+            tune_key(n=n, k=k, m=m_bucket(m), dtype=x.dtype, group=group_size), x.device,
+            default_config(n, k).as_skinny(), candidates,
+            lambda c: _launch(x, qweight, scales, zeros, group_size, MmaGemvConfig.from_skinny(c)))
+        config = MmaGemvConfig.from_skinny(chosen)
+    return _launch(x, qweight, scales, zeros, group_size, config)
+
+
+def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+            group_size: int, config: MmaGemvConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = qweight.shape[1]
+    if n % (16 * config.vec):
+        raise ValueError(f"int4_mma_gemv: N={n} is not a multiple of {16 * config.vec}")
+    if not (x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
+        # rows of x are read in 16-byte vectors: a fresh, aligned copy
+        x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    kernel = load_kernel(_source(), "int4_mma_gemv",
+                         {"VEC": config.vec, "WARPS": config.warps, "GROUP": group_size,
+                          "BF16": int(x.dtype == torch.bfloat16)}, x.device)
+    pdl = _major(x.device.index) >= 9
+    kernel.launch((n // (16 * config.vec), 1, 1), (32 * config.warps, 1, 1),
+                  [x, qweight, scales, zeros, out, m, n, k, x.stride(0)], pdl=pdl)
+    return out

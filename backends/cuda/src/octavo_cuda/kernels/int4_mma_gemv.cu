@@ -1,0 +1,284 @@
+// Int4 (GPTQ layout) weight-only GEMV for 1 to 8 rows on tensor cores: out = x @ W^T.
+//
+// Compiled at run time with NVRTC (octavo_cuda/int4_mma.py), specialised by the macros
+//   VEC     words loaded per thread and row half (1, 2 or 4: 4, 8 or 16-byte loads);
+//           a block takes 16 * VEC outputs
+//   WARPS   warps per block, splitting the block's groups (K) between them
+//   GROUP   the quantization group size (a multiple of 32)
+//   BF16    1: bfloat16 activations and output, 0: float16
+//
+// Operands as octavo.kernels.int4 holds them: qweight int32 [K / 8, N] (input 8r + j of output
+// n in nibble j of word (r, n)), scales and zeros float16 [G, N], x [M, K] (row stride
+// stride_xm), out [M, N] contiguous. W[n, k] = (q[k, n] - zeros[g, n]) * scales[g, n].
+//
+// How the words become mma.sync m16n8k16 operands without shuffles or shared memory. The
+// weight tile is A (16 outputs x 16 inputs), x is B (16 inputs x 8 columns: column c is row c
+// of x; columns past M repeat row 0 and are not stored), C is 16 x 8 in float32. A sum over k
+// does not depend on the order of k, so the 16 inputs of an mma can be any 16 inputs, as long
+// as A and B agree. Lane (g = lane / 4, t = lane % 4) holds A at rows g and g + 8, mma
+// columns 2t, 2t + 1, 2t + 8, 2t + 9, and B at the same columns. A chunk of 32 inputs is four
+// word rows; lane t takes word row t of the chunk, one word per output: its eight nibbles are
+// the lane's four columns of two mmas (k-tile j = 0, 1):
+//   columns 2t, 2t + 1     <- nibbles 2j, 2j + 4      ((w >> 8j) & 0x000F000F: one LOP3)
+//   columns 2t + 8, 2t + 9 <- nibbles 2j + 1, 2j + 5  ((w >> (8j + 4)) & 0x000F000F)
+// ORed with 0x43004300 (bfloat16) or 0x64006400 (float16) each pair is two exact floats
+// 128 + q (1024 + q), so a word is four A registers after 3 shifts and 4 LOP3s. B takes x
+// at the same inputs: one 16-byte load of x[8r .. 8r + 7] and four PRMTs per chunk.
+// The offset and the zero point are applied once per group and output:
+//   sum_k x (q - z) = sum_k x (128 + q) - (128 + z) sum_k x
+// with sum_k x from one more mma per k-tile (A all ones), shared by the block's outputs.
+// With VEC words per load, mma tile i of a lane holds outputs n0 + VEC g + i (row g) and
+// n0 + 8 VEC + VEC g + i (row g + 8).
+//
+// Each warp takes a contiguous run of groups and keeps the next group's words (and x) in
+// flight while it sums the current one; the first group's words are loaded before the PDL
+// wait (no kernel of the step writes weights). Warps' partial sums meet in shared memory.
+
+#ifndef VEC
+#define VEC 1
+#endif
+#ifndef WARPS
+#define WARPS 4
+#endif
+#ifndef GROUP
+#define GROUP 128
+#endif
+#ifndef BF16
+#define BF16 1
+#endif
+
+#define CHUNKS (GROUP / 32)
+#define ROWS (16 * VEC)
+#define MAX_M 8
+
+#if BF16
+#define MAGIC 0x43004300u
+#define OFFSET 128.0f
+#define MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+#define ONES 0x3F803F80u
+#else
+#define MAGIC 0x64006400u
+#define OFFSET 1024.0f
+#define MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+#define ONES 0x3C003C00u
+#endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+struct Words {
+  u32 a[CHUNKS][VEC];  // row-g words of each chunk
+  u32 b[CHUNKS][VEC];  // row-(g + 8) words
+};
+
+struct XRows {
+  u32 v[CHUNKS][4];  // x[8r .. 8r + 7] of the lane's word row of each chunk
+};
+
+// Weights stream past L1 (no_allocate). Not .nc: ptxas moves the PDL wait (ACQBULK) above
+// non-coherent loads, and the first group's words are meant to load before it.
+__device__ __forceinline__ void load_vec(u32 (&dst)[VEC], const int* p) {
+#if VEC == 4
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(dst[0]), "=r"(dst[1]), "=r"(dst[2]), "=r"(dst[3]) : "l"(p));
+#elif VEC == 2
+  asm volatile("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+               : "=r"(dst[0]), "=r"(dst[1]) : "l"(p));
+#else
+  asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];" : "=r"(dst[0]) : "l"(p));
+#endif
+}
+
+// The group's words: pa, pb point at the lane's words of row t of the group's first chunk
+// (int32 offsets: the launch checks that qweight has fewer than 2^31 words).
+__device__ __forceinline__ void load_words(Words& w, const int* pa, const int* pb, int chunk) {
+#pragma unroll
+  for (int u = 0; u < CHUNKS; ++u) {
+    load_vec(w.a[u], pa + u * chunk);
+    load_vec(w.b[u], pb + u * chunk);
+  }
+}
+
+// x[8r .. 8r + 7] of the lane's word row r of each chunk of a group (p: the first chunk's)
+__device__ __forceinline__ void load_x(XRows& xr, const u16* p) {
+#pragma unroll
+  for (int u = 0; u < CHUNKS; ++u) {
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(xr.v[u][0]), "=r"(xr.v[u][1]), "=r"(xr.v[u][2]), "=r"(xr.v[u][3])
+                 : "l"(p + 32 * u));
+  }
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+// (w & mask) | magic in one LOP3: both constants come in registers (as immediates ptxas
+// splits it into two LOP3s, one immediate each)
+__device__ __forceinline__ u32 nibble_pair(u32 w, u32 mask, u32 magic) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(w), "r"(mask), "r"(magic));
+  return d;
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                    u32 b1) {
+  asm(MMA " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ u16 float_to_out(float f) {
+  u16 h;
+#if BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+  return h;
+}
+
+// One group: acc[i] += scale * (sum x (OFFSET + q) - (OFFSET + z) * sum x) for each mma tile i.
+__device__ __forceinline__ void sum_group(float (&acc)[VEC][4], const Words& w, const XRows& xr,
+                                          const u16* scales, const u16* zeros, int N, int group,
+                                          int na, int nb, u32 mask, u32 magic) {
+  float qx[VEC][4];
+  float xs[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) qx[i][0] = qx[i][1] = qx[i][2] = qx[i][3] = 0.f;
+#pragma unroll
+  for (int u = 0; u < CHUNKS; ++u) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      // B: x at nibbles (2j, 2j + 4) and (2j + 1, 2j + 5) of the lane's word row
+      const u32 b0 = prmt(xr.v[u][j], xr.v[u][j + 2], 0x5410);
+      const u32 b1 = prmt(xr.v[u][j], xr.v[u][j + 2], 0x7632);
+      mma(xs, ONES, ONES, ONES, ONES, b0, b1);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const u32 wa = w.a[u][i], wb = w.b[u][i];
+        mma(qx[i], nibble_pair(wa >> (8 * j), mask, magic),
+            nibble_pair(wb >> (8 * j), mask, magic),
+            nibble_pair(wa >> (8 * j + 4), mask, magic),
+            nibble_pair(wb >> (8 * j + 4), mask, magic), b0, b1);
+      }
+    }
+  }
+  const int base = group * N;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float sa = half_to_float(scales[base + na + i]);
+    const float sb = half_to_float(scales[base + nb + i]);
+    const float za = half_to_float(zeros[base + na + i]) + OFFSET;
+    const float zb = half_to_float(zeros[base + nb + i]) + OFFSET;
+    // c0, c1: row g, columns 2t, 2t + 1; c2, c3: row g + 8
+    acc[i][0] += sa * (qx[i][0] - za * xs[0]);
+    acc[i][1] += sa * (qx[i][1] - za * xs[1]);
+    acc[i][2] += sb * (qx[i][2] - zb * xs[2]);
+    acc[i][3] += sb * (qx[i][3] - zb * xs[3]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
+              const u16* __restrict__ scales, const u16* __restrict__ zeros,
+              u16* __restrict__ out, int M, int N, int K, int stride_xm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * ROWS;
+  const int na = n0 + VEC * g, nb = n0 + 8 * VEC + VEC * g;
+  const int groups = K / GROUP;
+  const int per_warp = (groups + WARPS - 1) / WARPS;
+  const int first = warp * per_warp;
+  const int last = min(groups, first + per_warp);
+  // B column g is x row g (rows past M repeat row 0; their sums are not stored)
+  const u16* x_row = x + (long)(g < M ? g : 0) * stride_xm;
+
+  // 0x000F000F and the magic number in registers the compiler cannot fold (K >= 0)
+  const u32 mask = 0x000F000Fu | ((u32)K >> 31);
+  const u32 magic = MAGIC | ((u32)K >> 31);
+
+  float acc[VEC][4];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+  // Word row t of chunk u of group G: row G * GROUP / 8 + 4u + t
+  const int chunk = 4 * N, group_words = (GROUP / 8) * N;
+  // (a warp without groups, when WARPS does not divide them, reads group 0 and sums nothing:
+  // an unconditional first load stays ahead of the PDL wait in ptxas's schedule)
+  const int start = first < last ? first : 0;
+  const int* pa = qweight + (start * (GROUP / 8) + t) * N + na;
+  const int* pb = pa + (nb - na);
+  const u16* px = x_row + (start * (GROUP / 8) + t) * 8;
+
+  Words w0, w1;
+  XRows x0, x1;
+  load_words(w0, pa, pb, chunk);
+  // The kernel before may still be writing x (programmatic dependent launch); weights are
+  // not written by any kernel of a step, so they are read before this wait.
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  load_x(x0, px);
+  for (int group = first; group < last; group += 2) {
+    if (group + 1 < last) {
+      load_words(w1, pa + group_words, pb + group_words, chunk);
+      load_x(x1, px + GROUP);
+    }
+    sum_group(acc, w0, x0, scales, zeros, N, group, na, nb, mask, magic);
+    if (group + 1 >= last) break;
+    pa += 2 * group_words;
+    pb += 2 * group_words;
+    px += 2 * GROUP;
+    if (group + 2 < last) {
+      load_words(w0, pa, pb, chunk);
+      load_x(x0, px);
+    }
+    sum_group(acc, w1, x1, scales, zeros, N, group + 1, na, nb, mask, magic);
+  }
+
+  // Lane (g, t) holds rows g and g + 8 of each tile at columns (x rows) 2t and 2t + 1.
+#if WARPS > 1
+  __shared__ float partial[WARPS][MAX_M][ROWS];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int m = 2 * t + c;
+      if (m < M) {
+        partial[warp][m][VEC * g + i] = acc[i][c];
+        partial[warp][m][8 * VEC + VEC * g + i] = acc[i][2 + c];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < M * ROWS; idx += WARPS * 32) {
+    const int m = idx / ROWS, r = idx % ROWS;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) sum += partial[v][m][r];
+    out[(long)m * N + n0 + r] = float_to_out(sum);
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int m = 2 * t + c;
+      if (m < M) {
+        out[(long)m * N + na + i] = float_to_out(acc[i][c]);
+        out[(long)m * N + nb + i] = float_to_out(acc[i][2 + c]);
+      }
+    }
+  }
+#endif
+}

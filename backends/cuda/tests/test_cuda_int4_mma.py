@@ -1,0 +1,95 @@
+"""The tensor-core int4 GEMV (``octavo_cuda.int4_mma``, CUDA C++ through NVRTC) against the
+plain-torch reference on an NVIDIA GPU (skipped in CI: there is no GPU and no NVRTC there).
+
+Shapes: small ones with every launch config, and Llama-3-8B's projections (group 128) for 1,
+2, 3 and 8 rows in bfloat16 and float16; eagerly, replayed from a CUDA graph, and after the
+RMS norm that writes ``x`` with programmatic dependent launch (the kernel reads its first
+weights before it waits for the norm).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from octavo.kernels.int4 import int4_linear_reference, pack_rows, quantize_int4
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or getattr(torch.version, "hip", None) is not None,
+        reason="needs an NVIDIA GPU and a CUDA build of torch",
+    ),
+]
+
+LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+CONFIGS = [(1, 1), (1, 4), (1, 8), (2, 8), (4, 4), (4, 8)]
+# float32 sums in another order than the reference's, one rounding to the output dtype
+RELATIVE_ERROR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@functools.cache  # quantized once on the CPU for both dtypes
+def int4_weight(n: int, k: int, group_size: int = 128, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    values, scales, zeros = quantize_int4(weight, group_size, False, None)
+    return pack_rows(values).cuda(), scales.half().cuda(), zeros.half().cuda()
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.float() - expected.float()).abs().max()
+            / expected.float().abs().max().clamp(min=1e-6)).item()
+
+
+@pytest.mark.parametrize("vec, warps", CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("m", [1, 3, 8], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_every_config_small_shapes(vec, warps, m, group_size):
+    from octavo_cuda.int4_mma import MmaGemvConfig, int4_mma_gemv, supports
+
+    n, k = 128, 40 * group_size  # groups not a multiple of the warps: some warps get fewer
+    qweight, scales, zeros = int4_weight(n, k, group_size)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    assert supports(x, qweight, scales, zeros, group_size, None)
+    expected = int4_linear_reference(x.float(), qweight, scales, zeros, group_size)
+    out = int4_mma_gemv(x, qweight, scales, zeros, group_size, MmaGemvConfig(vec, warps))
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert relative_error(out, expected) < RELATIVE_ERROR[torch.bfloat16]
+
+
+@pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_llama3_8b_shapes_rows_graphs_and_pdl(n, k, dtype):
+    from octavo.kernels.triton.rmsnorm import rms_norm
+    from octavo_cuda.int4_mma import MmaGemvConfig, default_config, int4_mma_gemv
+
+    qweight, scales, zeros = int4_weight(n, k)
+    for m in (1, 2, 3, 8):
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        expected = int4_linear_reference(x.float(), qweight, scales, zeros, 128)
+        for config in dict.fromkeys([default_config(n, k), MmaGemvConfig(1, 8),
+                                     MmaGemvConfig(4, 8)]):
+            out = int4_mma_gemv(x, qweight, scales, zeros, 128, config)
+            assert relative_error(out, expected) < RELATIVE_ERROR[dtype], (m, config)
+    # after a norm (PDL), eagerly and from a graph, with x's storage rewritten in between
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    norm_weight = torch.ones(k, device="cuda", dtype=dtype)
+    expected = int4_linear_reference(rms_norm(x, norm_weight, 1e-6).float(), qweight, scales,
+                                     zeros, 128)
+    out = int4_mma_gemv(rms_norm(x, norm_weight, 1e-6), qweight, scales, zeros, 128)
+    assert relative_error(out, expected) < RELATIVE_ERROR[dtype]
+    static_x = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = int4_mma_gemv(rms_norm(static_x, norm_weight, 1e-6), qweight, scales,
+                                 zeros, 128)
+    for _ in range(3):
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(captured, expected) < RELATIVE_ERROR[dtype]
+        static_x.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert captured.float().abs().max().item() == 0.0

@@ -1,0 +1,99 @@
+"""The tensor-core int4 GEMV's CUDA source compiled by NVRTC for sm_80 and sm_90 without a GPU
+(the ``nvidia-cuda-nvrtc`` wheel of ``make install-dev``), disassembled with Triton's bundled
+``nvdisasm``: every launch config compiles, none spills to local memory, for sm_90 the first
+group's weights load before the wait for the kernel before (PDL), and the loop over two
+groups spends what the source's header says (one LOP3 per nibble pair, one ``mma`` per 16x16
+tile plus one for the sums of ``x``, few instructions a weight). What it computes is checked on
+a GPU (``test_cuda_int4_mma.py``)."""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import triton
+from octavo_cuda import nvrtc
+from octavo_cuda.int4_mma import _source
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+try:
+    nvrtc._nvrtc()
+except nvrtc.NvrtcError as exc:  # pragma: no cover - make install-dev installs it
+    pytest.skip(f"NVRTC is not installed here: {exc}", allow_module_level=True)
+
+_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def _disassemble(cubin: bytes) -> tuple[str, str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", file.name], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", file.name],
+                               capture_output=True, text=True, check=True).stdout
+    return sass, usage
+
+
+def _loop(sass: str) -> list[str]:
+    """Opcodes of the longest loop (label to backward branch): the two-group loop."""
+    lines = sass.splitlines()
+    labels, best = {}, []
+    for i, line in enumerate(lines):
+        label = re.match(r"^(\.L\w+):", line)
+        if label:
+            labels[label.group(1)] = i
+        branch = re.search(r"\bBRA\s+`?\(?(\.L\w+)\)?", line)
+        if branch and labels.get(branch.group(1), i) < i:
+            body = [m.group(1) for m in map(_INSTRUCTION.match, lines[labels[branch.group(1)]:i])
+                    if m]
+            best = max(best, body, key=len)
+    return best
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("bf16", [1, 0], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("vec, warps", [(1, 1), (1, 8), (2, 4), (4, 8)], ids=str)
+def test_every_config_compiles_without_spills(arch, bf16, vec, warps):
+    for group in (32, 128):
+        cubin = nvrtc.compile_cubin(_source(), "int4_mma_gemv", arch,
+                                    {"VEC": vec, "WARPS": warps, "GROUP": group, "BF16": bf16})
+        sass, usage = _disassemble(cubin)
+        assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
+        assert "HMMA.16816.F32" in sass
+        if arch >= 90:
+            # programmatic dependent launch: the first group's words (rows g and g + 8 of each
+            # chunk of 32 inputs) load before the wait (ACQBULK, griddepcontrol.wait), x only
+            # after it
+            before, _, after = sass.partition("ACQBULK")
+            assert len(re.findall(r"LDG\.E\.NA\b", before)) == 2 * group // 32
+            assert "PREEXIT" in after and re.search(r"LDG\.E\.128 ", after)
+            assert not re.search(r"LDG\.E\.128 ", before)
+        else:
+            assert "ACQBULK" not in sass
+
+
+@pytest.mark.parametrize("vec, per_weight", [(1, 2.6), (2, 2.0), (4, 1.7)])
+def test_the_group_loop_costs_what_the_header_says(vec, per_weight):
+    """sm_90, groups of 128: per thread and group, 4 chunks x 2 word rows x ``vec`` words
+    (8 nibbles each): 4 LOP3 a word (mask and magic number in one), 2 mma per word and
+    k-tile pair, 2 for the sums of x per chunk (two groups per loop trip)."""
+    cubin = nvrtc.compile_cubin(_source(), "int4_mma_gemv", 90,
+                                {"VEC": vec, "WARPS": 8, "GROUP": 128, "BF16": 1})
+    ops = collections.Counter(_loop(_disassemble(cubin)[0]))
+    words = 2 * 4 * 2 * vec  # two groups, four chunks, rows g and g + 8
+    assert ops["HMMA"] == 2 * 4 * 2 * (vec + 1)
+    assert ops["LOP3"] <= 4 * words + 4
+    assert ops["SHF"] <= 3 * words + 4
+    assert sum(ops.values()) / (8 * words) <= per_weight, ops.most_common(8)
+
+
+def test_a_source_that_does_not_compile_raises_with_nvrtcs_log():
+    with pytest.raises(nvrtc.NvrtcError, match="int4_mma_gemv.*undefined_name"):
+        nvrtc.compile_cubin(_source() + "\n__global__ void broken() { undefined_name(); }\n",
+                            "int4_mma_gemv", 90, {})

@@ -1,0 +1,70 @@
+"""The CUDA backend's answer to ``octavo_quant_kernels`` (runs without a GPU: which kernels it
+offers, and what its ``int4_matmul`` declines)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from octavo_cuda import nvrtc, quant
+from octavo_cuda.int4_mma import operands_supported, supports
+from octavo_cuda.plugin import plugin
+
+
+def test_int4_methods_get_the_tensor_core_gemv_when_turned_on(monkeypatch, caplog):
+    monkeypatch.setattr(nvrtc, "_nvrtc", lambda: object())
+    monkeypatch.delenv("OCTAVO_CUDA_INT4_MMA", raising=False)
+    assert quant.quant_kernels("gptq") is None  # opt-in until it has run on a GPU
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
+    with caplog.at_level(logging.INFO, logger="octavo_cuda.quant"):
+        assert isinstance(quant.quant_kernels("gptq"), quant.Int4Kernels)
+    assert "tensor-core GEMV" in caplog.text
+    assert isinstance(quant.quant_kernels("awq"), quant.Int4Kernels)
+    assert quant.quant_kernels("fp8") is None and quant.quant_kernels("gguf") is None
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "0")
+    assert quant.quant_kernels("gptq") is None
+
+
+def test_without_nvrtc_the_triton_kernels_run_and_the_log_says_why(monkeypatch, caplog):
+    def missing():
+        raise nvrtc.NvrtcError("libnvrtc (CUDA's runtime compiler) was not found")
+
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
+    monkeypatch.setattr(nvrtc, "_nvrtc", missing)
+    with caplog.at_level(logging.WARNING, logger="octavo_cuda.quant"):
+        assert quant.quant_kernels("gptq") is None
+    assert "libnvrtc" in caplog.text and "Triton int4_gemv" in caplog.text
+
+
+def test_the_plugin_answers_the_hook_for_its_own_backend_only(monkeypatch):
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
+    monkeypatch.setattr(nvrtc, "_nvrtc", lambda: object())
+    assert isinstance(plugin.octavo_quant_kernels("cuda", "gptq"), quant.Int4Kernels)
+    assert plugin.octavo_quant_kernels("rocm", "gptq") is None
+
+
+@pytest.mark.parametrize("case", ["cpu", "16 rows", "float32", "act-order", "group 8",
+                                  "N=24", "float32 scales"])
+def test_int4_matmul_declines_what_the_kernel_does_not_run(case):
+    """Each of these goes back to ``int4_linear``'s Triton/torch paths (``None``): the
+    operands it does not take, and operands it takes but on the CPU."""
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    qweight = torch.zeros(32, 32, dtype=torch.int32)
+    scales = zeros = torch.zeros(2, 32, dtype=torch.float16)
+    g_idx, group_size = None, 128
+    if case == "16 rows":
+        x = torch.zeros(16, 256, dtype=torch.bfloat16)
+    elif case == "float32":
+        x = x.float()
+    elif case == "act-order":
+        g_idx = torch.zeros(256, dtype=torch.int32)
+    elif case == "group 8":
+        group_size = 8
+    elif case == "N=24":
+        qweight = torch.zeros(32, 24, dtype=torch.int32)
+    elif case == "float32 scales":
+        scales = scales.float()
+    assert operands_supported(x, qweight, scales, zeros, group_size, g_idx) == (case == "cpu")
+    assert not supports(x, qweight, scales, zeros, group_size, g_idx)
+    assert quant.Int4Kernels.int4_matmul(x, qweight, scales, zeros, group_size, g_idx) is None

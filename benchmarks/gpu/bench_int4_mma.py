@@ -1,0 +1,96 @@
+"""The tensor-core int4 GEMV (``octavo_cuda.int4_mma``) against the Triton ``int4_gemv`` at
+Llama-3-8B's projections, one to eight rows, each call after Octavo's RMS norm.
+
+    python benchmarks/gpu/bench_int4_mma.py [--rows 1,2,4,8]
+
+Same timing as ``bench_quant_gemv.py`` (a CUDA graph over enough weight copies that nothing
+is served from L2); µs per pair (norm + kernel), the norm alone, and the floor (the int4
+words plus the float16 scales and zeros over the measured copy bandwidth). Each config's
+output is checked against the reference first. One JSON line per case, then a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quant_gemv import GROUP, copies_for, copy_bandwidth, rel_err, time_per_call
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336)]
+
+
+def run_case(name: str, n: int, k: int, m: int, bandwidth: float) -> dict:
+    from octavo.kernels.int4 import pack_rows
+    from octavo.kernels.triton.int4_gemv import int4_gemv
+    from octavo.kernels.triton.rmsnorm import rms_norm
+    from octavo_cuda.int4_mma import CANDIDATES, default_config, int4_mma_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x_in = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    q = torch.randint(0, 16, (k, n), device="cuda", generator=gen)
+    qweight = pack_rows(q)
+    groups = k // GROUP
+    scales = torch.full((groups, n), 0.002, device="cuda", dtype=torch.float16)
+    zeros = torch.full((groups, n), 8.0, device="cuda", dtype=torch.float16)
+
+    def h():
+        return rms_norm(x_in, norm_w, 1e-6)
+
+    x = h()
+    expected = x.float() @ ((q.float() - 8.0) * 0.002)
+    del q
+    nbytes = n * k // 2 + 2 * groups * n * 2
+    ws = [qweight] + [qweight.clone() for _ in range(copies_for(nbytes) - 1)]
+    row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": nbytes / bandwidth * 1e6,
+           "norm_us": time_per_call(lambda w: h(), ws),
+           "triton_us": time_per_call(lambda w: int4_gemv(h(), w, scales, zeros, GROUP), ws),
+           "triton_err": rel_err(int4_gemv(x, qweight, scales, zeros, GROUP), expected),
+           "mma": []}
+    for config in CANDIDATES:
+        if n % (16 * config.vec):
+            continue
+        err = rel_err(int4_mma_gemv(x, qweight, scales, zeros, GROUP, config), expected)
+        us = time_per_call(
+            lambda w, c=config: int4_mma_gemv(h(), w, scales, zeros, GROUP, c), ws)
+        row["mma"].append([asdict(config), us, err])
+    default = asdict(default_config(n, k))
+    row["mma_default_us"] = next(us for c, us, _ in row["mma"] if c == default)
+    # what a model gets: the config the start-up tuner picks (timed L2-warm, alone)
+    row["mma_tuned_us"] = time_per_call(lambda w: int4_mma_gemv(h(), w, scales, zeros, GROUP),
+                                        ws)
+    row["mma_best"] = min((r for r in row["mma"] if r[2] < 2e-2), key=lambda r: r[1])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_int4_mma.py needs a CUDA GPU")
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
+    summary = []
+    for m in (int(r) for r in args.rows.split(",")):
+        for name, n, k in SHAPES:
+            row = run_case(name, n, k, m, bandwidth)
+            print(json.dumps(row), flush=True)
+            best = row["mma_best"]
+            summary.append(
+                f"m{m} {name:8s} floor {row['floor_us']:6.1f}  norm {row['norm_us']:4.1f}  "
+                f"triton {row['triton_us']:6.1f} (err {row['triton_err']:.1e})  mma default "
+                f"{row['mma_default_us']:6.1f}  tuned {row['mma_tuned_us']:6.1f}  best "
+                f"{best[1]:6.1f} v{best[0]['vec']} w{best[0]['warps']} (err {best[2]:.1e})")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
