@@ -60,7 +60,7 @@ def _loop(sass: str) -> list[str]:
 @pytest.mark.parametrize("bf16", [1, 0], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("vec, warps", [(1, 1), (1, 8), (2, 4), (4, 8)], ids=str)
 def test_every_config_compiles_without_spills(arch, bf16, vec, warps):
-    for group in (32, 128):
+    for group in (32, 64, 128):
         cubin = nvrtc.compile_cubin(_source(), "int4_mma_gemv", arch,
                                     {"VEC": vec, "WARPS": warps, "GROUP": group, "BF16": bf16})
         sass, usage = _disassemble(cubin)

@@ -3,6 +3,7 @@ offers, and what its ``int4_matmul`` declines)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -45,7 +46,7 @@ def test_the_plugin_answers_the_hook_for_its_own_backend_only(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["cpu", "16 rows", "float32", "act-order", "group 8",
-                                  "N=24", "float32 scales"])
+                                  "group 256", "N=24", "float32 scales"])
 def test_int4_matmul_declines_what_the_kernel_does_not_run(case):
     """Each of these goes back to ``int4_linear``'s Triton/torch paths (``None``): the
     operands it does not take, and operands it takes but on the CPU."""
@@ -61,6 +62,8 @@ def test_int4_matmul_declines_what_the_kernel_does_not_run(case):
         g_idx = torch.zeros(256, dtype=torch.int32)
     elif case == "group 8":
         group_size = 8
+    elif case == "group 256":  # two groups' words would not fit in registers
+        group_size = 256
     elif case == "N=24":
         qweight = torch.zeros(32, 24, dtype=torch.int32)
     elif case == "float32 scales":
@@ -68,3 +71,47 @@ def test_int4_matmul_declines_what_the_kernel_does_not_run(case):
     assert operands_supported(x, qweight, scales, zeros, group_size, g_idx) == (case == "cpu")
     assert not supports(x, qweight, scales, zeros, group_size, g_idx)
     assert quant.Int4Kernels.int4_matmul(x, qweight, scales, zeros, group_size, g_idx) is None
+
+
+class _FakeDriver:
+    """``cuLaunchKernelEx`` that records what a launch passes (read back through ctypes)."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict] = []
+
+    def cuLaunchKernelEx(self, config_ref, function, params, extra):
+        config = ctypes.cast(config_ref, ctypes.POINTER(nvrtc._LaunchConfig)).contents
+        attrs = [(config.attrs[i].id, config.attrs[i].value.flag)
+                 for i in range(config.num_attrs)]
+        values = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_int64)).contents.value
+                  for i in range(3)]
+        self.launches.append({
+            "grid": (config.grid_x, config.grid_y, config.grid_z),
+            "block": (config.block_x, config.block_y, config.block_z),
+            "shared": config.shared_bytes, "stream": config.stream, "attrs": attrs,
+            "function": function.value, "pointer": values[0],
+            "int": values[1] & 0xFFFFFFFF, "float": ctypes.cast(
+                params[2], ctypes.POINTER(ctypes.c_float)).contents.value})
+        return 0
+
+
+def test_a_launch_passes_grid_block_stream_pdl_and_arguments_as_the_driver_reads_them(
+        monkeypatch):
+    driver = _FakeDriver()
+    monkeypatch.setattr(nvrtc, "_driver", lambda: driver)
+    kernel = nvrtc.CompiledKernel(function=0xABC, device=0, name="k")
+    tensor = torch.zeros(4)
+    kernel.launch((96, 1, 1), (256, 1, 1), [tensor, 4096, 0.5], shared_bytes=128, pdl=True,
+                  stream=1234)
+    kernel.launch((2, 3, 4), (32, 1, 1), [tensor, -1, 2.0], stream=99)
+    first, second = driver.launches
+    assert first["grid"] == (96, 1, 1) and first["block"] == (256, 1, 1)
+    assert first["shared"] == 128 and first["stream"] == 1234 and first["function"] == 0xABC
+    # programmatic stream serialization (id 6) allowed
+    assert first["attrs"] == [(nvrtc._PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
+    assert first["pointer"] == tensor.data_ptr() and first["int"] == 4096
+    assert first["float"] == 0.5
+    assert second["attrs"] == [] and second["grid"] == (2, 3, 4) and second["stream"] == 99
+    assert second["int"] == 0xFFFFFFFF and second["float"] == 2.0
+    with pytest.raises(TypeError, match="unsupported kernel argument str"):
+        kernel.launch((1, 1, 1), (32, 1, 1), ["x"], stream=1)

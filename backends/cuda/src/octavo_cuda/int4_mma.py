@@ -10,7 +10,7 @@ group, compiled for sm_90), so it can stay memory-bound. It reads the weights as
 header says how the words become mma operands.
 
 What it takes (``supports``): 1 to 8 rows of bfloat16 or float16 ``x``, natural-order groups
-(no ``g_idx``) of a multiple of 32 inputs, ``N`` a multiple of 16, a GPU of compute
+(no ``g_idx``) of 32, 64 or 128 inputs, ``N`` a multiple of 16, a GPU of compute
 capability 8.0 or more. Anything else stays on the Triton kernel. Models reach it through
 the backend's ``octavo_quant_kernels`` (``octavo_cuda.quant``), opt-in with
 ``OCTAVO_CUDA_INT4_MMA=1`` until it has run against its reference on a GPU
@@ -32,6 +32,9 @@ from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, tune_ke
 from octavo_cuda.nvrtc import load_kernel
 
 MAX_ROWS = 8
+# A warp holds two groups' words in registers (``GROUP / 32`` chunks each): larger groups
+# (or one group over all inputs) would spill
+GROUP_SIZES = (32, 64, 128)
 # Launch configs chosen per shape like the Triton skinny kernels' (a device table's
 # "int4_mma_gemv" section, else timed once per shape, else the default).
 TUNER = SkinnyTuner("int4_mma_gemv")
@@ -71,7 +74,7 @@ def operands_supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     n = qweight.shape[1]
     return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS  # first: prefill calls stop here
             and x.dtype in (torch.bfloat16, torch.float16) and g_idx is None
-            and group_size % 32 == 0 and x.shape[1] % group_size == 0 and n % 16 == 0
+            and group_size in GROUP_SIZES and x.shape[1] % group_size == 0 and n % 16 == 0
             and scales.dtype == torch.float16 and zeros.dtype == torch.float16
             and qweight.numel() < 2**31)
 

@@ -34,10 +34,15 @@ class NvrtcError(RuntimeError):
     """A kernel source that NVRTC could not compile, or a library that could not be found."""
 
 
+class _LaunchAttributeValue(ctypes.Union):
+    # CUlaunchAttributeValue: 64 bytes, 8-byte aligned (some members hold pointers)
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int), ("align", ctypes.c_void_p)]
+
+
 class _LaunchAttribute(ctypes.Structure):
-    # CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union
+    # CUlaunchAttribute: a 4-byte id, 4 bytes of padding, the value
     _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4),
-                ("value", ctypes.c_char * 64)]
+                ("value", _LaunchAttributeValue)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -129,9 +134,10 @@ class CompiledKernel:
     name: str
 
     def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[object],
-               shared_bytes: int = 0, pdl: bool = False) -> None:
-        """Launch on the current stream. ``args``: tensors (their data pointers), Python ints
-        (C ``int``) and floats (C ``float``), in the kernel's parameter order."""
+               shared_bytes: int = 0, pdl: bool = False, stream: int | None = None) -> None:
+        """Launch on ``stream`` (a ``CUstream`` handle; default: torch's current stream on the
+        kernel's device). ``args``: tensors (their data pointers), Python ints (C ``int``) and
+        floats (C ``float``), in the kernel's parameter order."""
         values: list[ctypes._SimpleCData] = []
         for arg in args:
             if isinstance(arg, torch.Tensor):
@@ -146,9 +152,10 @@ class CompiledKernel:
             *(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
         attribute = _LaunchAttribute()
         attribute.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-        ctypes.memmove(attribute.value, ctypes.byref(ctypes.c_int(1)), 4)
-        config = _LaunchConfig(*grid, *block, shared_bytes,
-                               ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream),
+        attribute.value.flag = 1  # programmaticStreamSerializationAllowed
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        config = _LaunchConfig(*grid, *block, shared_bytes, ctypes.c_void_p(stream),
                                ctypes.pointer(attribute) if pdl else None, 1 if pdl else 0)
         _check_driver(_driver().cuLaunchKernelEx(ctypes.byref(config),
                                                  ctypes.c_void_p(self.function), params, None),

@@ -18,10 +18,11 @@ Both formats store, for a linear layer with ``K`` inputs and ``N`` outputs, 4-bi
 What the matmul reads (``int4_linear``): GPTQ's ``qweight`` layout ``[K / 8, N]`` (AWQ weights
 are repacked to it once, at load), ``scales`` and unpacked ``zeros`` ``[G, N]`` as float16, and
 ``g_idx`` only for act-order weights. A backend may take calls first (``int4_linear``'s
-``kernels``: the CUDA backend's tensor-core GEMV for 1 to 8 rows). On GPUs, up to ``SMALL_M_MAX`` rows (decode; see
-``octavo.kernels.skinny``) run the skinny kernel (``octavo.kernels.triton.int4_gemv``: each
-packed word read once, group scales applied once per group), more rows the tile kernel
-(``octavo.kernels.triton.int4_gemm``: tiles dequantized inside the GEMM);
+``kernels``, from ``octavo_quant_kernels``: the CUDA backend's tensor-core GEMV for 1 to 8
+rows). On GPUs, up to ``SMALL_M_MAX`` rows (decode; see ``octavo.kernels.skinny``) run the
+skinny kernel (``octavo.kernels.triton.int4_gemv``: each packed word read once, group scales
+applied once per group), more rows the tile kernel (``octavo.kernels.triton.int4_gemm``: tiles
+dequantized inside the GEMM);
 ``int4_linear_reference`` unpacks to a dense weight and multiplies, in plain torch (the CPU
 path and the tests' reference).
 """

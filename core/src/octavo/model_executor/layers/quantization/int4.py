@@ -221,6 +221,7 @@ class AWQConfig(QuantizationConfig):
 
 
 class AWQLinearMethod(Int4LinearMethod):
+    config: AWQConfig
 
     def create_weights(self, layer: nn.Module, shape: LinearShape) -> None:
         n, k = shape.output_size, shape.input_size
