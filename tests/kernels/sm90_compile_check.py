@@ -80,19 +80,25 @@ def sass_opcodes(text: str) -> list[str]:
     return [m.group(1) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
 
 
-def sass_loop(text: str) -> str:
-    """The SASS of the first loop: from the label the first backward branch jumps to, to that
-    branch ("" when there is none)."""
+def sass_loops(text: str) -> list[str]:
+    """The SASS of each loop, in order: from the label a backward branch jumps to, to that
+    branch."""
     lines = text.splitlines()
-    labels = {}
+    labels, loops = {}, []
     for i, line in enumerate(lines):
         label = re.match(r"^(\.L\w+):", line)
         if label:
             labels[label.group(1)] = i
         branch = re.search(r"\bBRA\s+`?\(?(\.L\w+)\)?", line)
         if branch and labels.get(branch.group(1), i) < i:
-            return "\n".join(lines[labels[branch.group(1)]:i + 1])
-    return ""
+            loops.append("\n".join(lines[labels[branch.group(1)]:i + 1]))
+    return loops
+
+
+def sass_loop(text: str) -> str:
+    """The SASS of the first loop ("" when there is none)."""
+    loops = sass_loops(text)
+    return loops[0] if loops else ""
 
 
 def loop_body(ptx: str) -> str:

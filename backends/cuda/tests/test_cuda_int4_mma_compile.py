@@ -19,15 +19,14 @@ import triton
 from octavo_cuda import nvrtc
 from octavo_cuda.int4_mma import _source
 
+from tests.kernels.sm90_compile_check import sass_loops, sass_opcodes
+
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 try:
     nvrtc._nvrtc()
 except nvrtc.NvrtcError as exc:  # pragma: no cover - make install-dev installs it
     pytest.skip(f"NVRTC is not installed here: {exc}", allow_module_level=True)
-
-_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
-
 
 def _disassemble(cubin: bytes) -> tuple[str, str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
@@ -41,19 +40,8 @@ def _disassemble(cubin: bytes) -> tuple[str, str]:
 
 
 def _loop(sass: str) -> list[str]:
-    """Opcodes of the longest loop (label to backward branch): the two-group loop."""
-    lines = sass.splitlines()
-    labels, best = {}, []
-    for i, line in enumerate(lines):
-        label = re.match(r"^(\.L\w+):", line)
-        if label:
-            labels[label.group(1)] = i
-        branch = re.search(r"\bBRA\s+`?\(?(\.L\w+)\)?", line)
-        if branch and labels.get(branch.group(1), i) < i:
-            body = [m.group(1) for m in map(_INSTRUCTION.match, lines[labels[branch.group(1)]:i])
-                    if m]
-            best = max(best, body, key=len)
-    return best
+    """Opcodes of the longest loop: the two-group loop."""
+    return sass_opcodes(max(sass_loops(sass), key=len))
 
 
 @pytest.mark.parametrize("arch", [80, 90])

@@ -187,6 +187,24 @@ __device__ __forceinline__ void sum_group(float (&acc)[VEC][4], const Words& w, 
   }
 }
 
+// f(m, r, sum) for each of the lane's sums: row m < M of x, output n0 + r of the block. Lane
+// (g, t) holds outputs (mma rows) g and g + 8 of each tile at columns (rows of x) 2t, 2t + 1.
+template <class F>
+__device__ __forceinline__ void for_each_sum(const float (&acc)[VEC][4], int g, int t, int M,
+                                             F f) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int m = 2 * t + c;
+      if (m < M) {
+        f(m, VEC * g + i, acc[i][c]);
+        f(m, 8 * VEC + VEC * g + i, acc[i][2 + c]);
+      }
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
               const u16* __restrict__ scales, const u16* __restrict__ zeros,
@@ -246,20 +264,9 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
     sum_group(acc, w1, x1, scales, zeros, N, group + 1, na, nb, mask, magic);
   }
 
-  // Lane (g, t) holds rows g and g + 8 of each tile at columns (x rows) 2t and 2t + 1.
 #if WARPS > 1
   __shared__ float partial[WARPS][MAX_M][ROWS];
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int m = 2 * t + c;
-      if (m < M) {
-        partial[warp][m][VEC * g + i] = acc[i][c];
-        partial[warp][m][8 * VEC + VEC * g + i] = acc[i][2 + c];
-      }
-    }
-  }
+  for_each_sum(acc, g, t, M, [&](int m, int r, float sum) { partial[warp][m][r] = sum; });
   __syncthreads();
   for (int idx = threadIdx.x; idx < M * ROWS; idx += WARPS * 32) {
     const int m = idx / ROWS, r = idx % ROWS;
@@ -269,16 +276,8 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
     out[(long)m * N + n0 + r] = float_to_out(sum);
   }
 #else
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int m = 2 * t + c;
-      if (m < M) {
-        out[(long)m * N + na + i] = float_to_out(acc[i][c]);
-        out[(long)m * N + nb + i] = float_to_out(acc[i][2 + c]);
-      }
-    }
-  }
+  for_each_sum(acc, g, t, M, [&](int m, int r, float sum) {
+    out[(long)m * N + n0 + r] = float_to_out(sum);
+  });
 #endif
 }
