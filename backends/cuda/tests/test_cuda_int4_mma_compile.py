@@ -24,7 +24,7 @@ from tests.kernels.sm90_compile_check import sass_loops, sass_opcodes
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 try:
-    nvrtc._nvrtc()
+    nvrtc.require_nvrtc()
 except nvrtc.NvrtcError as exc:  # pragma: no cover - make install-dev installs it
     pytest.skip(f"NVRTC is not installed here: {exc}", allow_module_level=True)
 

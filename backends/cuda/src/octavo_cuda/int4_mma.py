@@ -3,8 +3,8 @@
 The Triton ``int4_gemv`` does the arithmetic on the CUDA cores, about 3.3 SASS instructions a
 weight, which is near an H100 SM's issue rate at its share of the memory bandwidth (~5 a
 weight). This kernel unpacks two nibbles into a bfloat16 (or float16) pair with one LOP3
-and lets ``mma.sync`` do the multiply-adds: 1.5-2.4 instructions a weight (the loop of one
-group, compiled for sm_90), so it can stay memory-bound. It reads the weights as
+and lets ``mma.sync`` do the multiply-adds: 1.55-2.4 instructions a weight (its group loop,
+compiled for sm_90), so it can stay memory-bound. It reads the weights as
 ``octavo.kernels.int4`` holds them (GPTQ's ``[K / 8, N]`` words, float16 scales and zeros
 ``[G, N]``): no repacking, the other paths keep working on the same tensors. The source's
 header says how the words become mma operands.

@@ -78,6 +78,11 @@ def _nvrtc() -> ctypes.CDLL:
                      + "; ".join(errors[-3:]))
 
 
+def require_nvrtc() -> None:
+    """``NvrtcError`` (saying what to install) when libnvrtc cannot be loaded here."""
+    _nvrtc()
+
+
 @functools.cache
 def _driver() -> ctypes.CDLL:
     try:

@@ -41,10 +41,10 @@ def quant_kernels(method: str) -> Int4Kernels | None:
         logger.debug("int4 weights: the Triton int4_gemv runs (OCTAVO_CUDA_INT4_MMA=1 turns "
                      "on the tensor-core GEMV)")
         return None
-    from octavo_cuda.nvrtc import NvrtcError, _nvrtc
+    from octavo_cuda.nvrtc import NvrtcError, require_nvrtc
 
     try:
-        _nvrtc()
+        require_nvrtc()
     except NvrtcError as exc:
         logger.warning("int4 weights: %s; the Triton int4_gemv runs instead", exc)
         return None
