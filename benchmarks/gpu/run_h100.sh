@@ -10,7 +10,7 @@
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
 #                                    [quant-configs] [dense-gemv]
-#                                    [quant-latency] [quant-w1] [quant-w1-kv]
+#                                    [quant-latency] [quant-w1] [quant-w1-kv] [int4-mma]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi] [bench-structured-gil]
 #                                    [bench-structured-process] [bench-structured-trees]
@@ -522,6 +522,23 @@ config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
         --sweep-kernels "${SWEEP_KERNELS:-fp8,int4}" ${SWEEP_ARGS:-} \
         --write-configs "$OUT/$(basename "$table")" \
         2>"$OUT/quant-configs.err" | tee "$OUT/quant-configs.log" | tail -12
+      ;;
+    int4-mma)
+      # The CUDA backend's tensor-core int4 GEMV (octavo_cuda.int4_mma, #17): its tests
+      # against the reference, the gptq models end to end through it, batch-1 8B int4 with it
+      # on and off (bf16 in the same lease), then each 8B projection against int4_gemv
+      # after a norm, the best configs written to $OUT's copy of the config table (~7 min).
+      python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_int4_mma.py \
+        backends/cuda/tests/test_cuda_quantization.py -k "int4_mma or gptq" \
+        > "$OUT/int4-mma-tests.log" 2>&1; tail -1 "$OUT/int4-mma-tests.log"
+      grep -E "^(E |FAILED)" "$OUT/int4-mma-tests.log" | head -12
+      AB_ENV=OCTAVO_CUDA_INT4_MMA AB_VALUES="1 0" AB_MODELS="8b 8b-int4" bash "$0" latency-ab
+      table=$(python3 -c "import torch; from octavo.kernels.triton.skinny_gemm import \
+config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
+      cp "$table" "$OUT/" 2>/dev/null || true
+      python3 benchmarks/gpu/bench_int4_mma.py --rows "${ROWS:-1,8}" \
+        --write-configs "$OUT/$(basename "$table")" 2>"$OUT/int4-mma-bench.err" \
+        | tee "$OUT/int4-mma-bench.log" | grep -v '^{'
       ;;
     quant-latency)
       # Batch-1 ms per output token, Llama-3-8B shape (dummy weights), bf16 vs fp8 weights
