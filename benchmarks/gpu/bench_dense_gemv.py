@@ -30,7 +30,14 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
-from bench_quant_gemv import copies_for, copy_bandwidth, time_per_call, written_by_kernel
+from bench_quant_gemv import (
+    copies_for,
+    copy_bandwidth,
+    load_table,
+    save_table,
+    time_per_call,
+    written_by_kernel,
+)
 
 # (model, projection, N, K, has bias)
 SHAPES = [("0.5b", "qkv", 1152, 896, True), ("0.5b", "o", 896, 896, False),
@@ -162,14 +169,9 @@ def main() -> None:
 def write_configs(path: str, results: list[dict]) -> None:
     """Add each shape's best config (its trigger with it) to the table at ``path`` under the
     key ``dense_gemv`` looks up."""
-    from pathlib import Path
+    from octavo.kernels.triton.skinny_gemm import tune_key
 
-    from octavo.kernels.triton.skinny_gemm import chip_of, tune_key
-
-    table_path = Path(path)
-    table = (json.loads(table_path.read_text()) if table_path.is_file()
-             else {"device": torch.cuda.get_device_name(), "kernels": {}})
-    table["chip"] = chip_of(torch.cuda.get_device_properties())
+    table = load_table(path)
     written_by_kernel(table)["dense_gemv"] = (
         "benchmarks/gpu/bench_dense_gemv.py --write-configs (best of each shape after an RMS "
         "norm, either trigger, CUDA-graph timing over L2-cold weight copies)")
@@ -179,10 +181,7 @@ def write_configs(path: str, results: list[dict]) -> None:
         config = r["triton_early_config" if early else "triton_late_config"]
         entries[tune_key(n=r["n"], k=r["k"], m=1, dtype=torch.bfloat16)] = {
             **config, "early_trigger": early}
-    table["kernels"]["dense_gemv"] = dict(sorted(entries.items()))
-    table_path.parent.mkdir(parents=True, exist_ok=True)
-    table_path.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"config table: {table_path} ({len(entries)} dense_gemv cases)", flush=True)
+    save_table(path, table)
 
 
 if __name__ == "__main__":

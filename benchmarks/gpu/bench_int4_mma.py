@@ -31,7 +31,9 @@ from bench_quant_gemv import (
     SWEEP_MAX_REL_ERR,
     copies_for,
     copy_bandwidth,
+    load_table,
     rel_err,
+    save_table,
     time_per_call,
     written_by_kernel,
 )
@@ -87,16 +89,11 @@ def run_case(name: str, n: int, k: int, m: int, bandwidth: float) -> dict:
 
 def write_configs(path: str, rows: list[dict]) -> None:
     """Each case's best config into the ``int4_mma_gemv`` section of the table at ``path``."""
-    from pathlib import Path
-
     from octavo.kernels.skinny import m_bucket
-    from octavo.kernels.triton.skinny_gemm import chip_of, tune_key
+    from octavo.kernels.triton.skinny_gemm import tune_key
     from octavo_cuda.int4_mma import MmaGemvConfig
 
-    table_path = Path(path)
-    table = (json.loads(table_path.read_text()) if table_path.is_file()
-             else {"device": torch.cuda.get_device_name(), "kernels": {}})
-    table["chip"] = chip_of(torch.cuda.get_device_properties())
+    table = load_table(path)
     written_by_kernel(table)["int4_mma_gemv"] = (
         "benchmarks/gpu/bench_int4_mma.py (best of each case, CUDA-graph timing over L2-cold "
         "weight copies, each call after an RMS norm)")
@@ -105,9 +102,7 @@ def write_configs(path: str, rows: list[dict]) -> None:
         key = tune_key(n=row["n"], k=row["k"], m=m_bucket(row["m"]), dtype=torch.bfloat16,
                        group=GROUP)
         entries[key] = asdict(MmaGemvConfig(**row["mma_best"][0]).as_skinny())
-    table["kernels"]["int4_mma_gemv"] = dict(sorted(entries.items()))
-    table_path.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"config table: {table_path} ({len(entries)} int4_mma_gemv cases)")
+    save_table(path, table)
 
 
 def main() -> None:

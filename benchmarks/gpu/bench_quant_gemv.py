@@ -217,6 +217,33 @@ def sweep_configs(m: int, kernel: str = "int4"):
                         yield SkinnyConfig(block_n, block_k, 0, warps, sum_runs=True)
 
 
+def load_table(path: str) -> dict:
+    """The config table at ``path``, or a new one for this GPU; with this GPU's chip (what lets
+    a GPU of the same chip without a table of its own use it)."""
+    from pathlib import Path
+
+    from octavo.kernels.triton.skinny_gemm import chip_of
+
+    table_path = Path(path)
+    table = (json.loads(table_path.read_text()) if table_path.is_file()
+             else {"device": torch.cuda.get_device_name(), "kernels": {}})
+    table["chip"] = chip_of(torch.cuda.get_device_properties())
+    return table
+
+
+def save_table(path: str, table: dict) -> None:
+    """Write ``table`` to ``path``, each kernel's cases sorted."""
+    from pathlib import Path
+
+    for kernel, entries in table["kernels"].items():
+        table["kernels"][kernel] = dict(sorted(entries.items()))
+    table_path = Path(path)
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"config table: {table_path} "
+          f"({sum(len(e) for e in table['kernels'].values())} cases)", flush=True)
+
+
 def written_by_kernel(table: dict) -> dict[str, str]:
     """The table's ``"written_by"``, by kernel (an older table's one string is the fp8 and
     int4 sweep's)."""
@@ -231,16 +258,10 @@ def write_configs(path: str, results: list[dict], after_norm: bool,
                   candidates_only: bool = False) -> None:
     """Add each case's best swept config to the table at ``path`` under the key the kernels
     look up (``tune_key``: bf16 activations; int4 with groups of ``GROUP``, natural order)."""
-    from pathlib import Path
-
     from octavo.kernels.skinny import m_bucket
-    from octavo.kernels.triton.skinny_gemm import chip_of, tune_key
+    from octavo.kernels.triton.skinny_gemm import tune_key
 
-    table_path = Path(path)
-    table = (json.loads(table_path.read_text()) if table_path.is_file()
-             else {"device": torch.cuda.get_device_name(), "kernels": {}})
-    # What lets a GPU of the same chip without a table of its own use this one.
-    table["chip"] = chip_of(torch.cuda.get_device_properties())
+    table = load_table(path)
     how = ("benchmarks/gpu/bench_quant_gemv.py --sweep (best of each case, CUDA-graph timing "
            "over L2-cold weight copies" + (", each call after an RMS norm" if after_norm
                                           else "")
@@ -257,13 +278,7 @@ def write_configs(path: str, results: list[dict], after_norm: bool,
         if "int4_best_config" in r:
             int4_key = key + "," + tune_key(group=GROUP, act_order=False)
             kernels.setdefault("int4_gemv", {})[int4_key] = r["int4_best_config"]
-    for entries in kernels.values():
-        entries_sorted = dict(sorted(entries.items()))
-        entries.clear()
-        entries.update(entries_sorted)
-    table_path.parent.mkdir(parents=True, exist_ok=True)
-    table_path.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"config table: {table_path} ({sum(len(e) for e in kernels.values())} cases)")
+    save_table(path, table)
 
 
 def main() -> None:
