@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import triton
 from octavo_cuda import nvrtc
-from octavo_cuda.int4_mma import CANDIDATES, _source
+from octavo_cuda.int4_mma import CANDIDATES, MmaGemvConfig, _source
 
 from tests.kernels.sm90_compile_check import sass_loops, sass_opcodes
 
@@ -46,12 +46,13 @@ def _loop(sass: str) -> list[str]:
 
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("bf16", [1, 0], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("vec, warps", [(1, 1)] + [(c.vec, c.warps) for c in CANDIDATES],
-                         ids=str)
-def test_every_config_compiles_without_spills(arch, bf16, vec, warps):
+@pytest.mark.parametrize("config", [MmaGemvConfig(1, 1)] + CANDIDATES,
+                         ids=lambda c: f"v{c.vec}w{c.warps}")
+def test_every_config_compiles_without_spills(arch, bf16, config):
     for group in (32, 64, 128):
         cubin = nvrtc.compile_cubin(_source(), "int4_mma_gemv", arch,
-                                    {"VEC": vec, "WARPS": warps, "GROUP": group, "BF16": bf16})
+                                    {"VEC": config.vec, "WARPS": config.warps, "GROUP": group,
+                                     "BF16": bf16})
         sass, usage = _disassemble(cubin)
         assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
         assert "HMMA.16816.F32" in sass

@@ -13,11 +13,9 @@ from octavo_cuda.int4_mma import operands_supported, supports
 from octavo_cuda.plugin import plugin
 
 
-def test_int4_methods_get_the_tensor_core_gemv_when_turned_on(monkeypatch, caplog):
+def test_int4_methods_get_the_tensor_core_gemv_unless_turned_off(monkeypatch, caplog):
     monkeypatch.setattr(nvrtc, "_nvrtc", lambda: object())
     monkeypatch.delenv("OCTAVO_CUDA_INT4_MMA", raising=False)
-    assert quant.quant_kernels("gptq") is None  # opt-in until it has run on a GPU
-    monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
     with caplog.at_level(logging.INFO, logger="octavo_cuda.quant"):
         assert isinstance(quant.quant_kernels("gptq"), quant.Int4Kernels)
     assert "tensor-core GEMV" in caplog.text
@@ -25,6 +23,8 @@ def test_int4_methods_get_the_tensor_core_gemv_when_turned_on(monkeypatch, caplo
     assert quant.quant_kernels("fp8") is None and quant.quant_kernels("gguf") is None
     monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "0")
     assert quant.quant_kernels("gptq") is None
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
+    assert isinstance(quant.quant_kernels("gptq"), quant.Int4Kernels)
 
 
 def test_without_nvrtc_the_triton_kernels_run_and_the_log_says_why(monkeypatch, caplog):

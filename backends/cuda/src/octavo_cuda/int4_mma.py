@@ -12,9 +12,9 @@ header says how the words become mma operands.
 What it takes (``supports``): 1 to 8 rows of bfloat16 or float16 ``x``, natural-order groups
 (no ``g_idx``) of 32, 64 or 128 inputs, ``N`` a multiple of 16, a GPU of compute
 capability 8.0 or more. Anything else stays on the Triton kernel. Models reach it through
-the backend's ``octavo_quant_kernels`` (``octavo_cuda.quant``), opt-in with
-``OCTAVO_CUDA_INT4_MMA=1`` until it has run against its reference on a GPU
-(``backends/cuda/tests/test_cuda_int4_mma.py``; CI compiles it and checks its SASS).
+the backend's ``octavo_quant_kernels`` (``octavo_cuda.quant``; ``OCTAVO_CUDA_INT4_MMA=0``
+turns it off). Its GPU tests are ``backends/cuda/tests/test_cuda_int4_mma.py``; CI compiles
+it and checks its SASS.
 
 Reference: ``octavo.kernels.int4.int4_linear_reference``.
 """
@@ -58,7 +58,10 @@ class MmaGemvConfig:
         return cls(vec=config.block_n // 16, warps=config.num_warps)
 
 
-CANDIDATES = [MmaGemvConfig(v, w) for v in (1, 2, 4) for w in (4, 8)]
+# The launch configs the tuner times: those that fit the register file without spilling
+# (the compile test checks it): with 16 warps a thread has 128 registers, too few for 16-byte
+# loads (vec 4).
+CANDIDATES = [MmaGemvConfig(v, w) for v in (1, 2, 4) for w in (4, 8, 16) if (v, w) != (4, 16)]
 
 
 @functools.cache
@@ -93,11 +96,15 @@ def _major(index: int | None) -> int:
 
 
 def default_config(n: int, k: int) -> MmaGemvConfig:
-    """16-byte loads (64 outputs a block) where that still leaves ~3 blocks per SM of an H100;
-    4-byte loads (16 outputs) for the narrow projections."""
-    if n % 64 == 0 and n >= 16384:
-        return MmaGemvConfig(vec=4, warps=8)
-    return MmaGemvConfig(vec=1, warps=8)
+    """8-byte loads (32 outputs a block) and about 2,048 warps in all (4 to 16 a block): what
+    won every Llama-3-8B projection on the H100 (docs/benchmarks.md, "The tensor-core int4
+    GEMV on the H100"); 4-byte loads where N is not a multiple of 32."""
+    vec = 2 if n % 32 == 0 else 1
+    blocks = n // (16 * vec)
+    warps = 16
+    while warps > 4 and blocks * warps > 2048:
+        warps //= 2
+    return MmaGemvConfig(vec=vec, warps=warps)
 
 
 def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

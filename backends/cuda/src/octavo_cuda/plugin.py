@@ -38,7 +38,6 @@ plugin = triton_gpu_backend_plugin(
     package="octavo-backend-cuda",
     attention="octavo_cuda.attention:make_attention_backend",
     description="Triton paged attention on NVIDIA GPUs",
-    # the tensor-core int4 GEMV (CUDA C++ compiled with NVRTC) for gptq/awq at 1-8 rows,
-    # opt-in (OCTAVO_CUDA_INT4_MMA=1)
+    # the tensor-core int4 GEMV (CUDA C++ compiled with NVRTC) for gptq/awq at 1-8 rows
     quant_kernels="octavo_cuda.quant:quant_kernels",
 )

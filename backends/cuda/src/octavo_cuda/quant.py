@@ -2,9 +2,9 @@
 
 ``gptq`` and ``awq``: ``int4_matmul`` runs the tensor-core GEMV (``octavo_cuda.int4_mma``) for
 the calls it supports (1 to 8 rows, natural-order groups) and returns ``None`` for the rest,
-which ``octavo.kernels.int4.int4_linear`` gives to the Triton kernels. Opt-in for now
-(``OCTAVO_CUDA_INT4_MMA=1``): the kernel compiles and its SASS is checked in CI, but it has not
-yet run against its reference on a GPU. Without NVRTC the Triton kernels run (logged).
+which ``octavo.kernels.int4.int4_linear`` gives to the Triton kernels. On by default
+(``OCTAVO_CUDA_INT4_MMA=0`` turns it off, for A/B runs); without NVRTC the Triton kernels run
+(logged).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def quant_kernels(method: str) -> Int4Kernels | None:
     if method not in INT4_METHODS:
         return None
     if not envs.cuda_int4_mma():
-        logger.debug("int4 weights: the Triton int4_gemv runs (OCTAVO_CUDA_INT4_MMA=1 turns "
-                     "on the tensor-core GEMV)")
+        logger.info("int4 weights: the Triton int4_gemv runs (OCTAVO_CUDA_INT4_MMA=0)")
         return None
     from octavo_cuda.nvrtc import NvrtcError, require_nvrtc
 
@@ -48,5 +47,5 @@ def quant_kernels(method: str) -> Int4Kernels | None:
     except NvrtcError as exc:
         logger.warning("int4 weights: %s; the Triton int4_gemv runs instead", exc)
         return None
-    logger.info("int4 weights: the tensor-core GEMV (OCTAVO_CUDA_INT4_MMA=1) takes 1 to 8 rows")
+    logger.info("int4 weights: the tensor-core GEMV (octavo_cuda.int4_mma) takes 1 to 8 rows")
     return Int4Kernels()
