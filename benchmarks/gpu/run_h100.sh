@@ -524,10 +524,11 @@ config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
         2>"$OUT/quant-configs.err" | tee "$OUT/quant-configs.log" | tail -12
       ;;
     int4-mma)
-      # The CUDA backend's tensor-core int4 GEMV (octavo_cuda.int4_mma, #17): its tests
-      # against the reference, the gptq models end to end through it, batch-1 8B int4 with it
-      # on and off (bf16 in the same lease), then each 8B projection against int4_gemv
-      # after a norm, the best configs written to $OUT's copy of the config table (~7 min).
+      # The CUDA backend's tensor-core int4 GEMV (octavo_cuda.int4_mma, #17, on by default):
+      # its tests against the reference, the gptq models end to end through it, batch-1 8B
+      # int4 with it on and off (bf16 in the same lease), then each 8B projection against
+      # int4_gemv after a norm, the best configs written to $OUT's copy of the config table
+      # (~8 min; ROWS=1,2,4,8 for every row bucket of the table).
       python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_int4_mma.py \
         backends/cuda/tests/test_cuda_quantization.py -k "int4_mma or gptq" \
         > "$OUT/int4-mma-tests.log" 2>&1; tail -1 "$OUT/int4-mma-tests.log"
