@@ -9,7 +9,13 @@ import logging
 import pytest
 import torch
 from octavo_cuda import nvrtc, quant
-from octavo_cuda.int4_mma import operands_supported, supports
+from octavo_cuda.int4_mma import (
+    CANDIDATES,
+    MmaGemvConfig,
+    default_config,
+    operands_supported,
+    supports,
+)
 from octavo_cuda.plugin import plugin
 
 
@@ -43,6 +49,17 @@ def test_the_plugin_answers_the_hook_for_its_own_backend_only(monkeypatch):
     monkeypatch.setattr(nvrtc, "_nvrtc", lambda: object())
     assert isinstance(plugin.octavo_quant_kernels("cuda", "gptq"), quant.Int4Kernels)
     assert plugin.octavo_quant_kernels("rocm", "gptq") is None
+
+
+def test_the_default_config_is_a_candidate_that_won_on_the_h100():
+    # each Llama-3-8B projection's best launch in bench_int4_mma.py's H100 sweep, all rows
+    won = {(6144, 4096): MmaGemvConfig(2, 8), (4096, 4096): MmaGemvConfig(2, 16),
+           (28672, 4096): MmaGemvConfig(2, 4), (4096, 14336): MmaGemvConfig(2, 16)}
+    for (n, k), config in won.items():
+        assert default_config(n, k) == config
+    for n in range(16, 40000, 16):  # spill-free and dividing N, whatever the shape
+        config = default_config(n, 4096)
+        assert config in CANDIDATES and n % (16 * config.vec) == 0
 
 
 @pytest.mark.parametrize("case", ["cpu", "16 rows", "float32", "act-order", "group 8",
