@@ -70,13 +70,13 @@ def test_every_config_small_shapes(m, group_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_llama3_8b_shapes_rows_graphs_and_pdl(n, k, dtype):
     from octavo.kernels.triton.rmsnorm import rms_norm
-    from octavo_cuda.int4_mma import MmaGemvConfig, default_config, int4_mma_gemv
+    from octavo_cuda.int4_mma import MmaGemvConfig, _sms, default_config, int4_mma_gemv
 
     qweight, scales, zeros = int4_weight(n, k)
     for m in (1, 2, 3, 8):
         x = torch.randn(m, k, device="cuda").to(dtype)
         expected = int4_linear_reference(x.float(), qweight, scales, zeros, 128)
-        for config in dict.fromkeys([default_config(n, k), MmaGemvConfig(1, 8),
+        for config in dict.fromkeys([default_config(n, k, _sms(0)), MmaGemvConfig(1, 8),
                                      MmaGemvConfig(2, 16), MmaGemvConfig(4, 8)]):
             out = int4_mma_gemv(x, qweight, scales, zeros, 128, config)
             assert relative_error(out, expected) < RELATIVE_ERROR[dtype], (m, config)

@@ -52,14 +52,16 @@ def test_the_plugin_answers_the_hook_for_its_own_backend_only(monkeypatch):
 
 
 def test_the_default_config_is_a_candidate_that_won_on_the_h100():
-    # each Llama-3-8B projection's best launch in bench_int4_mma.py's H100 sweep, all rows
+    # each Llama-3-8B projection's best launch in bench_int4_mma.py's H100 sweep (132 SMs),
+    # at every row count
     won = {(6144, 4096): MmaGemvConfig(2, 8), (4096, 4096): MmaGemvConfig(2, 16),
            (28672, 4096): MmaGemvConfig(2, 4), (4096, 14336): MmaGemvConfig(2, 16)}
     for (n, k), config in won.items():
-        assert default_config(n, k) == config
-    for n in range(16, 40000, 16):  # spill-free and dividing N, whatever the shape
-        config = default_config(n, 4096)
-        assert config in CANDIDATES and n % (16 * config.vec) == 0
+        assert default_config(n, k, 132) == config
+    for sms in (46, 108, 132, 142):  # spill-free and dividing N, whatever the shape
+        for n in range(16, 40000, 16):
+            config = default_config(n, 4096, sms)
+            assert config in CANDIDATES and n % (16 * config.vec) == 0
 
 
 @pytest.mark.parametrize("case", ["cpu", "16 rows", "float32", "act-order", "group 8",

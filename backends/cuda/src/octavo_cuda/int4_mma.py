@@ -35,9 +35,10 @@ MAX_ROWS = 8
 # A warp holds two groups' words in registers (``GROUP / 32`` chunks each): larger groups
 # (or one group over all inputs) would spill
 GROUP_SIZES = (32, 64, 128)
-# Launch configs chosen per shape like the Triton skinny kernels' (a device table's
-# "int4_mma_gemv" section, else timed once per shape, else the default).
-TUNER = SkinnyTuner("int4_mma_gemv")
+# Launch configs from a device table's "int4_mma_gemv" section, else the default: not timed at
+# start-up, whose picks (one call at a time, L2 flushed) cost batch-1 8B int4 0.27 ms a token
+# against the swept table on the H100; the default is what won every case of that sweep.
+TUNER = SkinnyTuner("int4_mma_gemv", timed=False)
 
 
 @dataclass(frozen=True)
@@ -95,14 +96,19 @@ def _major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def default_config(n: int, k: int) -> MmaGemvConfig:
-    """8-byte loads (32 outputs a block) and about 2,048 warps in all (4 to 16 a block): what
-    won every Llama-3-8B projection on the H100 (docs/benchmarks.md, "The tensor-core int4
-    GEMV on the H100"); 4-byte loads where N is not a multiple of 32."""
+@functools.cache
+def _sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def default_config(n: int, k: int, sms: int) -> MmaGemvConfig:
+    """8-byte loads (32 outputs a block) and at most ~16 warps per SM in all (4 to 16 a block):
+    what won every Llama-3-8B projection at 1 to 8 rows on the H100 (132 SMs; docs/benchmarks.md,
+    "The tensor-core int4 GEMV on the H100"); 4-byte loads where N is not a multiple of 32."""
     vec = 2 if n % 32 == 0 else 1
     blocks = n // (16 * vec)
     warps = 16
-    while warps > 4 and blocks * warps > 2048:
+    while warps > 4 and blocks * warps > 16 * sms:
         warps //= 2
     return MmaGemvConfig(vec=vec, warps=warps)
 
@@ -111,14 +117,14 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                   zeros: torch.Tensor, group_size: int,
                   config: MmaGemvConfig | None = None) -> torch.Tensor:
     """``x @ W^T`` (``[M, N]`` in ``x``'s dtype) for a call ``supports`` accepts (``config``
-    None: tuned, ``TUNER``)."""
+    None: the device table's, else ``default_config``; ``TUNER``)."""
     m, k = x.shape
     n = qweight.shape[1]
     if config is None:
         candidates = [c.as_skinny() for c in CANDIDATES if n % (16 * c.vec) == 0]
         chosen = TUNER.choose(
             tune_key(n=n, k=k, m=m_bucket(m), dtype=x.dtype, group=group_size), x.device,
-            default_config(n, k).as_skinny(), candidates,
+            default_config(n, k, _sms(x.device.index)).as_skinny(), candidates,
             lambda c: _launch(x, qweight, scales, zeros, group_size, MmaGemvConfig.from_skinny(c)))
         config = MmaGemvConfig.from_skinny(chosen)
     return _launch(x, qweight, scales, zeros, group_size, config)

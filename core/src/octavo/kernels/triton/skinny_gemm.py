@@ -28,8 +28,8 @@ takes the zeroed buffer); with 1 they store the result directly. ``split_k = 0``
 2. else the first time the shape is seen outside CUDA-graph capture, by timing a few
    candidates (whole calls, on a flushed L2 via
    ``triton.testing.do_bench``), kept for the process;
-3. else (during capture, under the interpreter, with tuning off) the kernel's heuristic
-   default, timing nothing.
+3. else (during capture, under the interpreter, with tuning off, or for a kernel whose tuner
+   is made with ``timed=False``) the kernel's heuristic default, timing nothing.
 
 The decode graph runner runs every batch size once eagerly before capturing it
 (``octavo.worker.cuda_graph``), so the captured kernels use tuned configs.
@@ -304,13 +304,14 @@ def _device_table(device_index: int) -> dict[str, dict[str, SkinnyConfig]]:
 class SkinnyTuner:
     """Per-process choice of ``SkinnyConfig``: table, timing or default (module docstring)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, timed: bool = True) -> None:
         # The kernel's name: its section of the config tables.
         self.name = name
         # Chosen configs by (tune_key, device).
         self.best: dict[tuple[str, torch.device], SkinnyConfig] = {}
-        # Whether ``choose`` times candidates at all (tests and benchmarks switch it off).
-        self.enabled = True
+        # Whether ``choose`` times candidates at all (False: the table, else the default; tests
+        # and benchmarks switch it off too).
+        self.enabled = timed
 
     def choose(self, key: str, device: torch.device, default: SkinnyConfig,
                candidates: Sequence[SkinnyConfig],
