@@ -272,10 +272,10 @@ for stage in "${stages[@]}"; do
       ;;
     profile-b1)
       # Batch-1 decode kernels (which ones, how long, how many per step): 0.5B bf16, and the
-      # Llama-3-8B shape in bf16 and with fp8 weights (dummy weights).
+      # Llama-3-8B shape in bf16, with fp8 weights and GPTQ int4 (dummy weights).
       [ -d $MODEL ] || python3 benchmarks/gpu/make_random_model.py --shape qwen2.5-0.5b --out $MODEL
       make_l8b
-      for spec in "$MODEL bf16 auto" "$L8B bf16 dummy" "$L8B fp8 dummy"; do
+      for spec in "$MODEL bf16 auto" "$L8B bf16 dummy" "$L8B fp8 dummy" "$L8B_GPTQ int4 dummy"; do
         set -- $spec
         quant=(); [ "$2" = fp8 ] && quant=(--quantization fp8)
         python3 benchmarks/gpu/profile_steps.py --model "$1" --load-format "$3" "${quant[@]}" \
