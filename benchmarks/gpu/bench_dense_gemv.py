@@ -31,12 +31,10 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 from bench_quant_gemv import (
+    add_configs,
     copies_for,
     copy_bandwidth,
-    load_table,
-    save_table,
     time_per_call,
-    written_by_kernel,
 )
 
 # (model, projection, N, K, has bias)
@@ -171,17 +169,15 @@ def write_configs(path: str, results: list[dict]) -> None:
     key ``dense_gemv`` looks up."""
     from octavo.kernels.triton.skinny_gemm import tune_key
 
-    table = load_table(path)
-    written_by_kernel(table)["dense_gemv"] = (
-        "benchmarks/gpu/bench_dense_gemv.py --write-configs (best of each shape after an RMS "
-        "norm, either trigger, CUDA-graph timing over L2-cold weight copies)")
-    entries = table["kernels"].setdefault("dense_gemv", {})
+    entries = {}
     for r in results:
         early = r["triton_early_us"] <= r["triton_late_us"]
         config = r["triton_early_config" if early else "triton_late_config"]
         entries[tune_key(n=r["n"], k=r["k"], m=1, dtype=torch.bfloat16)] = {
             **config, "early_trigger": early}
-    save_table(path, table)
+    add_configs(path, "dense_gemv",
+                "benchmarks/gpu/bench_dense_gemv.py --write-configs (best of each shape after an "
+                "RMS norm, either trigger, CUDA-graph timing over L2-cold weight copies)", entries)
 
 
 if __name__ == "__main__":

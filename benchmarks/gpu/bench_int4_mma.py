@@ -29,13 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant_gemv import (
     GROUP,
     SWEEP_MAX_REL_ERR,
+    add_configs,
     copies_for,
     copy_bandwidth,
-    load_table,
     rel_err,
-    save_table,
     time_per_call,
-    written_by_kernel,
 )
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
@@ -93,16 +91,12 @@ def write_configs(path: str, rows: list[dict]) -> None:
     from octavo.kernels.triton.skinny_gemm import tune_key
     from octavo_cuda.int4_mma import MmaGemvConfig
 
-    table = load_table(path)
-    written_by_kernel(table)["int4_mma_gemv"] = (
-        "benchmarks/gpu/bench_int4_mma.py (best of each case, CUDA-graph timing over L2-cold "
-        "weight copies, each call after an RMS norm)")
-    entries = table["kernels"].setdefault("int4_mma_gemv", {})
-    for row in rows:
-        key = tune_key(n=row["n"], k=row["k"], m=m_bucket(row["m"]), dtype=torch.bfloat16,
-                       group=GROUP)
-        entries[key] = asdict(MmaGemvConfig(**row["mma_best"][0]).as_skinny())
-    save_table(path, table)
+    add_configs(path, "int4_mma_gemv",
+                "benchmarks/gpu/bench_int4_mma.py (best of each case, CUDA-graph timing over "
+                "L2-cold weight copies, each call after an RMS norm)",
+                {tune_key(n=row["n"], k=row["k"], m=m_bucket(row["m"]), dtype=torch.bfloat16,
+                          group=GROUP): asdict(MmaGemvConfig(**row["mma_best"][0]).as_skinny())
+                 for row in rows})
 
 
 def main() -> None:

@@ -254,6 +254,15 @@ def written_by_kernel(table: dict) -> dict[str, str]:
     return written_by
 
 
+def add_configs(path: str, kernel: str, written_by: str, entries: dict[str, dict]) -> None:
+    """Add ``entries`` (``tune_key`` -> config fields) to ``kernel``'s section of the table at
+    ``path``, noting how they were found, and write it back."""
+    table = load_table(path)
+    written_by_kernel(table)[kernel] = written_by
+    table["kernels"].setdefault(kernel, {}).update(entries)
+    save_table(path, table)
+
+
 def write_configs(path: str, results: list[dict], after_norm: bool,
                   candidates_only: bool = False) -> None:
     """Add each case's best swept config to the table at ``path`` under the key the kernels
@@ -261,24 +270,21 @@ def write_configs(path: str, results: list[dict], after_norm: bool,
     from octavo.kernels.skinny import m_bucket
     from octavo.kernels.triton.skinny_gemm import tune_key
 
-    table = load_table(path)
     how = ("benchmarks/gpu/bench_quant_gemv.py --sweep (best of each case, CUDA-graph timing "
            "over L2-cold weight copies" + (", each call after an RMS norm" if after_norm
                                           else "")
            + (", the tuner's candidates only)" if candidates_only else ")"))
-    kernels = table["kernels"]
-    written_by = written_by_kernel(table)
-    for label, kernel in (("fp8", "fp8_gemv"), ("int4", "int4_gemv")):
-        if any(f"{label}_best_config" in r for r in results):  # swept now (--sweep-kernels)
-            written_by[kernel] = how
+    found: dict[str, dict[str, dict]] = {"fp8_gemv": {}, "int4_gemv": {}}
     for r in results:
         key = tune_key(n=r["n"], k=r["k"], m=m_bucket(r["m"]), dtype=torch.bfloat16)
         if "fp8_best_config" in r:
-            kernels.setdefault("fp8_gemv", {})[key] = r["fp8_best_config"]
+            found["fp8_gemv"][key] = r["fp8_best_config"]
         if "int4_best_config" in r:
             int4_key = key + "," + tune_key(group=GROUP, act_order=False)
-            kernels.setdefault("int4_gemv", {})[int4_key] = r["int4_best_config"]
-    save_table(path, table)
+            found["int4_gemv"][int4_key] = r["int4_best_config"]
+    for kernel, entries in found.items():
+        if entries:  # swept now (--sweep-kernels)
+            add_configs(path, kernel, how, entries)
 
 
 def main() -> None:
