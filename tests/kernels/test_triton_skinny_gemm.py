@@ -382,6 +382,19 @@ def test_tuner_takes_the_device_table_before_timing(monkeypatch):
     assert calls == [] and tuner.best == {(key, gpu): table_config}
 
 
+def test_tuner_lookup_takes_the_table_else_the_default_and_never_times(monkeypatch):
+    table_config = SkinnyConfig(32, 32, num_warps=16)
+    monkeypatch.setattr(skinny_gemm_module, "interpreting", lambda: False)
+    monkeypatch.setattr(skinny_gemm_module, "_device_table",
+                        lambda index: {"t": {"n=8,k=64,m=1,dtype=bfloat16": table_config}})
+    tuner = SkinnyTuner("t")  # enabled: choose would time a case the table lacks
+    gpu, default = torch.device("cuda", 0), SkinnyConfig(16, 32)
+    assert tuner.lookup("n=8,k=64,m=1,dtype=bfloat16", gpu, default) == table_config
+    assert tuner.lookup("n=8,k=64,m=2,dtype=bfloat16", gpu, default) == default
+    assert tuner.lookup("n=8,k=64,m=1,dtype=bfloat16", torch.device("cpu"), default) == default
+    assert tuner.best[("n=8,k=64,m=2,dtype=bfloat16", gpu)] == default
+
+
 def test_config_tables_round_trip_and_bad_files_name_themselves(tmp_path):
     path = tmp_path / "skinny_Some_GPU.json"
     path.write_text(json.dumps({"kernels": {"fp8_gemv": {"n=1,k=2,m=1,dtype=bfloat16": {

@@ -35,10 +35,10 @@ MAX_ROWS = 8
 # A warp holds two groups' words in registers (``GROUP / 32`` chunks each): larger groups
 # (or one group over all inputs) would spill
 GROUP_SIZES = (32, 64, 128)
-# Launch configs from a device table's "int4_mma_gemv" section, else the default: not timed at
-# start-up, whose picks (one call at a time, L2 flushed) cost batch-1 8B int4 0.27 ms a token
+# Launch configs from a device table's "int4_mma_gemv" section, else the default
+# (``TUNER.lookup``): not timed at start-up, whose picks (one call at a time, L2 flushed) cost batch-1 8B int4 0.27 ms a token
 # against the swept table on the H100; the default is what won every case of that sweep.
-TUNER = SkinnyTuner("int4_mma_gemv", timed=False)
+TUNER = SkinnyTuner("int4_mma_gemv")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class MmaGemvConfig:
         return cls(vec=config.block_n // 16, warps=config.num_warps)
 
 
-# The launch configs the tuner times: those that fit the register file without spilling
+# The launch configs bench_int4_mma.py sweeps: those that fit the register file without spilling
 # (the compile test checks it): with 16 warps a thread has 128 registers, too few for 16-byte
 # loads (vec 4).
 CANDIDATES = [MmaGemvConfig(v, w) for v in (1, 2, 4) for w in (4, 8, 16) if (v, w) != (4, 16)]
@@ -121,11 +121,9 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     n = qweight.shape[1]
     if config is None:
-        candidates = [c.as_skinny() for c in CANDIDATES if n % (16 * c.vec) == 0]
-        chosen = TUNER.choose(
+        chosen = TUNER.lookup(
             tune_key(n=n, k=k, m=m_bucket(m), dtype=x.dtype, group=group_size), x.device,
-            default_config(n, k, _sms(x.device.index)).as_skinny(), candidates,
-            lambda c: _launch(x, qweight, scales, zeros, group_size, MmaGemvConfig.from_skinny(c)))
+            default_config(n, k, _sms(x.device.index)).as_skinny())
         config = MmaGemvConfig.from_skinny(chosen)
     return _launch(x, qweight, scales, zeros, group_size, config)
 

@@ -28,8 +28,9 @@ takes the zeroed buffer); with 1 they store the result directly. ``split_k = 0``
 2. else the first time the shape is seen outside CUDA-graph capture, by timing a few
    candidates (whole calls, on a flushed L2 via
    ``triton.testing.do_bench``), kept for the process;
-3. else (during capture, under the interpreter, with tuning off, or for a kernel whose tuner
-   is made with ``timed=False``) the kernel's heuristic default, timing nothing.
+3. else (during capture, under the interpreter, with tuning off) the kernel's heuristic
+   default, timing nothing. ``SkinnyTuner.lookup`` does 1 then 3, never timing: for a kernel
+   whose start-up timing picks worse than its default (``octavo_cuda.int4_mma``).
 
 The decode graph runner runs every batch size once eagerly before capturing it
 (``octavo.worker.cuda_graph``), so the captured kernels use tuned configs.
@@ -304,14 +305,28 @@ def _device_table(device_index: int) -> dict[str, dict[str, SkinnyConfig]]:
 class SkinnyTuner:
     """Per-process choice of ``SkinnyConfig``: table, timing or default (module docstring)."""
 
-    def __init__(self, name: str, timed: bool = True) -> None:
+    def __init__(self, name: str) -> None:
         # The kernel's name: its section of the config tables.
         self.name = name
         # Chosen configs by (tune_key, device).
         self.best: dict[tuple[str, torch.device], SkinnyConfig] = {}
-        # Whether ``choose`` times candidates at all (False: the table, else the default; tests
-        # and benchmarks switch it off too).
-        self.enabled = timed
+        # Whether ``choose`` times candidates at all (tests and benchmarks switch it off).
+        self.enabled = True
+
+    def lookup(self, key: str, device: torch.device, default: SkinnyConfig) -> SkinnyConfig:
+        """The config for case ``key`` on ``device``: from the device's table, else
+        ``default``; never timed (for kernels whose start-up timing picks worse than their
+        default)."""
+        found = self.best.get((key, device))
+        if found is None:
+            found = self._from_table(key, device) or default
+            self.best[(key, device)] = found
+        return found
+
+    def _from_table(self, key: str, device: torch.device) -> SkinnyConfig | None:
+        if device.type != "cuda" or interpreting():
+            return None
+        return _device_table(device.index or 0).get(self.name, {}).get(key)
 
     def choose(self, key: str, device: torch.device, default: SkinnyConfig,
                candidates: Sequence[SkinnyConfig],
@@ -324,7 +339,7 @@ class SkinnyTuner:
             return found
         if device.type != "cuda" or interpreting():
             return default
-        found = _device_table(device.index or 0).get(self.name, {}).get(key)
+        found = self._from_table(key, device)
         if found is not None:
             self.best[(key, device)] = found
             return found
