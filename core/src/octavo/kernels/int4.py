@@ -156,12 +156,12 @@ def int4_linear(
             return out if bias is None else out + bias
     if x.device.type == "cuda":
         small = use_small_m_kernel(x.shape[0])
-        kernels = optional_triton_kernels("int4_gemv" if small else "int4_gemm")
-        if kernels is not None:
+        triton_kernels = optional_triton_kernels("int4_gemv" if small else "int4_gemm")
+        if triton_kernels is not None:
             if small:
-                out = kernels.int4_gemv(x, qweight, scales, zeros, group_size, g_idx)
+                out = triton_kernels.int4_gemv(x, qweight, scales, zeros, group_size, g_idx)
             else:
-                out = kernels.int4_gemm(x, qweight, scales, zeros, group_size, g_idx)
+                out = triton_kernels.int4_gemm(x, qweight, scales, zeros, group_size, g_idx)
             return out if bias is None else out + bias
     return int4_linear_reference(x, qweight, scales, zeros, group_size, g_idx, bias)
 
