@@ -14,6 +14,7 @@ kernels are compiled by the launches.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import subprocess
@@ -55,6 +56,10 @@ def int4_constexprs(m: int, config: SkinnyConfig, has_g_idx: bool = False, split
 
 
 def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2):
+    # compile-time parameters a launch leaves out take their defaults
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                  **constexprs}
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ALIGNED if name in signature}
@@ -182,6 +187,10 @@ def main() -> None:
     print(json.dumps({"kernel": "fp8_gemv", **consts,
                       **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
     consts = int4_constexprs(1, SkinnyConfig(128, 128, load_stages=4), use_pdl=True)
+    print(json.dumps({"kernel": "int4_gemv", **consts,
+                      **compile_variant(_int4_gemv_kernel, INT4_SIG, consts, 4)}))
+    # The words in 32-output panels (octavo.kernels.int4.to_panels), one row with PDL
+    consts = {**int4_constexprs(1, SkinnyConfig(128, 128), use_pdl=True), "PANELS": True}
     print(json.dumps({"kernel": "int4_gemv", **consts,
                       **compile_variant(_int4_gemv_kernel, INT4_SIG, consts, 4)}))
 

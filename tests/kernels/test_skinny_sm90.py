@@ -12,7 +12,8 @@ without the interpreter).
 - split-K summed in the kernel: a barrier between the last program's reads of the totals and
   its zeroing of the workspace;
 - the int4 one-row K loop stays under 3.6 SASS instructions per weight (it was ~5.5 before
-  the ``prmt`` nibble unpacking; ~5 is where an H100 stops keeping up with memory);
+  the ``prmt`` nibble unpacking; ~5 is where an H100 stops keeping up with memory), also
+  with the words in 32-output panels (``octavo.kernels.int4.to_panels``);
 - the fp8 one-row K loop over whole steps stays under 3.5 (~3.25: one e4m3x2 conversion
   per two weights, one widening and one FFMA per weight; ``x`` loaded once per thread, not
   per weight row it holds), and with its products summed over 16-input runs
@@ -55,9 +56,10 @@ def test_skinny_kernels_compile_for_sm90_without_barriers_in_one_row_loops():
                           env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     variants = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(variants) == 13, done.stdout
-    # fp8 (whole steps, tail, runs, pipelined), int4 (plain, pipelined)
-    assert sum(v["USE_PDL"] for v in variants) == 6
+    assert len(variants) == 14, done.stdout
+    # fp8 (whole steps, tail, runs, pipelined), int4 (plain, pipelined, panels)
+    assert sum(v["USE_PDL"] for v in variants) == 7
+    assert sum(v.get("PANELS", False) for v in variants) == 1
     for variant in variants:
         assert variant["local_memory_ops"] == 0, variant
         # With PDL: the grid-dependency trigger and wait, the first step's weights loaded

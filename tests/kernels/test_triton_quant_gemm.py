@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from octavo.kernels.gguf import GGUF_BLOCKS, gguf_matmul_reference
-from octavo.kernels.int4 import int4_linear_reference, pack_rows, quantize_int4
+from octavo.kernels.int4 import int4_linear_reference, pack_rows, quantize_int4, to_panels
 from octavo.kernels.triton.gguf_gemm import gguf_gemm
 from octavo.kernels.triton.int4_gemm import Int4GemmConfig, int4_gemm
 
@@ -66,6 +66,20 @@ def test_int4_gemm_matches_the_reference(m, sym, act_order, dtype):
     expected = int4_linear_reference(*args, group_size, g)
     assert out.shape == (m, n) and out.dtype == dtype
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act-order"])
+def test_int4_gemm_reads_panels_as_gptq_rows(act_order):
+    """The same words in 32-output panels (``to_panels``) give the same output, bit for bit."""
+    n, k, group_size = 64, 128, 32
+    qweight, scales, zeros, g_idx = int4_weight(n, k, group_size, False, act_order)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(1))
+    args = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    g = g_idx.to(DEVICE) if g_idx is not None else None
+    out = int4_gemm(*args, group_size, g, config=SMALL)
+    panels = to_panels(args[1])
+    assert torch.equal(int4_gemm(args[0], panels, *args[2:], group_size, g, config=SMALL), out)
+    assert_close(out, int4_linear_reference(*args, group_size, g), torch.float32)
 
 
 @pytest.mark.parametrize("qtype", list(GGUF_BLOCKS))

@@ -18,7 +18,7 @@ import pytest
 import torch
 from octavo.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_fp8_per_channel
 from octavo.kernels.gguf import GGUF_BLOCKS, gguf_matmul_reference
-from octavo.kernels.int4 import dequantize_int4, int4_linear, int4_linear_reference
+from octavo.kernels.int4 import dequantize_int4, int4_linear, int4_linear_reference, to_panels
 from octavo.kernels.skinny import SMALL_M_MAX, m_bucket, use_small_m_kernel
 from octavo.kernels.triton import fp8_gemv as fp8_gemv_module
 from octavo.kernels.triton import int4_gemv as int4_gemv_module
@@ -119,6 +119,24 @@ def test_int4_gemv_matches_the_dequantized_reference(config, m, sym, act_order, 
     expected = int4_linear_reference(args[0].float(), *args[1:], group_size, g)
     assert out.shape == (m, n) and out.dtype == dtype
     assert relative_error(out, expected) < TOLERANCES[dtype][0]
+
+
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["split1", "split3"])
+@pytest.mark.parametrize("m", [1, 5], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act-order"])
+def test_int4_gemv_reads_panels_as_gptq_rows(config, m, act_order):
+    """The same words in 32-output panels (``to_panels``): the same output, bit for bit, on
+    every path (one row, ``tl.dot`` rows, act-order)."""
+    n, k, group_size = 64, 256, 32
+    qweight, scales, zeros, g_idx = int4_weight(n, k, group_size, False, act_order)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    args = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    g = g_idx.to(DEVICE) if g_idx is not None else None
+    out = int4_gemv(*args, group_size, g, config)
+    panels = to_panels(args[1])
+    assert torch.equal(int4_gemv(args[0], panels, *args[2:], group_size, g, config), out)
+    expected = int4_linear_reference(args[0].float(), *args[1:], group_size, g)
+    assert relative_error(out, expected) < TOLERANCES[torch.bfloat16][0]
 
 
 @pytest.mark.parametrize("m", [1, 4], ids=lambda m: f"m{m}")

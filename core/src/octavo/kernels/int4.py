@@ -16,8 +16,10 @@ Both formats store, for a linear layer with ``K`` inputs and ``N`` outputs, 4-bi
   ``scales`` ``[G, N]``; groups are always ``k // group_size``.
 
 What the matmul reads (``int4_linear``): GPTQ's ``qweight`` layout ``[K / 8, N]`` (AWQ weights
-are repacked to it once, at load), ``scales`` and unpacked ``zeros`` ``[G, N]`` as float16, and
-``g_idx`` only for act-order weights. A backend may take calls first (``int4_linear``'s
+are repacked to it once, at load), or the same words in 32-output panels ``[N / 32, K / 8, 32]``
+(``to_panels``: a backend may ask for them at load, ``int4_prepare_qweight``; every kernel here
+reads both), ``scales`` and unpacked ``zeros`` ``[G, N]`` as float16, and ``g_idx`` only for
+act-order weights. A backend may take calls first (``int4_linear``'s
 ``kernels``, from ``octavo_quant_kernels``: the CUDA backend's tensor-core GEMV for 1 to 8
 rows). On GPUs, up to ``SMALL_M_MAX`` rows (decode; see ``octavo.kernels.skinny``) run the
 skinny kernel (``octavo.kernels.triton.int4_gemv``: each packed word read once, group scales
@@ -101,6 +103,48 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
     return pack_cols(grouped[:, :, order].reshape(values.shape[0], -1))
 
 
+# ---- 32-output panels ---------------------------------------------------------------------------
+
+#: Outputs per panel of the panel layout (``to_panels``).
+PANEL = 32
+
+
+def to_panels(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ words ``[K / 8, N]`` -> the same words in panels of ``PANEL`` outputs, int32
+    ``[N / PANEL, K / 8, PANEL]`` (``N`` a multiple of ``PANEL``): word ``(r, n)`` at
+    ``[n // PANEL, r, n % PANEL]``. A GEMV block of 32 outputs then reads each group's words as
+    one contiguous run instead of 128 bytes from each of 16 rows ``4N`` bytes apart."""
+    rows, n = qweight.shape
+    if n % PANEL or qweight.numel() >= 2**31:
+        raise ValueError(f"to_panels: {n} outputs are not a multiple of {PANEL}, or "
+                         f"{qweight.numel()} words are 2^31 or more (kernels index panels "
+                         "with int32)")
+    return qweight.view(rows, n // PANEL, PANEL).permute(1, 0, 2).contiguous()
+
+
+def from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_panels``."""
+    count, rows, width = panels.shape
+    return panels.permute(1, 0, 2).reshape(rows, count * width)
+
+
+def is_panels(qweight: torch.Tensor) -> bool:
+    """Whether ``qweight`` is in the panel layout (3-D) rather than GPTQ's ``[K / 8, N]``."""
+    return qweight.dim() == 3
+
+
+def word_shape(qweight: torch.Tensor) -> tuple[int, int]:
+    """``(K / 8, N)`` of ``qweight`` in either layout."""
+    if is_panels(qweight):
+        return qweight.shape[1], qweight.shape[0] * qweight.shape[2]
+    return qweight.shape[0], qweight.shape[1]
+
+
+def gptq_words(qweight: torch.Tensor) -> torch.Tensor:
+    """``qweight`` in GPTQ's ``[K / 8, N]`` layout (a copy when it is in panels)."""
+    return from_panels(qweight) if is_panels(qweight) else qweight
+
+
 # ---- dequantize and multiply ----------------------------------------------------------------
 
 
@@ -113,7 +157,7 @@ def group_index(num_inputs: int, group_size: int, g_idx: torch.Tensor | None,
 
 
 def dequantize_int4(
-    qweight: torch.Tensor,  # int32 [K / 8, N], GPTQ packing
+    qweight: torch.Tensor,  # int32 [K / 8, N], GPTQ packing (or panels: to_panels)
     scales: torch.Tensor,  # [G, N]
     zeros: torch.Tensor,  # [G, N] zero points (unpacked)
     group_size: int,
@@ -121,7 +165,7 @@ def dequantize_int4(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # [N, K]
     """The dense weight ``[N, K]`` in ``dtype`` (float32 math)."""
-    q = unpack_rows(qweight).float()  # [K, N]
+    q = unpack_rows(gptq_words(qweight)).float()  # [K, N]
     groups = group_index(q.shape[0], group_size, g_idx, q.device)
     weight = (q - zeros.float()[groups]) * scales.float()[groups]  # [K, N]
     return weight.t().to(dtype)
@@ -137,7 +181,7 @@ def int4_linear_reference(
 
 def int4_linear(
     x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # int32 [K / 8, N]
+    qweight: torch.Tensor,  # int32 [K / 8, N], or panels [N / 32, K / 8, 32] (to_panels)
     scales: torch.Tensor,  # float16 [G, N]
     zeros: torch.Tensor,  # float16 [G, N]
     group_size: int,

@@ -1,8 +1,9 @@
 """Int4 weight-only GEMM (GPTQ/AWQ weights): 4-bit tiles dequantized inside the matmul.
 
 ``out[M, N] = x[M, K] @ W^T`` with ``W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]``,
-``q`` packed eight inputs per int32 (``qweight [K / 8, N]``, GPTQ's layout; see
-``octavo.kernels.int4``), ``g(k) = g_idx[k]`` for act-order weights, else ``k // group_size``.
+``q`` packed eight inputs per int32 (``qweight [K / 8, N]``, GPTQ's layout, or the same words
+in 32-output panels ``[N / 32, K / 8, 32]``; see ``octavo.kernels.int4``), ``g(k) = g_idx[k]``
+for act-order weights, else ``k // group_size``.
 
 Each program computes a ``[BLOCK_M, BLOCK_N]`` tile over a range of K: it loads the int32 words
 of its ``[BLOCK_K, BLOCK_N]`` weight tile (each word read for eight rows, from cache), shifts
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.int4 import is_panels, word_shape
 from octavo.kernels.triton.cache_write import dot_fp32, upcast_dot
 
 
@@ -45,9 +47,20 @@ DEFAULT_CONFIG = Int4GemmConfig()
 
 
 @triton.jit
+def word_offsets(offs_n, N, K, PANELS: tl.constexpr):
+    """``(row_words, word_cols)``: word ``(r, n)`` of ``qweight`` is at ``r * row_words +
+    word_cols[n]``, in GPTQ's layout (``N``, ``offs_n``) or in 32-output panels (``32``, each
+    output's panel start ``(n // 32) * (K / 8) * 32`` plus ``n % 32``). int32 columns: panels
+    are only made of weights of fewer than 2^31 words (``to_panels``)."""
+    if PANELS:
+        return 32, (offs_n // 32) * (K // 8 * 32) + offs_n % 32
+    return N, offs_n
+
+
+@triton.jit
 def _int4_gemm_kernel(
     x_ptr,  # [M, K] activations
-    qweight_ptr,  # int32 [K / 8, N]
+    qweight_ptr,  # int32 [K / 8, N], or [N / 32, K / 8, 32] (PANELS)
     scales_ptr,  # [G, N]
     zeros_ptr,  # [G, N]
     g_idx_ptr,  # int32 [K] (read when HAS_G_IDX)
@@ -65,6 +78,7 @@ def _int4_gemm_kernel(
     SPLIT_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PANELS: tl.constexpr = False,  # qweight in 32-output panels
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -73,6 +87,8 @@ def _int4_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    # word (r, n) at r * row_words + word_cols[n]
+    row_words, word_cols = word_offsets(offs_n, N, K, PANELS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -82,7 +98,8 @@ def _int4_gemm_kernel(
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w_mask = k_mask[:, None] & n_mask[None, :]
-        words = tl.load(qweight_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+        words = tl.load(qweight_ptr + (offs_k // 8)[:, None].to(tl.int64) * row_words
+                        + word_cols[None, :],
                         mask=w_mask, other=0)  # [BLOCK_K, BLOCK_N] int32, 8 rows per word
         q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
         if HAS_G_IDX:
@@ -117,7 +134,7 @@ def choose_split_k(m: int, n: int, k: int, config: Int4GemmConfig) -> int:
 
 def int4_gemm(
     x: torch.Tensor,  # [M, K] float16 / bfloat16 / float32
-    qweight: torch.Tensor,  # int32 [K / 8, N]
+    qweight: torch.Tensor,  # int32 [K / 8, N], or panels [N / 32, K / 8, 32]
     scales: torch.Tensor,  # [G, N]
     zeros: torch.Tensor,  # [G, N]
     group_size: int,
@@ -126,8 +143,8 @@ def int4_gemm(
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ W^T`` for 4-bit ``W`` (see the module docstring)."""
     m, k = x.shape
-    n = qweight.shape[1]
-    if qweight.shape[0] * 8 != k or scales.shape != zeros.shape or scales.shape[1] != n:
+    rows, n = word_shape(qweight)
+    if rows * 8 != k or scales.shape != zeros.shape or scales.shape[1] != n:
         raise ValueError(
             f"int4_gemm: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
             f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not describe one [K={k}] x "
@@ -148,5 +165,6 @@ def int4_gemm(
         HAS_G_IDX=g_idx is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split_k, UPCAST_DOT=upcast_dot(x.dtype), DOT_PRECISION="ieee",
+        PANELS=is_panels(qweight),
     )
     return out if split_k == 1 else out.sum(dim=0).to(x.dtype)

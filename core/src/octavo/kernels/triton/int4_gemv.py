@@ -3,7 +3,9 @@ int32 once.
 
 Weights as ``int4_linear`` holds them (``octavo.kernels.int4``): ``qweight`` int32
 ``[K / 8, N]`` (eight consecutive inputs of one output per word; AWQ is repacked to it at
-load), ``scales``/``zeros`` ``[G, N]``, and ``g_idx [K]`` for act-order checkpoints;
+load) or the same words in 32-output panels (``octavo.kernels.int4.to_panels``: 32 words of a
+row contiguous, rows of a panel after each other), ``scales``/``zeros`` ``[G, N]``, and
+``g_idx [K]`` for act-order checkpoints;
 ``W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]``. The stored layout is read as is:
 rows of words are contiguous along N, so a program's ``[block_k / 8, block_n]`` word tile is
 coalesced and each word is loaded once (the tile GEMM ``int4_gemm`` loads it for each of its
@@ -54,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.int4 import is_panels, word_shape
 from octavo.kernels.skinny import m_bucket
 from octavo.kernels.triton.cache_write import (
     dot_fp32,
@@ -61,6 +64,7 @@ from octavo.kernels.triton.cache_write import (
     store_skinny_output,
     upcast_dot,
 )
+from octavo.kernels.triton.int4_gemm import word_offsets
 from octavo.kernels.triton.pdl import pdl_begin, skinny_pdl_launch
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
@@ -159,36 +163,37 @@ def _x_of_slice(x_ptr, k0, s: tl.constexpr, k_end, offs_r, SLICE_ROWS: tl.conste
 
 
 @triton.jit
-def _slice_words(qweight_ptr, k0, s: tl.constexpr, k_end, offs_r, offs_n, n_mask, N,
-                 SLICE_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+def _slice_words(qweight_ptr, k0, s: tl.constexpr, k_end, offs_r, word_cols, n_mask,
+                 row_words, SLICE_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
     """Slice ``s`` of the step at ``k0``: ``[SLICE_ROWS, BLOCK_N]`` words (zeros past
-    ``k_end``)."""
+    ``k_end``; word ``(r, n)`` at ``r * row_words + word_cols[n]``, ``word_offsets``)."""
     rows = k0 // 8 + s * SLICE_ROWS + offs_r  # [R] word rows
     if EVEN_K:  # whole steps: the step is in range or not
         row_ok = rows[:, None] * 0 + k0 < k_end
     else:  # K and k_end are multiples of 8
         row_ok = rows[:, None] * 8 < k_end
     # int32 offsets: the launch checks that the weight has fewer than 2^31 words
-    return tl.load(qweight_ptr + (rows[:, None] * N + offs_n[None, :]),
+    return tl.load(qweight_ptr + (rows[:, None] * row_words + word_cols[None, :]),
                    mask=row_ok & n_mask[None, :], other=0)
 
 
 @triton.jit
-def _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS: tl.constexpr,
-                SLICES: tl.constexpr, EVEN_K: tl.constexpr):
+def _step_words(qweight_ptr, k0, k_end, offs_r, word_cols, n_mask, row_words,
+                SLICE_ROWS: tl.constexpr, SLICES: tl.constexpr, EVEN_K: tl.constexpr):
     """The step's 1, 2 or 4 slices (unused ones repeat the first: no load)."""
-    w0 = _slice_words(qweight_ptr, k0, 0, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS, EVEN_K)
+    w0 = _slice_words(qweight_ptr, k0, 0, k_end, offs_r, word_cols, n_mask, row_words,
+                      SLICE_ROWS, EVEN_K)
     w1 = w0
     w2 = w0
     w3 = w0
     if SLICES > 1:
-        w1 = _slice_words(qweight_ptr, k0, 1, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
-                          EVEN_K)
+        w1 = _slice_words(qweight_ptr, k0, 1, k_end, offs_r, word_cols, n_mask, row_words,
+                          SLICE_ROWS, EVEN_K)
     if SLICES > 2:
-        w2 = _slice_words(qweight_ptr, k0, 2, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
-                          EVEN_K)
-        w3 = _slice_words(qweight_ptr, k0, 3, k_end, offs_r, offs_n, n_mask, N, SLICE_ROWS,
-                          EVEN_K)
+        w2 = _slice_words(qweight_ptr, k0, 2, k_end, offs_r, word_cols, n_mask, row_words,
+                          SLICE_ROWS, EVEN_K)
+        w3 = _slice_words(qweight_ptr, k0, 3, k_end, offs_r, word_cols, n_mask, row_words,
+                          SLICE_ROWS, EVEN_K)
     return w0, w1, w2, w3
 
 
@@ -246,11 +251,11 @@ def _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end, offs_
 
 @triton.jit
 def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start, k_end,
-                           offs_n, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SLICE_ROWS: tl.constexpr, GROUP_STEPS: tl.constexpr,
-                           EVEN_K: tl.constexpr, X_BF16_PAIRS: tl.constexpr,
-                           NIBBLE_ASM: tl.constexpr, LOAD_STAGES: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           offs_n, n_mask, row_words, word_cols, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SLICE_ROWS: tl.constexpr,
+                           GROUP_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
+                           X_BF16_PAIRS: tl.constexpr, NIBBLE_ASM: tl.constexpr,
+                           LOAD_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """``[BLOCK_N]`` float32 sums of one row over ``k_start .. k_end`` (natural-order groups).
 
     A step's ``BLOCK_K / 8`` word rows are loaded as 1, 2 or 4 ``[SLICE_ROWS, BLOCK_N]``
@@ -263,8 +268,8 @@ def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start
     # prmt's second source, so that the selector stays an immediate
     c43 = (k_end >> 31) | 0x43
     offs_r = tl.arange(0, SLICE_ROWS)
-    c0, c1, c2, c3 = _step_words(qweight_ptr, k_start, k_end, offs_r, offs_n, n_mask, N,
-                                 SLICE_ROWS, SLICES, EVEN_K)
+    c0, c1, c2, c3 = _step_words(qweight_ptr, k_start, k_end, offs_r, word_cols, n_mask,
+                                 row_words, SLICE_ROWS, SLICES, EVEN_K)
     pdl_begin(USE_PDL)
     acc = _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k_start, k_end, offs_r,
                         offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES, GROUP_STEPS,
@@ -272,8 +277,8 @@ def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start
     # LOAD_STAGES > 1: later steps' words copied ahead through shared memory (a pipelined
     # loop); else each step's words are loaded when it starts
     for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=max(LOAD_STAGES, 1)):
-        c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, offs_n, n_mask, N,
-                                     SLICE_ROWS, SLICES, EVEN_K)
+        c0, c1, c2, c3 = _step_words(qweight_ptr, k0, k_end, offs_r, word_cols, n_mask,
+                                     row_words, SLICE_ROWS, SLICES, EVEN_K)
         acc += _one_row_step(x_ptr, scales_ptr, zeros_ptr, c0, c1, c2, c3, k0, k_end, offs_r,
                              offs_n, n_mask, N, c43, BLOCK_K, SLICE_ROWS, SLICES, GROUP_STEPS,
                              EVEN_K, X_BF16_PAIRS, NIBBLE_ASM, LOAD_STAGES > 1)
@@ -283,7 +288,7 @@ def _one_row_natural_order(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr,  # [M, K] activations
-    qweight_ptr,  # int32 [K / 8, N]
+    qweight_ptr,  # int32 [K / 8, N], or [N / 32, K / 8, 32] (PANELS)
     scales_ptr,  # [G, N]
     zeros_ptr,  # [G, N]
     g_idx_ptr,  # int32 [K] (read when HAS_G_IDX)
@@ -310,11 +315,13 @@ def _int4_gemv_kernel(
     NIBBLE_ASM: tl.constexpr,  # the nibble unpacking in inline PTX (not in the interpreter)
     LOAD_STAGES: tl.constexpr,  # one row, natural order: steps in flight (SkinnyConfig)
     USE_PDL: tl.constexpr,  # one row, natural order: launched with PDL (octavo.kernels.triton.pdl)
+    PANELS: tl.constexpr = False,  # qweight in 32-output panels (int4_gemm.word_offsets)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N) | EVEN_N  # all true (no masks) when N % BLOCK_N == 0
+    row_words, word_cols = word_offsets(offs_n, N, K, PANELS)
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -322,19 +329,20 @@ def _int4_gemv_kernel(
     if BLOCK_M == 1 and not HAS_G_IDX:
         acc = _one_row_natural_order(
             x_ptr, qweight_ptr, scales_ptr, zeros_ptr, N, k_start, k_end, offs_n, n_mask,
-            BLOCK_N, BLOCK_K, SLICE_ROWS, GROUP_STEPS, EVEN_K, X_BF16_PAIRS, NIBBLE_ASM,
-            LOAD_STAGES, USE_PDL)
+            row_words, word_cols, BLOCK_N, BLOCK_K, SLICE_ROWS, GROUP_STEPS, EVEN_K,
+            X_BF16_PAIRS, NIBBLE_ASM, LOAD_STAGES, USE_PDL)
     else:
         acc = _by_steps(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k_start, k_end,
-                        stride_xm, offs_m, m_mask, offs_n, n_mask, HAS_G_IDX, BLOCK_M, BLOCK_N,
-                        BLOCK_K, GROUP_STEPS, UPCAST_DOT)
+                        stride_xm, offs_m, m_mask, offs_n, n_mask, row_words, word_cols,
+                        HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_STEPS, UPCAST_DOT)
     store_skinny_output(out_ptr, acc, offs_m, m_mask, offs_n, n_mask, N, BLOCK_M, SPLIT_K,
                         sums_ptr, arrivals_ptr, IN_KERNEL_SUM)
 
 
 @triton.jit
 def _by_steps(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k_start, k_end, stride_xm,
-              offs_m, m_mask, offs_n, n_mask, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
+              offs_m, m_mask, offs_n, n_mask, row_words, word_cols, HAS_G_IDX: tl.constexpr,
+              BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_STEPS: tl.constexpr,
               UPCAST_DOT: tl.constexpr):
     """The other paths (act-order for one row; ``tl.dot`` for 2 to 16 rows): ``[BLOCK_N]`` or
@@ -351,7 +359,8 @@ def _by_steps(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k_start, 
     for k0 in range(k_start, k_end, BLOCK_K):
         rows = k0 // 8 + offs_w  # [W] word rows
         row_mask = rows * 8 < k_end  # K and k_end are multiples of 8
-        words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+        words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * row_words
+                        + word_cols[None, :],
                         mask=row_mask[:, None] & n_mask[None, :], other=0)  # [W, BLOCK_N]
         # [W, 8, BLOCK_N]: input 8w + j in nibble j (for the tl.dot paths; the one-row paths
         # shift nibble by nibble and leave it unused, so it is not computed there)
@@ -480,7 +489,7 @@ def kernel_constexprs(x: torch.Tensor, n: int, k: int, group_size: int, has_g_id
 
 def _launch(x, qweight, scales, zeros, group_size, g_idx, config: SkinnyConfig) -> torch.Tensor:
     m, k = x.shape
-    n = qweight.shape[1]
+    n = word_shape(qweight)[1]
     block_k = fit_block_k(config.block_k, group_size, g_idx is not None)
     split = choose_split_k(n, k, SkinnyConfig(config.block_n, block_k, config.split_k), x.device)
     out = SkinnyOutput.make(m, n, config.block_n, split, x.dtype, x.device)
@@ -492,7 +501,7 @@ def _launch(x, qweight, scales, zeros, group_size, g_idx, config: SkinnyConfig) 
         out.arrivals, m, n, k, k_per_split(k, split, block_k), x.stride(0),
         **kernel_constexprs(x, n, k, group_size, g_idx is not None, config, split,
                             use_pdl=pdl["USE_PDL"]),
-        IN_KERNEL_SUM=out.in_kernel_sum,
+        IN_KERNEL_SUM=out.in_kernel_sum, PANELS=is_panels(qweight),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **{name: value for name, value in pdl.items() if name != "USE_PDL"},
     )
@@ -501,7 +510,7 @@ def _launch(x, qweight, scales, zeros, group_size, g_idx, config: SkinnyConfig) 
 
 def int4_gemv(
     x: torch.Tensor,  # [M, K] float16 / bfloat16 / float32, M <= SMALL_M_MAX
-    qweight: torch.Tensor,  # int32 [K / 8, N]
+    qweight: torch.Tensor,  # int32 [K / 8, N], or panels [N / 32, K / 8, 32]
     scales: torch.Tensor,  # [G, N]
     zeros: torch.Tensor,  # [G, N]
     group_size: int,
@@ -510,8 +519,8 @@ def int4_gemv(
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ W^T`` for 4-bit ``W`` (see the module docstring)."""
     m, k = x.shape
-    n = qweight.shape[1]
-    if qweight.shape[0] * 8 != k or scales.shape != zeros.shape or scales.shape[1] != n:
+    rows, n = word_shape(qweight)
+    if rows * 8 != k or scales.shape != zeros.shape or scales.shape[1] != n:
         raise ValueError(
             f"int4_gemv: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
             f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not describe one [K={k}] x "

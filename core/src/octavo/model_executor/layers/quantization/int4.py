@@ -12,7 +12,10 @@ AWQ (``quant_method: "awq"``, ``version: "gemm"``): ``bits``/``w_bit`` 4, ``grou
 
 After loading, both hold the one layout the matmul reads (``int4_linear``): ``qweight`` int32
 ``[K/8, N]`` (AWQ repacked once), ``scales`` and unpacked ``zeros`` float16 ``[G, N]``, and
-``g_idx`` only for act-order weights. Under tensor parallelism a row-parallel layer of an
+``g_idx`` only for act-order weights. A backend whose kernels read another arrangement of the
+same words best gives ``kernels.int4_prepare_qweight(qweight, group_size, g_idx)``, called
+once per layer at the end of loading; it returns ``qweight`` itself or the words in 32-output
+panels (``octavo.kernels.int4.to_panels``), which every int4 kernel reads. Under tensor parallelism a row-parallel layer of an
 act-order checkpoint keeps every group's scales (its inputs belong to any group); otherwise
 each rank keeps the groups of its inputs, so the split must fall on a group boundary.
 """
@@ -30,6 +33,7 @@ from octavo.kernels.int4 import (
     pack_rows,
     unpack_awq,
     unpack_cols,
+    word_shape,
 )
 from octavo.model_executor.layers.quantization.base import (
     LinearMethod,
@@ -71,6 +75,19 @@ class Int4LinearMethod(LinearMethod):
         split = shape.input_is_split and not keep_all and self.group_size != -1
         held = (shape.input_size if split else full) // size
         return size, held, split
+
+    def _prepare_for_kernels(self, layer: nn.Module) -> None:
+        """The words in the layout the backend's kernels ask for, where they ask
+        (``kernels.int4_prepare_qweight``; module docstring)."""
+        prepare = getattr(self.config.kernels, "int4_prepare_qweight", None)
+        if prepare is None:
+            return
+        words = prepare(layer.qweight.data, layer.int4_group_size, layer.int4_g_idx)
+        if words is not layer.qweight.data:
+            if word_shape(words) != word_shape(layer.qweight.data):
+                raise ValueError(f"int4_prepare_qweight returned {tuple(words.shape)} words "
+                                 f"for qweight {tuple(layer.qweight.shape)}")
+            replace_param(layer, "qweight", words)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -182,6 +199,7 @@ class GPTQLinearMethod(Int4LinearMethod):
                 raise ValueError("gptq g_idx names a group outside the layer's scales")
         else:
             layer.int4_g_idx = None
+        self._prepare_for_kernels(layer)
 
 
 class AWQConfig(QuantizationConfig):
@@ -245,3 +263,4 @@ class AWQLinearMethod(Int4LinearMethod):
                                    requires_grad=False)
         del layer.qzeros
         layer.int4_g_idx = None
+        self._prepare_for_kernels(layer)
