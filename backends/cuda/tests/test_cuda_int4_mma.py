@@ -4,7 +4,8 @@ plain-torch reference on an NVIDIA GPU (skipped in CI: there is no GPU and no NV
 Shapes: small ones with every launch config, and Llama-3-8B's projections (group 128) for 1,
 2, 3 and 8 rows in bfloat16 and float16; eagerly, replayed from a CUDA graph, and after the
 RMS norm that writes ``x`` with programmatic dependent launch (the kernel reads its first
-weights before it waits for the norm).
+weights before it waits for the norm). The words in GPTQ's layout and in 32-output panels
+(``to_panels``, what the backend loads) give bit-identical outputs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from octavo.kernels.int4 import int4_linear_reference, pack_rows, quantize_int4
+from octavo.kernels.int4 import int4_linear_reference, pack_rows, quantize_int4, to_panels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,10 +61,13 @@ def test_every_config_small_shapes(m, group_size):
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     assert supports(x, qweight, scales, zeros, group_size, None)
     expected = int4_linear_reference(x.float(), qweight, scales, zeros, group_size)
+    panels = to_panels(qweight)
+    assert supports(x, panels, scales, zeros, group_size, None)
     for config in configs():
         out = int4_mma_gemv(x, qweight, scales, zeros, group_size, config)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         assert relative_error(out, expected) < RELATIVE_ERROR[torch.bfloat16], config
+        assert torch.equal(int4_mma_gemv(x, panels, scales, zeros, group_size, config), out)
 
 
 @pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
@@ -73,6 +77,7 @@ def test_llama3_8b_shapes_rows_graphs_and_pdl(n, k, dtype):
     from octavo_cuda.int4_mma import MmaGemvConfig, _sms, default_config, int4_mma_gemv
 
     qweight, scales, zeros = int4_weight(n, k)
+    panels = to_panels(qweight)
     for m in (1, 2, 3, 8):
         x = torch.randn(m, k, device="cuda").to(dtype)
         expected = int4_linear_reference(x.float(), qweight, scales, zeros, 128)
@@ -80,17 +85,18 @@ def test_llama3_8b_shapes_rows_graphs_and_pdl(n, k, dtype):
                                      MmaGemvConfig(2, 16), MmaGemvConfig(4, 8)]):
             out = int4_mma_gemv(x, qweight, scales, zeros, 128, config)
             assert relative_error(out, expected) < RELATIVE_ERROR[dtype], (m, config)
+            assert torch.equal(int4_mma_gemv(x, panels, scales, zeros, 128, config), out)
     # after a norm (PDL), eagerly and from a graph, with x's storage rewritten in between
     x = torch.randn(1, k, device="cuda").to(dtype)
     norm_weight = torch.ones(k, device="cuda", dtype=dtype)
     expected = int4_linear_reference(rms_norm(x, norm_weight, 1e-6).float(), qweight, scales,
                                      zeros, 128)
-    out = int4_mma_gemv(rms_norm(x, norm_weight, 1e-6), qweight, scales, zeros, 128)
+    out = int4_mma_gemv(rms_norm(x, norm_weight, 1e-6), panels, scales, zeros, 128)
     assert relative_error(out, expected) < RELATIVE_ERROR[dtype]
     static_x = torch.zeros_like(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = int4_mma_gemv(rms_norm(static_x, norm_weight, 1e-6), qweight, scales,
+        captured = int4_mma_gemv(rms_norm(static_x, norm_weight, 1e-6), panels, scales,
                                  zeros, 128)
     for _ in range(3):
         static_x.copy_(x)

@@ -1,8 +1,8 @@
 """The tensor-core int4 GEMV's CUDA source compiled by NVRTC for sm_80 and sm_90 without a GPU
 (the ``nvidia-cuda-nvrtc`` wheel of ``make install-dev``), disassembled with Triton's bundled
 ``nvdisasm``: every launch config compiles, none spills to local memory, for sm_90 the first
-group's weights load before the wait for the kernel before (PDL), and the loop over two
-groups spends what the source's header says (one LOP3 per nibble pair, one ``mma`` per 16x16
+group's weights load before the wait for the kernel before (PDL), also with the words in
+32-output panels, and the loop over two groups spends what the source's header says (one LOP3 per nibble pair, one ``mma`` per 16x16
 tile plus one for the sums of ``x``, few instructions a weight). What it computes is checked on
 a GPU (``test_cuda_int4_mma.py``)."""
 
@@ -81,6 +81,21 @@ def test_the_group_loop_costs_what_the_header_says(vec, per_weight):
     assert ops["LOP3"] <= 4 * words + 4
     assert ops["SHF"] <= 3 * words + 4
     assert sum(ops.values()) / (8 * words) <= per_weight, ops.most_common(8)
+
+
+@pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: f"v{c.vec}w{c.warps}")
+def test_panels_compile_to_the_same_loop(config):
+    """sm_90, groups of 128, the words in 32-output panels: no spills, the first group's words
+    before the PDL wait, and the two-group loop no longer than with GPTQ's rows (only the
+    pointers' strides differ)."""
+    macros = {"VEC": config.vec, "WARPS": config.warps, "GROUP": 128, "BF16": 1}
+    rows = _disassemble(nvrtc.compile_cubin(_source(), "int4_mma_gemv", 90, macros))[0]
+    sass, usage = _disassemble(nvrtc.compile_cubin(_source(), "int4_mma_gemv", 90,
+                                                   {**macros, "PANELS": 1}))
+    assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
+    before = sass.partition("ACQBULK")[0]
+    assert len(re.findall(r"LDG\.E\.NA\b", before)) == 2 * 128 // 32
+    assert len(_loop(sass)) <= len(_loop(rows))
 
 
 def test_a_source_that_does_not_compile_raises_with_nvrtcs_log():

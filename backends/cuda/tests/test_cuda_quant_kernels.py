@@ -92,6 +92,28 @@ def test_int4_matmul_declines_what_the_kernel_does_not_run(case):
     assert quant.Int4Kernels.int4_matmul(x, qweight, scales, zeros, group_size, g_idx) is None
 
 
+def test_the_backend_asks_for_panels_for_the_layers_its_gemv_takes(monkeypatch):
+    """``int4_prepare_qweight``: 32-output panels where the tensor-core GEMV runs the layer,
+    GPTQ's rows elsewhere and with ``OCTAVO_CUDA_INT4_PANELS=0``; operands in panels are
+    taken like the rows they hold."""
+    from octavo.kernels.int4 import from_panels, is_panels
+
+    monkeypatch.delenv("OCTAVO_CUDA_INT4_PANELS", raising=False)
+    qweight = torch.arange(32 * 64, dtype=torch.int32).reshape(32, 64)
+    panels = quant.Int4Kernels.int4_prepare_qweight(qweight, 128, None)
+    assert is_panels(panels) and torch.equal(from_panels(panels), qweight)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    scales = zeros = torch.zeros(2, 64, dtype=torch.float16)
+    assert operands_supported(x, panels, scales, zeros, 128, None)
+    kept = [(qweight, 128, torch.zeros(256, dtype=torch.int32)),  # act-order
+            (qweight, 256, None),  # groups the GEMV does not take
+            (torch.zeros(32, 48, dtype=torch.int32), 128, None)]  # N not a multiple of 32
+    for words, group_size, g_idx in kept:
+        assert quant.Int4Kernels.int4_prepare_qweight(words, group_size, g_idx) is words
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_PANELS", "0")
+    assert quant.Int4Kernels.int4_prepare_qweight(qweight, 128, None) is qweight
+
+
 class _FakeDriver:
     """``cuLaunchKernelEx`` that records what a launch passes (read back through ctypes)."""
 

@@ -129,15 +129,18 @@ def test_gptq_triton_kernel_equals_dequantized(dense_folder, tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gptq_tensor_core_gemv_equals_dequantized(dense_folder, tmp_path, dtype, monkeypatch):
     """Natural-order groups: decode rows (1 to 8) take the backend's tensor-core GEMV
-    (``octavo_cuda.int4_mma``, ``OCTAVO_CUDA_INT4_MMA=1``), eagerly and in CUDA graphs."""
+    (``octavo_cuda.int4_mma``, ``OCTAVO_CUDA_INT4_MMA=1``) on the words it loaded in 32-output
+    panels, and prompts the Triton kernels on the same panels; eagerly and in CUDA graphs."""
     from octavo_cuda import nvrtc
 
     monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
+    monkeypatch.delenv("OCTAVO_CUDA_INT4_PANELS", raising=False)
     folder = tmp_path / "gptq"
     weights = write_gptq(dense_folder, folder, group_size=128, desc_act=False, sym=False)
     reference = write_dense(dense_folder, tmp_path / "ref", weights)
     _, ours = _run(folder, dtype=dtype)
-    assert any(key[1] == "int4_mma_gemv" for key in nvrtc._LOADED)  # it ran, in this process
+    # it ran, in this process, on panels
+    assert any(key[1] == "int4_mma_gemv" and ("PANELS", 1) in key[2] for key in nvrtc._LOADED)
     _, theirs = _run(reference, dtype=dtype)
     _assert_greedy_close(ours, theirs, atol=0.05 if dtype == "bfloat16" else 0.02)
     _, eager = _run(folder, dtype=dtype, enforce_eager=True)

@@ -5,9 +5,11 @@ weight, which is near an H100 SM's issue rate at its share of the memory bandwid
 weight). This kernel unpacks two nibbles into a bfloat16 (or float16) pair with one LOP3
 and lets ``mma.sync`` do the multiply-adds: 1.55-2.4 instructions a weight (its group loop,
 compiled for sm_90), so it can stay memory-bound. It reads the weights as
-``octavo.kernels.int4`` holds them (GPTQ's ``[K / 8, N]`` words, float16 scales and zeros
-``[G, N]``): no repacking, the other paths keep working on the same tensors. The source's
-header says how the words become mma operands.
+``octavo.kernels.int4`` holds them: GPTQ's ``[K / 8, N]`` words, or the same words in
+32-output panels ``[N / 32, K / 8, 32]``, float16 scales and zeros ``[G, N]``. The backend
+asks for panels at load (``octavo_cuda.quant``): a block's words of a group are then one
+contiguous run, not 128 bytes from each of 16 rows ``4N`` bytes apart. The other int4 kernels
+read both layouts. The source's header says how the words become mma operands.
 
 What it takes (``supports``): 1 to 8 rows of bfloat16 or float16 ``x``, natural-order groups
 (no ``g_idx``) of 32, 64 or 128 inputs, ``N`` a multiple of 16, a GPU of compute
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 import torch
+from octavo.kernels.int4 import is_panels, word_shape
 from octavo.kernels.skinny import m_bucket
 from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, tune_key
 
@@ -75,7 +78,7 @@ def operands_supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
                        g_idx: torch.Tensor | None) -> bool:
     """Whether the kernel takes these operands (rows, dtypes, grouping, sizes), wherever they
     are."""
-    n = qweight.shape[1]
+    n = word_shape(qweight)[1]
     return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS  # first: prefill calls stop here
             and x.dtype in (torch.bfloat16, torch.float16) and g_idx is None
             and group_size in GROUP_SIZES and x.shape[1] % group_size == 0 and n % 16 == 0
@@ -119,7 +122,7 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """``x @ W^T`` (``[M, N]`` in ``x``'s dtype) for a call ``supports`` accepts (``config``
     None: the device table's, else ``default_config``; ``TUNER``)."""
     m, k = x.shape
-    n = qweight.shape[1]
+    n = word_shape(qweight)[1]
     if config is None:
         chosen = TUNER.lookup(
             tune_key(n=n, k=k, m=m_bucket(m), dtype=x.dtype, group=group_size), x.device,
@@ -131,7 +134,7 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             group_size: int, config: MmaGemvConfig) -> torch.Tensor:
     m, k = x.shape
-    n = qweight.shape[1]
+    n = word_shape(qweight)[1]
     if n % (16 * config.vec):
         raise ValueError(f"int4_mma_gemv: N={n} is not a multiple of {16 * config.vec}")
     if not (x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
@@ -140,7 +143,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     kernel = load_kernel(_source(), "int4_mma_gemv",
                          {"VEC": config.vec, "WARPS": config.warps, "GROUP": group_size,
-                          "BF16": int(x.dtype == torch.bfloat16)}, x.device)
+                          "BF16": int(x.dtype == torch.bfloat16),
+                          "PANELS": int(is_panels(qweight))}, x.device)
     pdl = _major(x.device.index) >= 9
     kernel.launch((n // (16 * config.vec), 1, 1), (32 * config.warps, 1, 1),
                   [x, qweight, scales, zeros, out, m, n, k, x.stride(0)], pdl=pdl)

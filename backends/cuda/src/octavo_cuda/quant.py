@@ -4,7 +4,10 @@
 the calls it supports (1 to 8 rows, natural-order groups) and returns ``None`` for the rest,
 which ``octavo.kernels.int4.int4_linear`` gives to the Triton kernels. On by default
 (``OCTAVO_CUDA_INT4_MMA=0`` turns it off, for A/B runs); without NVRTC the Triton kernels run
-(logged).
+(logged). ``int4_prepare_qweight`` rearranges the words of the layers that GEMV takes into
+32-output panels at load (``octavo.kernels.int4.to_panels``; ``OCTAVO_CUDA_INT4_PANELS=0``
+keeps GPTQ's rows, for A/B runs): each block then reads a group's words as one contiguous
+run. The Triton kernels read panels too, for prompts and act-order layers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ class Int4Kernels:
         if not supports(x, qweight, scales, zeros, group_size, g_idx):
             return None
         return int4_mma_gemv(x, qweight, scales, zeros, group_size)
+
+
+    @staticmethod
+    def int4_prepare_qweight(qweight: torch.Tensor, group_size: int,
+                             g_idx: torch.Tensor | None) -> torch.Tensor:
+        """``qweight`` in 32-output panels when the tensor-core GEMV takes its layer (groups
+        of 32-128 in natural order, N a multiple of 32, fewer than 2^31 words), else as is."""
+        from octavo.kernels.int4 import PANEL, to_panels
+
+        from octavo_cuda.int4_mma import GROUP_SIZES
+
+        if not envs.cuda_int4_panels() or g_idx is not None or group_size not in GROUP_SIZES \
+                or qweight.dim() != 2 or qweight.shape[1] % PANEL or qweight.numel() >= 2**31:
+            return qweight
+        return to_panels(qweight)
 
 
 def quant_kernels(method: str) -> Int4Kernels | None:

@@ -6,9 +6,12 @@
 //   WARPS   warps per block, splitting the block's groups (K) between them
 //   GROUP   the quantization group size (a multiple of 32)
 //   BF16    1: bfloat16 activations and output, 0: float16
+//   PANELS  1: qweight in 32-output panels (below), 0: GPTQ's rows
 //
 // Operands as octavo.kernels.int4 holds them: qweight int32 [K / 8, N] (input 8r + j of output
-// n in nibble j of word (r, n)), scales and zeros float16 [G, N], x [M, K] (row stride
+// n in nibble j of word (r, n)) or, PANELS, the same words in 32-output panels
+// [N / 32, K / 8, 32] (word (r, n) at (n / 32) * (K / 8) * 32 + 32 r + n % 32: a block's words
+// of a group are one contiguous run), scales and zeros float16 [G, N], x [M, K] (row stride
 // stride_xm), out [M, N] contiguous. W[n, k] = (q[k, n] - zeros[g, n]) * scales[g, n].
 //
 // How the words become mma.sync m16n8k16 operands without shuffles or shared memory. The
@@ -46,7 +49,11 @@
 #ifndef BF16
 #define BF16 1
 #endif
+#ifndef PANELS
+#define PANELS 0
+#endif
 
+#define PANEL 32
 #define CHUNKS (GROUP / 32)
 #define ROWS (16 * VEC)
 #define MAX_M 8
@@ -229,12 +236,24 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   for (int i = 0; i < VEC; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
   // Word row t of chunk u of group G: row G * GROUP / 8 + 4u + t
-  const int chunk = 4 * N, group_words = (GROUP / 8) * N;
+#if PANELS
+  const int row_words = PANEL;
+#else
+  const int row_words = N;
+#endif
+  const int chunk = 4 * row_words, group_words = (GROUP / 8) * row_words;
   // (a warp without groups, when WARPS does not divide them, reads group 0 and sums nothing:
   // an unconditional first load stays ahead of the PDL wait in ptxas's schedule)
   const int start = first < last ? first : 0;
-  const int* pa = qweight + (start * (GROUP / 8) + t) * N + na;
+  const int row = start * (GROUP / 8) + t;
+#if PANELS
+  const int panel_words = (K / 8) * PANEL;
+  const int* pa = qweight + (na / PANEL) * panel_words + row * PANEL + na % PANEL;
+  const int* pb = qweight + (nb / PANEL) * panel_words + row * PANEL + nb % PANEL;
+#else
+  const int* pa = qweight + row * N + na;
   const int* pb = pa + (nb - na);
+#endif
   const u16* px = x_row + (start * (GROUP / 8) + t) * 8;
 
   Words w0, w1;
