@@ -1,9 +1,13 @@
 """The tensor-core int4 GEMV (``octavo_cuda.int4_mma``) against the Triton ``int4_gemv`` at
 Llama-3-8B's projections, one to eight rows, each call after Octavo's RMS norm.
 
-    python benchmarks/gpu/bench_int4_mma.py [--rows 1,2,4,8] [--write-configs TABLE]
+    python benchmarks/gpu/bench_int4_mma.py [--rows 1,2,4,8] [--layout panels|rows]
+                                            [--write-configs TABLE]
 
-Same timing as ``bench_quant_gemv.py`` (a CUDA graph over enough weight copies that nothing
+The tensor-core GEMV reads the words in 32-output panels, as the CUDA backend loads them
+(``octavo.kernels.int4.to_panels``; ``--layout rows``: GPTQ's ``[K / 8, N]``, as with
+``OCTAVO_CUDA_INT4_PANELS=0``), ``int4_gemv`` GPTQ's rows, as it gets them with
+``OCTAVO_CUDA_INT4_MMA=0``. Same timing as ``bench_quant_gemv.py`` (a CUDA graph over enough weight copies that nothing
 is served from L2); µs per pair (norm + kernel), the norm alone, and the floor (the int4
 words plus the float16 scales and zeros over the measured copy bandwidth). Each config's
 output is checked against the reference first. One JSON line per case, then a summary.
@@ -40,8 +44,9 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336)]
 
 
-def run_case(name: str, n: int, k: int, m: int, bandwidth: float) -> dict:
-    from octavo.kernels.int4 import pack_rows
+def run_case(name: str, n: int, k: int, m: int, bandwidth: float,
+             layout: str = "panels") -> dict:
+    from octavo.kernels.int4 import pack_rows, to_panels
     from octavo.kernels.triton.int4_gemv import int4_gemv
     from octavo.kernels.triton.rmsnorm import rms_norm
     from octavo_cuda.int4_mma import CANDIDATES, _sms, default_config, int4_mma_gemv
@@ -63,7 +68,9 @@ def run_case(name: str, n: int, k: int, m: int, bandwidth: float) -> dict:
     del q
     nbytes = n * k // 2 + 2 * groups * n * 2
     ws = [qweight] + [qweight.clone() for _ in range(copies_for(nbytes) - 1)]
-    row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": nbytes / bandwidth * 1e6,
+    panels = [to_panels(w) for w in ws] if layout == "panels" else ws
+    row = {"shape": name, "n": n, "k": k, "m": m, "layout": layout,
+           "floor_us": nbytes / bandwidth * 1e6,
            "norm_us": time_per_call(lambda w: h(), ws),
            "triton_us": time_per_call(lambda w: int4_gemv(h(), w, scales, zeros, GROUP), ws),
            "triton_err": rel_err(int4_gemv(x, qweight, scales, zeros, GROUP), expected),
@@ -71,15 +78,15 @@ def run_case(name: str, n: int, k: int, m: int, bandwidth: float) -> dict:
     for config in CANDIDATES:
         if n % (16 * config.vec):
             continue
-        err = rel_err(int4_mma_gemv(x, qweight, scales, zeros, GROUP, config), expected)
+        err = rel_err(int4_mma_gemv(x, panels[0], scales, zeros, GROUP, config), expected)
         us = time_per_call(
-            lambda w, c=config: int4_mma_gemv(h(), w, scales, zeros, GROUP, c), ws)
+            lambda w, c=config: int4_mma_gemv(h(), w, scales, zeros, GROUP, c), panels)
         row["mma"].append([asdict(config), us, err])
     default = asdict(default_config(n, k, _sms(0)))
     row["mma_default_us"] = next(us for c, us, _ in row["mma"] if c == default)
     # what a model gets: the device table's config, else the default
     row["mma_model_us"] = time_per_call(lambda w: int4_mma_gemv(h(), w, scales, zeros, GROUP),
-                                        ws)
+                                        panels)
     row["mma_best"] = min((r for r in row["mma"] if r[2] < SWEEP_MAX_REL_ERR),
                           key=lambda r: r[1])
     return row
@@ -102,6 +109,9 @@ def write_configs(path: str, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1")
+    parser.add_argument("--layout", choices=("panels", "rows"), default="panels",
+                        help="the words the tensor-core GEMV reads: 32-output panels (what "
+                        "the CUDA backend loads) or GPTQ's rows")
     parser.add_argument("--write-configs", metavar="PATH",
                         help="add each case's best config to this config table")
     args = parser.parse_args()
@@ -112,7 +122,7 @@ def main() -> None:
     summary, rows = [], []
     for m in (int(r) for r in args.rows.split(",")):
         for name, n, k in SHAPES:
-            row = run_case(name, n, k, m, bandwidth)
+            row = run_case(name, n, k, m, bandwidth, args.layout)
             rows.append(row)
             print(json.dumps(row), flush=True)
             best = row["mma_best"]
