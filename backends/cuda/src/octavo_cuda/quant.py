@@ -23,7 +23,8 @@ INT4_METHODS = ("gptq", "awq")
 
 
 class Int4Kernels:
-    """What ``int4_linear`` looks for (``int4_matmul``)."""
+    """What the int4 methods look for: ``int4_matmul`` (``int4_linear``, every matmul) and
+    ``int4_prepare_qweight`` (once per layer, at load)."""
 
     @staticmethod
     def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -34,7 +35,6 @@ class Int4Kernels:
         if not supports(x, qweight, scales, zeros, group_size, g_idx):
             return None
         return int4_mma_gemv(x, qweight, scales, zeros, group_size)
-
 
     @staticmethod
     def int4_prepare_qweight(qweight: torch.Tensor, group_size: int,
