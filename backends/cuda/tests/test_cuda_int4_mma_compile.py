@@ -98,6 +98,33 @@ def test_panels_compile_to_the_same_loop(config):
     assert len(_loop(sass)) <= len(_loop(rows))
 
 
+@pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: f"v{c.vec}w{c.warps}")
+def test_preload_2_loads_two_groups_before_the_wait(config):
+    """``PRELOAD`` 2 (``OCTAVO_CUDA_INT4_PRELOAD``), sm_90, panels: both groups' words load
+    before the PDL wait, x after it, without spills."""
+    for group in (32, 128):
+        sass, usage = _disassemble(nvrtc.compile_cubin(
+            _source(), "int4_mma_gemv", 90, {"VEC": config.vec, "WARPS": config.warps,
+                                             "GROUP": group, "BF16": 1, "PANELS": 1,
+                                             "PRELOAD": 2}))
+        assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
+        before = sass.partition("ACQBULK")[0]
+        assert len(re.findall(r"LDG\.E\.NA\b", before)) == 2 * 2 * group // 32
+        assert not re.search(r"LDG\.E\.128 ", before)
+
+
+def test_the_preload_switch_takes_1_or_2(monkeypatch):
+    from octavo import envs
+
+    monkeypatch.delenv("OCTAVO_CUDA_INT4_PRELOAD", raising=False)
+    assert envs.cuda_int4_preload() == 1
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_PRELOAD", "2")
+    assert envs.cuda_int4_preload() == 2
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_PRELOAD", "4")
+    with pytest.raises(ValueError, match="1 or 2"):
+        envs.cuda_int4_preload()
+
+
 def test_a_source_that_does_not_compile_raises_with_nvrtcs_log():
     with pytest.raises(nvrtc.NvrtcError, match="int4_mma_gemv.*undefined_name"):
         nvrtc.compile_cubin(_source() + "\n__global__ void broken() { undefined_name(); }\n",

@@ -7,6 +7,7 @@
 //   GROUP   the quantization group size (a multiple of 32)
 //   BF16    1: bfloat16 activations and output, 0: float16
 //   PANELS  1: qweight in 32-output panels (below), 0: GPTQ's rows
+//   PRELOAD groups whose words a warp loads before the PDL wait (1 or 2)
 //
 // Operands as octavo.kernels.int4 holds them: qweight int32 [K / 8, N] (input 8r + j of output
 // n in nibble j of word (r, n)) or, PANELS, the same words in 32-output panels
@@ -34,8 +35,9 @@
 // n0 + 8 VEC + VEC g + i (row g + 8).
 //
 // Each warp takes a contiguous run of groups and keeps the next group's words (and x) in
-// flight while it sums the current one; the first group's words are loaded before the PDL
-// wait (no kernel of the step writes weights). Warps' partial sums meet in shared memory.
+// flight while it sums the current one; the first group's words (PRELOAD 2: the first two
+// groups') are loaded before the PDL wait (no kernel of the step writes weights). Warps'
+// partial sums meet in shared memory.
 
 #ifndef VEC
 #define VEC 1
@@ -51,6 +53,9 @@
 #endif
 #ifndef PANELS
 #define PANELS 0
+#endif
+#ifndef PRELOAD
+#define PRELOAD 1
 #endif
 
 #define PANEL 32
@@ -259,6 +264,11 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   Words w0, w1;
   XRows x0, x1;
   load_words(w0, pa, pb, chunk);
+#if PRELOAD > 1
+  // The second group's words too (a warp of one group loads its own again: in range, unused)
+  const int second = start + 1 < groups ? group_words : 0;
+  load_words(w1, pa + second, pb + second, chunk);
+#endif
   // The kernel before may still be writing x (programmatic dependent launch); weights are
   // not written by any kernel of a step, so they are read before this wait.
 #if __CUDA_ARCH__ >= 900
@@ -268,7 +278,10 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   load_x(x0, px);
   for (int group = first; group < last; group += 2) {
     if (group + 1 < last) {
-      load_words(w1, pa + group_words, pb + group_words, chunk);
+#if PRELOAD > 1
+      if (group != first)
+#endif
+        load_words(w1, pa + group_words, pb + group_words, chunk);
       load_x(x1, px + GROUP);
     }
     sum_group(acc, w0, x0, scales, zeros, N, group, na, nb, mask, magic);
