@@ -7,9 +7,10 @@ Llama-3-8B's projections, one to eight rows, each call after Octavo's RMS norm.
 The tensor-core GEMV reads the words in 32-output panels, as the CUDA backend loads them
 (``octavo.kernels.int4.to_panels``; ``--layout rows``: GPTQ's ``[K / 8, N]``, as with
 ``OCTAVO_CUDA_INT4_PANELS=0``), ``int4_gemv`` GPTQ's rows, as it gets them with
-``OCTAVO_CUDA_INT4_MMA=0``. Same timing as ``bench_quant_gemv.py`` (a CUDA graph over enough weight copies that nothing
-is served from L2); µs per pair (norm + kernel), the norm alone, and the floor (the int4
-words plus the float16 scales and zeros over the measured copy bandwidth). Each config's
+``OCTAVO_CUDA_INT4_MMA=0``. Same timing as ``bench_quant_gemv.py`` (a CUDA graph over
+enough weight copies that nothing is served from L2); µs per pair (norm + kernel), the norm
+alone, and the floor (the int4 words plus the float16 scales and zeros over the measured copy
+bandwidth). Each config's
 output is checked against the reference first. One JSON line per case, then a summary.
 ``--write-configs PATH`` adds each case's best config (error under 2 %) to a config table's
 ``int4_mma_gemv`` section (``octavo.kernels.triton.skinny_gemm``'s tables, the keys the

@@ -2,9 +2,10 @@
 (the ``nvidia-cuda-nvrtc`` wheel of ``make install-dev``), disassembled with Triton's bundled
 ``nvdisasm``: every launch config compiles, none spills to local memory, for sm_90 the first
 group's weights load before the wait for the kernel before (PDL), also with the words in
-32-output panels, and the loop over two groups spends what the source's header says (one LOP3 per nibble pair, one ``mma`` per 16x16
-tile plus one for the sums of ``x``, few instructions a weight). What it computes is checked on
-a GPU (``test_cuda_int4_mma.py``)."""
+32-output panels (and both groups' with ``PRELOAD`` 2), and the loop over two groups spends
+what the source's header says (one LOP3 per nibble pair, one ``mma`` per 16x16 tile plus one
+for the sums of ``x``, few instructions a weight). What it computes is checked on a GPU
+(``test_cuda_int4_mma.py``)."""
 
 from __future__ import annotations
 

@@ -10,14 +10,15 @@ AWQ (``quant_method: "awq"``, ``version: "gemm"``): ``bits``/``w_bit`` 4, ``grou
 ``q_group_size``, ``zero_point`` true; ``P.qweight`` int32 ``[K, N/8]`` and ``P.qzeros`` int32
 ``[G, N/8]`` in AWQ's interleaved order, ``P.scales`` float16 ``[G, N]``.
 
-After loading, both hold the one layout the matmul reads (``int4_linear``): ``qweight`` int32
+After loading, both hold what the matmul reads (``int4_linear``): ``qweight`` int32
 ``[K/8, N]`` (AWQ repacked once), ``scales`` and unpacked ``zeros`` float16 ``[G, N]``, and
 ``g_idx`` only for act-order weights. A backend whose kernels read another arrangement of the
 same words best gives ``kernels.int4_prepare_qweight(qweight, group_size, g_idx)``, called
 once per layer at the end of loading; it returns ``qweight`` itself or the words in 32-output
-panels (``octavo.kernels.int4.to_panels``), which every int4 kernel reads. Under tensor parallelism a row-parallel layer of an
-act-order checkpoint keeps every group's scales (its inputs belong to any group); otherwise
-each rank keeps the groups of its inputs, so the split must fall on a group boundary.
+panels (``octavo.kernels.int4.to_panels``), which every int4 kernel reads. Under tensor
+parallelism a row-parallel layer of an act-order checkpoint keeps every group's scales (its
+inputs belong to any group); otherwise each rank keeps the groups of its inputs, so the split
+must fall on a group boundary.
 """
 
 from __future__ import annotations
