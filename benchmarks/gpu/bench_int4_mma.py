@@ -69,7 +69,7 @@ def run_case(name: str, n: int, k: int, m: int, bandwidth: float,
     del q
     nbytes = n * k // 2 + 2 * groups * n * 2
     ws = [qweight] + [qweight.clone() for _ in range(copies_for(nbytes) - 1)]
-    panels = [to_panels(w) for w in ws] if layout == "panels" else ws
+    mma_ws = [to_panels(w) for w in ws] if layout == "panels" else ws  # what the GEMV reads
     row = {"shape": name, "n": n, "k": k, "m": m, "layout": layout,
            "floor_us": nbytes / bandwidth * 1e6,
            "norm_us": time_per_call(lambda w: h(), ws),
@@ -79,15 +79,15 @@ def run_case(name: str, n: int, k: int, m: int, bandwidth: float,
     for config in CANDIDATES:
         if n % (16 * config.vec):
             continue
-        err = rel_err(int4_mma_gemv(x, panels[0], scales, zeros, GROUP, config), expected)
+        err = rel_err(int4_mma_gemv(x, mma_ws[0], scales, zeros, GROUP, config), expected)
         us = time_per_call(
-            lambda w, c=config: int4_mma_gemv(h(), w, scales, zeros, GROUP, c), panels)
+            lambda w, c=config: int4_mma_gemv(h(), w, scales, zeros, GROUP, c), mma_ws)
         row["mma"].append([asdict(config), us, err])
     default = asdict(default_config(n, k, _sms(0)))
     row["mma_default_us"] = next(us for c, us, _ in row["mma"] if c == default)
     # what a model gets: the device table's config, else the default
     row["mma_model_us"] = time_per_call(lambda w: int4_mma_gemv(h(), w, scales, zeros, GROUP),
-                                        panels)
+                                        mma_ws)
     row["mma_best"] = min((r for r in row["mma"] if r[2] < SWEEP_MAX_REL_ERR),
                           key=lambda r: r[1])
     return row

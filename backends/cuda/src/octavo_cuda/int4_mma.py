@@ -40,8 +40,9 @@ MAX_ROWS = 8
 # (or one group over all inputs) would spill
 GROUP_SIZES = (32, 64, 128)
 # Launch configs from a device table's "int4_mma_gemv" section, else the default
-# (``TUNER.lookup``): not timed at start-up, whose picks (one call at a time, L2 flushed) cost batch-1 8B int4 0.27 ms a token
-# against the swept table on the H100; the default is what won every case of that sweep.
+# (``TUNER.lookup``), never timed at start-up: those picks (one call at a time, L2 flushed)
+# cost batch-1 8B int4 0.27 ms a token against the swept table on the H100; the default is
+# what won every case of that sweep.
 TUNER = SkinnyTuner("int4_mma_gemv")
 
 

@@ -16,6 +16,7 @@ import logging
 
 import torch
 from octavo import envs
+from octavo.kernels.int4 import PANEL, to_panels
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ class Int4Kernels:
                              g_idx: torch.Tensor | None) -> torch.Tensor:
         """``qweight`` in 32-output panels when the tensor-core GEMV takes its layer (groups
         of 32-128 in natural order, N a multiple of 32, fewer than 2^31 words), else as is."""
-        from octavo.kernels.int4 import PANEL, to_panels
-
         from octavo_cuda.int4_mma import GROUP_SIZES
 
         if not envs.cuda_int4_panels() or g_idx is not None or group_size not in GROUP_SIZES \

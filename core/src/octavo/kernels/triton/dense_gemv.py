@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.triton.cache_write import store_skinny_output
+from octavo.kernels.triton.activation import silu_mul
 from octavo.kernels.triton.pdl import pdl_launch
-from octavo.kernels.triton.rmsnorm import round_to
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
     SkinnyOutput,
@@ -75,9 +75,7 @@ def _x_values(x_ptrs, mask, MASKED: tl.constexpr, up_offset, SILU_INPUT: tl.cons
     if SILU_INPUT:
         gate = _load(x_ptrs, mask, MASKED)
         up = _load(x_ptrs + up_offset, mask, MASKED)
-        g = gate.to(tl.float32)
-        silu = round_to(g / (1.0 + tl.exp(-g)), gate.dtype, EMULATE_BF16)  # F.silu(gate)
-        return round_to(silu * up.to(tl.float32), gate.dtype, EMULATE_BF16).to(gate.dtype)
+        return silu_mul(gate, up, gate.dtype, EMULATE_BF16).to(gate.dtype)
     return _load(x_ptrs, mask, MASKED)
 
 
