@@ -1,8 +1,8 @@
 """The tensor-core int4 GEMV's CUDA source compiled by NVRTC for sm_80 and sm_90 without a GPU
 (the ``nvidia-cuda-nvrtc`` wheel of ``make install-dev``), disassembled with Triton's bundled
 ``nvdisasm``: every launch config compiles, none spills to local memory, for sm_90 the first
-group's weights load before the wait for the kernel before (PDL), also with the words in
-32-output panels (and both groups' with ``PRELOAD`` 2), and the loop over two groups spends
+group's words, scales and zeros load before the wait for the kernel before (PDL), also with the
+words in 32-output panels (and both groups' with ``PRELOAD`` 2), and the loop over two groups spends
 what the source's header says (one LOP3 per nibble pair, one ``mma`` per 16x16 tile plus one
 for the sums of ``x``, few instructions a weight). What it computes is checked on a GPU
 (``test_cuda_int4_mma.py``)."""
@@ -40,6 +40,12 @@ def _disassemble(cubin: bytes) -> tuple[str, str]:
     return sass, usage
 
 
+def _group_loads(group: int) -> int:
+    """Loads of one group's weights in a lane: rows g and g + 8 of each chunk of 32 inputs,
+    then their scales and zeros (all weight loads skip L1: ``LDG.E.NA``)."""
+    return 2 * group // 32 + 4
+
+
 def _loop(sass: str) -> list[str]:
     """Opcodes of the longest loop: the two-group loop."""
     return sass_opcodes(max(sass_loops(sass), key=len))
@@ -58,15 +64,17 @@ def test_every_config_compiles_without_spills(arch, bf16, config):
         assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
         assert "HMMA.16816.F32" in sass
         if arch >= 90:
-            # programmatic dependent launch: the first group's words (rows g and g + 8 of each
-            # chunk of 32 inputs) load before the wait (ACQBULK, griddepcontrol.wait), x only
-            # after it
+            # programmatic dependent launch: the first group's words, scales and zeros load
+            # before the wait (ACQBULK, griddepcontrol.wait), x only after it
             before, _, after = sass.partition("ACQBULK")
-            assert len(re.findall(r"LDG\.E\.NA\b", before)) == 2 * group // 32
+            assert len(re.findall(r"LDG\.E\.NA\b", before)) == _group_loads(group)
             assert "PREEXIT" in after and re.search(r"LDG\.E\.128 ", after)
             assert not re.search(r"LDG\.E\.128 ", before)
         else:
             assert "ACQBULK" not in sass
+        # every scale and zero comes through the group pipeline: none is loaded where it is
+        # used (a memory round trip after each group's sums; they were, before)
+        assert not re.search(r"LDG\.E\.(U16\.)?CONSTANT", sass)
 
 
 @pytest.mark.parametrize("vec, per_weight", [(1, 2.6), (2, 2.0), (4, 1.7)])
@@ -95,7 +103,7 @@ def test_panels_compile_to_the_same_loop(config):
                                                    {**macros, "PANELS": 1}))
     assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
     before = sass.partition("ACQBULK")[0]
-    assert len(re.findall(r"LDG\.E\.NA\b", before)) == 2 * 128 // 32
+    assert len(re.findall(r"LDG\.E\.NA\b", before)) == _group_loads(128)
     assert len(_loop(sass)) <= len(_loop(rows))
 
 
@@ -110,7 +118,7 @@ def test_preload_2_loads_two_groups_before_the_wait(config):
                                              "PRELOAD": 2}))
         assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
         before = sass.partition("ACQBULK")[0]
-        assert len(re.findall(r"LDG\.E\.NA\b", before)) == 2 * 2 * group // 32
+        assert len(re.findall(r"LDG\.E\.NA\b", before)) == 2 * _group_loads(group)
         assert not re.search(r"LDG\.E\.128 ", before)
 
 

@@ -65,7 +65,8 @@ def test_the_default_config_is_a_candidate_that_won_on_the_h100():
 
 
 @pytest.mark.parametrize("case", ["cpu", "16 rows", "float32", "act-order", "group 8",
-                                  "group 256", "N=24", "float32 scales"])
+                                  "group 256", "N=24", "float32 scales", "strided scales",
+                                  "scales off 8 bytes"])
 def test_int4_matmul_declines_what_the_kernel_does_not_run(case):
     """Each of these goes back to ``int4_linear``'s Triton/torch paths (``None``): the
     operands it does not take, and operands it takes but on the CPU."""
@@ -87,6 +88,10 @@ def test_int4_matmul_declines_what_the_kernel_does_not_run(case):
         qweight = torch.zeros(32, 24, dtype=torch.int32)
     elif case == "float32 scales":
         scales = scales.float()
+    elif case == "strided scales":  # read as [G, N] rows
+        scales = torch.zeros(32, 2, dtype=torch.float16).t()
+    elif case == "scales off 8 bytes":  # up to four float16 in one load
+        scales = torch.zeros(2 * 32 + 1, dtype=torch.float16)[1:].view(2, 32)
     assert operands_supported(x, qweight, scales, zeros, group_size, g_idx) == (case == "cpu")
     assert not supports(x, qweight, scales, zeros, group_size, g_idx)
     assert quant.Int4Kernels.int4_matmul(x, qweight, scales, zeros, group_size, g_idx) is None

@@ -12,8 +12,8 @@ contiguous run, not 128 bytes from each of 16 rows ``4N`` bytes apart. The other
 read both layouts. The source's header says how the words become mma operands.
 
 What it takes (``supports``): 1 to 8 rows of bfloat16 or float16 ``x``, natural-order groups
-(no ``g_idx``) of 32, 64 or 128 inputs, ``N`` a multiple of 16, a GPU of compute
-capability 8.0 or more. Anything else stays on the Triton kernel. Models reach it through
+(no ``g_idx``) of 32, 64 or 128 inputs, ``N`` a multiple of 16, contiguous scales and zeros
+on 8-byte boundaries, a GPU of compute capability 8.0 or more. Anything else stays on the Triton kernel. Models reach it through
 the backend's ``octavo_quant_kernels`` (``octavo_cuda.quant``; ``OCTAVO_CUDA_INT4_MMA=0``
 turns it off). Its GPU tests are ``backends/cuda/tests/test_cuda_int4_mma.py``; CI compiles
 it and checks its SASS.
@@ -85,7 +85,12 @@ def operands_supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
             and x.dtype in (torch.bfloat16, torch.float16) and g_idx is None
             and group_size in GROUP_SIZES and x.shape[1] % group_size == 0 and n % 16 == 0
             and scales.dtype == torch.float16 and zeros.dtype == torch.float16
-            and qweight.numel() < 2**31)
+            and _whole_rows(scales) and _whole_rows(zeros) and qweight.numel() < 2**31)
+
+
+def _whole_rows(t: torch.Tensor) -> bool:
+    """Scales and zeros are read as ``[G, N]`` contiguous, up to four float16 in one load."""
+    return t.is_contiguous() and t.data_ptr() % 8 == 0
 
 
 def supports(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -34,10 +34,11 @@
 // With VEC words per load, mma tile i of a lane holds outputs n0 + VEC g + i (row g) and
 // n0 + 8 VEC + VEC g + i (row g + 8).
 //
-// Each warp takes a contiguous run of groups and keeps the next group's words (and x) in
-// flight while it sums the current one; the first group's words (PRELOAD 2: the first two
-// groups') are loaded before the PDL wait (no kernel of the step writes weights). Warps'
-// partial sums meet in shared memory.
+// Each warp takes a contiguous run of groups and keeps the next group's words, scales and
+// zeros (and x) in flight while it sums the current one; the first group's (PRELOAD 2: the
+// first two groups') are loaded before the PDL wait (no kernel of the step writes weights).
+// Loaded where they are used instead, each group's scales and zeros cost the warp a memory
+// round trip after its sums. Warps' partial sums meet in shared memory.
 
 #ifndef VEC
 #define VEC 1
@@ -61,6 +62,8 @@
 #define PANEL 32
 #define CHUNKS (GROUP / 32)
 #define ROWS (16 * VEC)
+// 32-bit words that hold a lane's VEC float16 scales (or zeros) of one mma row
+#define HALVES ((VEC + 1) / 2)
 #define MAX_M 8
 
 #if BF16
@@ -81,6 +84,8 @@ typedef unsigned short u16;
 struct Words {
   u32 a[CHUNKS][VEC];  // row-g words of each chunk
   u32 b[CHUNKS][VEC];  // row-(g + 8) words
+  u32 sa[HALVES], sb[HALVES];  // the group's float16 scales of the row-g and row-(g + 8) outputs
+  u32 za[HALVES], zb[HALVES];  // and zeros
 };
 
 struct XRows {
@@ -101,14 +106,38 @@ __device__ __forceinline__ void load_vec(u32 (&dst)[VEC], const int* p) {
 #endif
 }
 
+// VEC consecutive float16 values, two to a word (VEC 1: the low half)
+__device__ __forceinline__ void load_halves(u32 (&dst)[HALVES], const u16* p) {
+#if VEC == 4
+  asm volatile("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+               : "=r"(dst[0]), "=r"(dst[1]) : "l"(p));
+#elif VEC == 2
+  asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];" : "=r"(dst[0]) : "l"(p));
+#else
+  u16 h;
+  asm volatile("ld.global.L1::no_allocate.u16 %0, [%1];" : "=h"(h) : "l"(p));
+  dst[0] = h;
+#endif
+}
+
+__device__ __forceinline__ u16 half_of(const u32 (&w)[HALVES], int i) {
+  return (u16)(w[i / 2] >> (16 * (i % 2)));
+}
+
 // The group's words: pa, pb point at the lane's words of row t of the group's first chunk
-// (int32 offsets: the launch checks that qweight has fewer than 2^31 words).
-__device__ __forceinline__ void load_words(Words& w, const int* pa, const int* pb, int chunk) {
+// (int32 offsets: the launch checks that qweight has fewer than 2^31 words); ps, pz at the
+// group's scale and zero of the lane's first row-g output (row g + 8: 8 * VEC further).
+__device__ __forceinline__ void load_words(Words& w, const int* pa, const int* pb, int chunk,
+                                           const u16* ps, const u16* pz) {
 #pragma unroll
   for (int u = 0; u < CHUNKS; ++u) {
     load_vec(w.a[u], pa + u * chunk);
     load_vec(w.b[u], pb + u * chunk);
   }
+  load_halves(w.sa, ps);
+  load_halves(w.sb, ps + 8 * VEC);
+  load_halves(w.za, pz);
+  load_halves(w.zb, pz + 8 * VEC);
 }
 
 // x[8r .. 8r + 7] of the lane's word row r of each chunk of a group (p: the first chunk's)
@@ -160,8 +189,7 @@ __device__ __forceinline__ u16 float_to_out(float f) {
 
 // One group: acc[i] += scale * (sum x (OFFSET + q) - (OFFSET + z) * sum x) for each mma tile i.
 __device__ __forceinline__ void sum_group(float (&acc)[VEC][4], const Words& w, const XRows& xr,
-                                          const u16* scales, const u16* zeros, int N, int group,
-                                          int na, int nb, u32 mask, u32 magic) {
+                                          u32 mask, u32 magic) {
   float qx[VEC][4];
   float xs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -184,13 +212,12 @@ __device__ __forceinline__ void sum_group(float (&acc)[VEC][4], const Words& w, 
       }
     }
   }
-  const int base = group * N;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
-    const float sa = half_to_float(scales[base + na + i]);
-    const float sb = half_to_float(scales[base + nb + i]);
-    const float za = half_to_float(zeros[base + na + i]) + OFFSET;
-    const float zb = half_to_float(zeros[base + nb + i]) + OFFSET;
+    const float sa = half_to_float(half_of(w.sa, i));
+    const float sb = half_to_float(half_of(w.sb, i));
+    const float za = half_to_float(half_of(w.za, i)) + OFFSET;
+    const float zb = half_to_float(half_of(w.zb, i)) + OFFSET;
     // c0, c1: row g, columns 2t, 2t + 1; c2, c3: row g + 8
     acc[i][0] += sa * (qx[i][0] - za * xs[0]);
     acc[i][1] += sa * (qx[i][1] - za * xs[1]);
@@ -217,7 +244,15 @@ __device__ __forceinline__ void for_each_sum(const float (&acc)[VEC][4], int g, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+// VEC 4: the explicit minimum of one block lets ptxas use the registers it needs (left to
+// itself it stopped at 127 and spilled at groups of 64); the others keep their allocation
+#if VEC == 4
+#define BOUNDS __launch_bounds__(WARPS * 32, 1)
+#else
+#define BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+
+extern "C" __global__ void BOUNDS
 int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
               const u16* __restrict__ scales, const u16* __restrict__ zeros,
               u16* __restrict__ out, int M, int N, int K, int stride_xm) {
@@ -260,14 +295,18 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   const int* pb = pa + (nb - na);
 #endif
   const u16* px = x_row + (start * (GROUP / 8) + t) * 8;
+  // the lane's row-g scales and zeros of group `start` (float16 [G, N])
+  const u16* ps = scales + (long)start * N + na;
+  const u16* pz = zeros + (long)start * N + na;
 
   Words w0, w1;
   XRows x0, x1;
-  load_words(w0, pa, pb, chunk);
+  load_words(w0, pa, pb, chunk, ps, pz);
 #if PRELOAD > 1
-  // The second group's words too (a warp of one group loads its own again: in range, unused)
-  const int second = start + 1 < groups ? group_words : 0;
-  load_words(w1, pa + second, pb + second, chunk);
+  // The second group's too (a warp of one group loads its own again: in range, unused)
+  const int second = start + 1 < groups ? 1 : 0;
+  load_words(w1, pa + second * group_words, pb + second * group_words, chunk, ps + second * N,
+             pz + second * N);
 #endif
   // The kernel before may still be writing x (programmatic dependent launch); weights are
   // not written by any kernel of a step, so they are read before this wait.
@@ -281,19 +320,21 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
 #if PRELOAD > 1
       if (group != first)
 #endif
-        load_words(w1, pa + group_words, pb + group_words, chunk);
+        load_words(w1, pa + group_words, pb + group_words, chunk, ps + N, pz + N);
       load_x(x1, px + GROUP);
     }
-    sum_group(acc, w0, x0, scales, zeros, N, group, na, nb, mask, magic);
+    sum_group(acc, w0, x0, mask, magic);
     if (group + 1 >= last) break;
     pa += 2 * group_words;
     pb += 2 * group_words;
+    ps += 2 * N;
+    pz += 2 * N;
     px += 2 * GROUP;
     if (group + 2 < last) {
-      load_words(w0, pa, pb, chunk);
+      load_words(w0, pa, pb, chunk, ps, pz);
       load_x(x0, px);
     }
-    sum_group(acc, w1, x1, scales, zeros, N, group + 1, na, nb, mask, magic);
+    sum_group(acc, w1, x1, mask, magic);
   }
 
 #if WARPS > 1
