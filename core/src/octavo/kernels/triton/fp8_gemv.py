@@ -87,11 +87,14 @@ def _fp8_gemv_kernel(
     m_mask = offs_m < M
     scale_ptrs = scale_ptr + offs_n  # [BLOCK_N]
     if BLOCK_M == 1:
-        # The first step's weights loaded before the PDL wait (dense_gemv.one_row_sums)
+        # The scales with the first step's weights, before the PDL wait (dense_gemv.
+        # one_row_sums): loaded after the K loop, they cost each program a memory round trip
+        # at its end, exposed in a kernel whose programs all run in one wave.
+        scale = tl.load(scale_ptrs, mask=n_mask, other=0.0)
         acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K,
                            EARLY_TRIGGER, USE_PDL, EVEN_K, SUM_RUN, LOAD_STAGES, K,
                            SILU_INPUT, EMULATE_BF16)
-        acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)
+        acc = acc * scale
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
