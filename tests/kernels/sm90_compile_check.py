@@ -189,12 +189,6 @@ def main() -> None:
     consts = int4_constexprs(1, SkinnyConfig(128, 128, load_stages=4), use_pdl=True)
     print(json.dumps({"kernel": "int4_gemv", **consts,
                       **compile_variant(_int4_gemv_kernel, INT4_SIG, consts, 4)}))
-    # One [gate | up] row: silu(gate) * up computed from both halves (fp8_gemv's silu_and_mul)
-    consts = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "IN_KERNEL_SUM": False,
-              "UPCAST_DOT": False, "EARLY_TRIGGER": True, "EVEN_K": True, "EVEN_N": True,
-              "SUM_RUN": 0, "LOAD_STAGES": 0, "USE_PDL": True, "SILU_INPUT": True}
-    print(json.dumps({"kernel": "fp8_gemv", **consts,
-                      **compile_variant(_fp8_gemv_kernel, FP8_SIG, consts, 4)}))
     # The words in 32-output panels (octavo.kernels.int4.to_panels), one row with PDL
     consts = {**int4_constexprs(1, SkinnyConfig(128, 128), use_pdl=True), "PANELS": True}
     print(json.dumps({"kernel": "int4_gemv", **consts,

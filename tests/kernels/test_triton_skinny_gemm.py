@@ -90,25 +90,6 @@ def test_fp8_gemv_matches_the_dequantized_reference(config, m, dtype, n, k):
     assert relative_error(out, expected) < TOLERANCES[dtype][0]
 
 
-@pytest.mark.parametrize("config", [*SMALL_CONFIGS, SUM_RUNS_CONFIG,
-                                    SkinnyConfig(block_n=16, block_k=64, load_stages=3)],
-                         ids=["split1", "split3", "runs", "pipelined"])
-@pytest.mark.parametrize("k", [256, 200], ids=["whole-steps", "tail"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_fp8_gemv_multiplies_silu_and_mul_of_a_gate_up_row_itself(config, k, dtype):
-    """``silu_and_mul=True`` on ``[gate | up]`` gives what ``SiluAndMul``'s kernel and then
-    ``fp8_gemv`` give, bit for bit (the product rounded to ``x``'s dtype the same way)."""
-    from octavo.kernels.triton.activation import silu_and_mul
-
-    weight, scale = fp8_weight(48, k)
-    gate_up = (torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
-    args = [t.to(DEVICE) for t in (weight, scale)]
-    fused = fp8_gemv(gate_up.to(DEVICE), *args, config, silu_and_mul=True)
-    assert torch.equal(fused, fp8_gemv(silu_and_mul(gate_up.to(DEVICE)), *args, config))
-    with pytest.raises(ValueError, match="one \\[gate \\| up\\] row"):
-        fp8_gemv(torch.randn(2, 2 * k).to(DEVICE), *args, silu_and_mul=True)
-
-
 def test_fp8_gemv_takes_a_per_tensor_scale_and_refuses_block_scales():
     weight, _ = fp8_weight(16, 64)
     x = torch.randn(2, 64).to(DEVICE)

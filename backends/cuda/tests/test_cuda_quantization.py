@@ -117,32 +117,6 @@ def test_fp8_weights_w8a16_decode_close_to_dequantized(dense_folder, tmp_path):
     _assert_greedy_close(ours, theirs, atol=0.1)
 
 
-def test_fp8_silu_in_the_down_projection_equals_the_unfused_mlp(dense_folder, tmp_path,
-                                                                 monkeypatch):
-    """``OCTAVO_FUSED_SILU_DOWN=1``: one sequence at a time, so every decode step's down
-    projection reads ``[gate | up]`` and multiplies ``silu(gate) * up`` itself
-    (``fp8_gemv(silu_and_mul=True)``), eagerly and in CUDA graphs; the same greedy tokens as
-    SiluAndMul's kernel then ``fp8_gemv``, logprobs within float32 rounding."""
-    from octavo.kernels import fp8 as fp8_kernels
-
-    folder = tmp_path / "fp8"
-    write_fp8(dense_folder, folder, scheme="tensor")
-    single = {"dtype": "bfloat16", "max_num_seqs": 1}
-    monkeypatch.setenv("OCTAVO_FUSED_SILU_DOWN", "0")
-    fp8_kernels.fused_silu_down.cache_clear()
-    _, unfused = _run(folder, **single)
-    monkeypatch.setenv("OCTAVO_FUSED_SILU_DOWN", "1")
-    fp8_kernels.fused_silu_down.cache_clear()
-    try:
-        for eager in (False, True):
-            _, fused = _run(folder, enforce_eager=eager, **single)
-            for a, b in zip(fused, unfused):
-                assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert _assert_greedy_close(fused, unfused, atol=1e-3) < 1e-3
-    finally:
-        fp8_kernels.fused_silu_down.cache_clear()
-
-
 def test_gptq_triton_kernel_equals_dequantized(dense_folder, tmp_path):
     folder = tmp_path / "gptq"
     weights = write_gptq(dense_folder, folder, group_size=128, desc_act=True, sym=False)

@@ -18,7 +18,6 @@
 | ``OCTAVO_PDL`` | ``0``: the decode step's Triton kernels launch in plain stream order instead of with programmatic dependent launch on compute capability 9.0+ (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_ROTARY_CACHE_WRITE`` | ``0``: the Triton attention backend rotates the keys, then writes the cache, in two kernels instead of one (``apply_rotary_write_kv``; read when a layer's kernels are made; default ``1``) |
 | ``OCTAVO_SKINNY_PDL`` | ``0``: ``fp8_gemv`` and ``int4_gemv`` at one row launch in plain stream order instead of with PDL, loading their first step's weights before they wait (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
-| ``OCTAVO_FUSED_SILU_DOWN`` | ``1``: at one row on GPUs, an fp8 MLP's down projection reads the merged gate/up output and multiplies ``silu(gate) * up`` itself (``fp8_gemv``'s ``silu_and_mul``), one kernel less per layer (``LinearMethod.apply_silu_and_mul``; read once per process; default ``0`` until it has run on a GPU) |
 | ``OCTAVO_CUDA_INT4_PANELS`` | ``0``: int4 layers the CUDA backend's tensor-core GEMV takes keep GPTQ's ``[K / 8, N]`` words instead of being rearranged into 32-output panels at load (``octavo_cuda.quant``; read when a model loads; default ``1``; for A/B runs) |
 | ``OCTAVO_CUDA_INT4_PRELOAD`` | ``2``: each warp of the CUDA backend's tensor-core int4 GEMV loads its first two groups' words before it waits for the kernel before it under PDL, not only the first (``octavo_cuda.int4_mma``; read once per process; default ``1`` until it has been measured on a GPU) |
 | ``OCTAVO_CUDA_INT4_MMA`` | ``0``: int4 (GPTQ/AWQ) layers at 1 to 8 rows on NVIDIA GPUs run the Triton ``int4_gemv`` instead of the CUDA backend's tensor-core GEMV (``octavo_cuda.int4_mma``, compiled with NVRTC; read when a model is built; default ``1``; for A/B runs) |
@@ -84,13 +83,6 @@ def cuda_int4_mma() -> bool:
     methods its tensor-core GEMV for 1 to 8 rows (``octavo_cuda.int4_mma``; default yes;
     ``0``/``false``: the Triton ``int4_gemv`` runs; read when a model is built)."""
     return os.environ.get("OCTAVO_CUDA_INT4_MMA", "1").strip() not in ("0", "false", "False")
-
-
-def fused_silu_down() -> bool:
-    """``OCTAVO_FUSED_SILU_DOWN``: whether a down projection whose method has a fused
-    ``silu(gate) * up`` input takes the merged gate/up output itself
-    (``LinearMethod.apply_silu_and_mul``; default no; ``1``/``true``: yes)."""
-    return os.environ.get("OCTAVO_FUSED_SILU_DOWN", "0").strip() in ("1", "true", "True")
 
 
 def cuda_int4_panels() -> bool:

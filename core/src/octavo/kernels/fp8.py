@@ -30,7 +30,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from octavo import envs
 from octavo.kernels.skinny import use_small_m_kernel
 from octavo.kernels.triton_support import optional_triton_kernels
 
@@ -147,33 +146,6 @@ def fp8_linear(
         out = out.to(x.dtype)
         return out if bias is None else out + bias
     return F.linear(x, dequantize_fp8(weight, weight_scale, x.dtype, block), bias)
-
-
-def fp8_linear_silu_and_mul(
-    gate_up: torch.Tensor,  # [M, 2K] float: [gate | up]
-    weight: torch.Tensor,  # [N, K] e4m3
-    weight_scale: torch.Tensor,  # [N] float32 (per channel) or block scales
-    bias: torch.Tensor | None,  # [N] or None
-    block: tuple[int, int] | None = None,
-) -> torch.Tensor | None:  # [M, N] in gate_up's dtype, or None
-    """``fp8_linear(silu(gate) * up, ...)`` in one kernel where ``fp8_linear`` would run the
-    one-row ``fp8_gemv``: one row on a GPU with fp8 matmuls, per-channel scales, and
-    ``OCTAVO_FUSED_SILU_DOWN`` on. ``None`` for anything else (the caller runs
-    ``SiluAndMul``, then ``fp8_linear``)."""
-    if block is not None or gate_up.shape[0] != 1 or not fused_silu_down() \
-            or not scaled_mm_supported(gate_up, weight):
-        return None
-    kernels = optional_triton_kernels("fp8_gemv")
-    if kernels is None:
-        return None
-    out = kernels.fp8_gemv(gate_up, weight, weight_scale, silu_and_mul=True)
-    return out if bias is None else out + bias
-
-
-@functools.cache
-def fused_silu_down() -> bool:
-    """``OCTAVO_FUSED_SILU_DOWN`` (read once per process: a decode step asks per layer)."""
-    return envs.fused_silu_down()
 
 
 def fp8_linear_reference(

@@ -31,8 +31,7 @@ _MAX_BLOCK = 1024
 @triton.jit
 def silu_mul(gate, up, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """``silu(gate) * up`` in float32, holding a ``dtype`` value: silu rounded to ``dtype``,
-    then the product, as torch's two eager ops round them (``round_to``). Also what
-    ``fp8_gemv`` computes when it reads a ``[gate | up]`` row."""
+    then the product, as torch's two eager ops round them (``round_to``)."""
     g = gate.to(tl.float32)
     silu = round_to(g / (1.0 + tl.exp(-g)), dtype, EMULATE_BF16)  # F.silu(gate)
     return round_to(silu * up.to(tl.float32), dtype, EMULATE_BF16)

@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.triton.cache_write import store_skinny_output
-from octavo.kernels.triton.activation import silu_mul
 from octavo.kernels.triton.pdl import pdl_launch
 from octavo.kernels.triton.skinny_gemm import (
     SkinnyConfig,
@@ -60,47 +59,27 @@ def _weights(w_rows, n_mask, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.conste
 
 
 @triton.jit
-def _load(ptrs, mask, MASKED: tl.constexpr):
-    if MASKED:
-        return tl.load(ptrs, mask=mask, other=0.0)
-    return tl.load(ptrs)
-
-
-@triton.jit
-def _x_values(x_ptrs, mask, MASKED: tl.constexpr, up_offset, SILU_INPUT: tl.constexpr,
-              EMULATE_BF16: tl.constexpr):
-    """``x`` at ``x_ptrs`` (zeros where ``mask`` is false, when ``MASKED``), or with
-    ``SILU_INPUT`` ``silu(gate) * up`` from ``gate`` there and ``up`` ``up_offset`` further,
-    rounded as ``SiluAndMul``'s kernel rounds it (``octavo.kernels.triton.activation``)."""
-    if SILU_INPUT:
-        gate = _load(x_ptrs, mask, MASKED)
-        up = _load(x_ptrs + up_offset, mask, MASKED)
-        return silu_mul(gate, up, gate.dtype, EMULATE_BF16).to(gate.dtype)
-    return _load(x_ptrs, mask, MASKED)
-
-
-@triton.jit
-def _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            up_offset=0, SILU_INPUT: tl.constexpr = False, EMULATE_BF16: tl.constexpr = False):
+def _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """``x[k0 : k0 + BLOCK_K]`` as a ``[BLOCK_N, BLOCK_K]`` broadcast: the weight tile's
     register layout, no shuffle through shared memory. Unmasked (``EVEN_K``) the rows' loads
     are one load: a thread loads and converts its inputs once for all its rows (masked,
     the compiler keeps one load and conversion per row: ~1.5 more instructions per fp8
-    weight). ``SILU_INPUT``: ``_x_values``."""
+    weight)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_k[None, :] + offs_n[:, None] * 0
-    return _x_values(x_ptrs, (offs_k < k_end)[None, :], not EVEN_K, up_offset, SILU_INPUT,
-                     EMULATE_BF16)
+    if EVEN_K:
+        return tl.load(x_ptrs)
+    return tl.load(x_ptrs, mask=(offs_k < k_end)[None, :], other=0.0)
 
 
 @triton.jit
-def _x_row(x_ptr, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, up_offset=0,
-           SILU_INPUT: tl.constexpr = False, EMULATE_BF16: tl.constexpr = False):
+def _x_row(x_ptr, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """``x[k0 : k0 + BLOCK_K]`` as ``[1, BLOCK_K]``: for the pipelined loop, whose loads go
     through shared memory anyway (a broadcast tile would be copied ``BLOCK_N`` times)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    return _x_values(x_ptr + offs_k, offs_k < k_end, not EVEN_K, up_offset, SILU_INPUT,
-                     EMULATE_BF16)[None, :]
+    if EVEN_K:
+        return tl.load(x_ptr + offs_k)[None, :]
+    return tl.load(x_ptr + offs_k, mask=offs_k < k_end, other=0.0)[None, :]
 
 
 @triton.jit
@@ -117,8 +96,7 @@ def _step_products(w, x, SUM_RUN: tl.constexpr):
 @triton.jit
 def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.constexpr,
                  EARLY_TRIGGER: tl.constexpr, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                 SUM_RUN: tl.constexpr, LOAD_STAGES: tl.constexpr, up_offset=0,
-                 SILU_INPUT: tl.constexpr = False, EMULATE_BF16: tl.constexpr = False):
+                 SUM_RUN: tl.constexpr, LOAD_STAGES: tl.constexpr):
     """``[BLOCK_N]`` float32 sums ``sum_k W[n, k] * x[k]`` over ``k_start .. k_end`` for the
     weight rows at ``w_rows`` (``[BLOCK_N, 1]`` pointers; 16-bit or e4m3 weights, upcast in
     registers), products summed per lane over the steps and reduced once at the end.
@@ -135,28 +113,23 @@ def one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K: tl.cons
     steps after the first run as a software-pipelined ``tl.range`` loop, later steps' weights
     copied into shared memory while the current one is summed, and ``x`` loaded as one row a
     step (a broadcast tile would be copied once per weight row). Also ``fp8_gemv``'s one-row
-    loop. ``SILU_INPUT``: ``x`` is ``silu(gate) * up`` of a ``[gate | up]`` row, ``up``
-    ``up_offset`` after ``gate`` (``_x_values``)."""
+    loop."""
     w = _weights(w_rows, n_mask, k_start, k_end, BLOCK_K, EVEN_K)
     if USE_PDL:
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    x = _x_tile(x_ptr, offs_n, k_start, k_end, BLOCK_K, EVEN_K, up_offset, SILU_INPUT,
-                EMULATE_BF16)
+    x = _x_tile(x_ptr, offs_n, k_start, k_end, BLOCK_K, EVEN_K)
     acc_lanes = _step_products(w, x, SUM_RUN)
     # LOAD_STAGES > 1: later steps' loads copied ahead through shared memory (a pipelined
     # loop); else each step's loads are issued when it starts
     for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=max(LOAD_STAGES, 1)):
         w = _weights(w_rows, n_mask, k0, k_end, BLOCK_K, EVEN_K)
         if LOAD_STAGES > 1:
-            acc_lanes += _step_products(
-                w, _x_row(x_ptr, k0, k_end, BLOCK_K, EVEN_K, up_offset, SILU_INPUT,
-                          EMULATE_BF16), SUM_RUN)
+            acc_lanes += _step_products(w, _x_row(x_ptr, k0, k_end, BLOCK_K, EVEN_K), SUM_RUN)
         else:
-            acc_lanes += _step_products(
-                w, _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K, up_offset, SILU_INPUT,
-                           EMULATE_BF16), SUM_RUN)
+            acc_lanes += _step_products(w, _x_tile(x_ptr, offs_n, k0, k_end, BLOCK_K, EVEN_K),
+                                        SUM_RUN)
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     return tl.sum(acc_lanes, axis=1)

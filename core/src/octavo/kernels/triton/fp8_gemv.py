@@ -26,12 +26,7 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.skinny import m_bucket
-from octavo.kernels.triton.cache_write import (
-    KERNELS_INTERPRETED,
-    dot_fp32,
-    store_skinny_output,
-    upcast_dot,
-)
+from octavo.kernels.triton.cache_write import dot_fp32, store_skinny_output, upcast_dot
 from octavo.kernels.triton.dense_gemv import one_row_sums, sum_run
 from octavo.kernels.triton.pdl import skinny_pdl_launch
 from octavo.kernels.triton.skinny_gemm import (
@@ -73,8 +68,6 @@ def _fp8_gemv_kernel(
     SUM_RUN: tl.constexpr,  # one row: a step's products summed over runs (one_row_sums)
     LOAD_STAGES: tl.constexpr,  # one row: steps whose loads are in flight (one_row_sums)
     USE_PDL: tl.constexpr,  # one row: launched with PDL (octavo.kernels.triton.pdl)
-    SILU_INPUT: tl.constexpr = False,  # one row: x is [gate | up], each K wide (silu * up)
-    EMULATE_BF16: tl.constexpr = False,  # SILU_INPUT's rounding to bf16 in integer ops
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,8 +85,7 @@ def _fp8_gemv_kernel(
         # at its end, exposed in a kernel whose programs all run in one wave.
         scale = tl.load(scale_ptrs, mask=n_mask, other=0.0)
         acc = one_row_sums(x_ptr, w_rows, offs_n, n_mask, k_start, k_end, BLOCK_K,
-                           EARLY_TRIGGER, USE_PDL, EVEN_K, SUM_RUN, LOAD_STAGES, K,
-                           SILU_INPUT, EMULATE_BF16)
+                           EARLY_TRIGGER, USE_PDL, EVEN_K, SUM_RUN, LOAD_STAGES)
         acc = acc * scale
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -146,8 +138,8 @@ def candidate_configs(m: int) -> list[SkinnyConfig]:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-            config: SkinnyConfig, silu_input: bool = False) -> torch.Tensor:
-    m, k = x.shape[0], weight.shape[1]
+            config: SkinnyConfig) -> torch.Tensor:
+    m, k = x.shape
     n = weight.shape[0]
     split = choose_split_k(n, k, config, x.device)
     out = SkinnyOutput.make(m, n, config.block_n, split, x.dtype, x.device)
@@ -159,8 +151,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         SPLIT_K=split, IN_KERNEL_SUM=out.in_kernel_sum, UPCAST_DOT=upcast_dot(x.dtype),
         EARLY_TRIGGER=config.early_trigger, EVEN_K=k % config.block_k == 0,
         EVEN_N=n % config.block_n == 0, SUM_RUN=sum_run(config, weight),
-        LOAD_STAGES=config.load_stages, SILU_INPUT=silu_input,
-        EMULATE_BF16=silu_input and KERNELS_INTERPRETED,
+        LOAD_STAGES=config.load_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **skinny_pdl_launch(x.device, m),
     )
@@ -172,25 +163,13 @@ def fp8_gemv(
     weight: torch.Tensor,  # e4m3 [N, K]
     weight_scale: torch.Tensor,  # float32 [N] (or a scalar: one for every channel)
     config: SkinnyConfig | None = None,  # None: tuned (GPU) or default_config
-    silu_and_mul: bool = False,  # x is one [gate | up] row [1, 2K]: multiply silu(gate) * up
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``x @ (weight * weight_scale[:, None])^T`` without quantizing ``x`` (module docstring).
-
-    ``silu_and_mul``: ``x`` is one row ``[gate | up]`` of ``2K`` inputs (a merged gate/up
-    projection's output) and the kernel multiplies ``silu(gate) * up``, rounded to ``x``'s
-    dtype as ``SiluAndMul`` rounds it, by the weight: the MLP's activation and down
-    projection in one kernel."""
+    """``x @ (weight * weight_scale[:, None])^T`` without quantizing ``x`` (module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
-    if silu_and_mul:
-        if m != 1 or k % 2:
-            raise ValueError(f"fp8_gemv: silu_and_mul takes one [gate | up] row of an even "
-                             f"width, got x {tuple(x.shape)}")
-        k //= 2
     if weight.dtype != FP8_DTYPE or weight.shape[1] != k:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
-                         f"{weight.dtype} are not [M, K] activations and an e4m3 [N, K] weight"
-                         + (" ([1, 2K] with silu_and_mul)" if silu_and_mul else ""))
+                         f"{weight.dtype} are not [M, K] activations and an e4m3 [N, K] weight")
     scale = weight_scale.float().reshape(-1)
     if scale.numel() == 1:
         scale = scale.expand(n).contiguous()
@@ -204,5 +183,5 @@ def fp8_gemv(
         config = TUNER.choose(
             tune_key(n=n, k=k, m=bucket, dtype=x.dtype), x.device,
             default_config(n, k, bucket),
-            candidate_configs(bucket), lambda c: _launch(x, weight, scale, c, silu_and_mul))
-    return _launch(x, weight, scale, config, silu_and_mul)
+            candidate_configs(bucket), lambda c: _launch(x, weight, scale, c))
+    return _launch(x, weight, scale, config)

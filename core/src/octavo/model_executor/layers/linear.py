@@ -293,22 +293,6 @@ class RowParallelLinear(nn.Module):
         out = self.parallel.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
-    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """``forward(silu(gate) * up)`` for ``gate_up`` ``[num_tokens, 2 * local input
-        size]`` with the activation inside the method's kernel
-        (``LinearMethod.apply_silu_and_mul``), or ``None`` where it has none for these
-        operands, or LoRA adapters need the activation itself: the caller runs
-        ``SiluAndMul`` and ``forward``."""
-        if self.lora is not None:
-            return None
-        single = self.parallel.tp_size == 1
-        out = self.quant_method.apply_silu_and_mul(self, gate_up,
-                                                   self.bias if single else None)
-        if out is None or single or not self.reduce_results:
-            return out
-        out = self.parallel.all_reduce(out)
-        return out if self.bias is None else out + self.bias
-
     def _load(self, param: nn.Parameter, loaded: Loaded, shard_name: str | None) -> None:
         assert shard_name is None, "a row-parallel layer has no shards"
         layout = layout_of(param)

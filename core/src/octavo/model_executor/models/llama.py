@@ -110,10 +110,6 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp]
-        if type(self.act) is SiluAndMul:  # the activation inside the down projection's kernel
-            fused = self.down_proj.forward_silu_and_mul(gate_up)
-            if fused is not None:
-                return fused
         return self.down_proj(self.act(gate_up))  # [num_tokens, hidden_size]
 
 

@@ -87,15 +87,6 @@ class LinearMethod(ABC):
         """``x @ W^T + bias``: ``[num_tokens, input_size]`` -> ``[num_tokens, output_size]``,
         in ``x``'s dtype."""
 
-    def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor,
-                           bias: torch.Tensor | None) -> torch.Tensor | None:
-        """``apply(layer, silu(gate) * up, bias)`` in one kernel for ``gate_up``
-        ``[num_tokens, 2 * input_size]`` (``[gate | up]``: a merged gate/up projection's
-        output), where the method has one for these operands; ``None`` (the default): the
-        caller runs ``SiluAndMul``, then ``apply``. The product is rounded to ``gate_up``'s
-        dtype as ``SiluAndMul`` rounds it."""
-        return None
-
     def fill_dummy_weights(self, layer: nn.Module, generator: torch.Generator) -> None:
         """Random weights of the right format (``load_format="dummy"``, benchmarks)."""
         raise ValueError(f"{type(self).__name__} cannot make dummy weights; load a checkpoint")

@@ -34,7 +34,6 @@ from octavo.kernels.fp8 import (
     FP8_DTYPE,
     dequantize_fp8,
     fp8_linear,
-    fp8_linear_silu_and_mul,
     quantize_fp8_per_channel,
 )
 from octavo.model_executor.layers.quantization.base import (
@@ -193,13 +192,6 @@ class Fp8LinearMethod(LinearMethod):
               bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias,
                           getattr(layer, "input_scale", None), self.config.block)
-
-    def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor,
-                           bias: torch.Tensor | None) -> torch.Tensor | None:
-        """One row on a GPU with fp8 matmuls: ``fp8_gemv`` reading ``[gate | up]``
-        (``fp8_linear_silu_and_mul``)."""
-        return fp8_linear_silu_and_mul(gate_up, layer.weight, layer.weight_scale, bias,
-                                       self.config.block)
 
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight this layer multiplies by (tests, debugging)."""
