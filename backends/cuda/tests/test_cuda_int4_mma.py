@@ -5,8 +5,8 @@ Shapes: small ones with every launch config, and Llama-3-8B's projections (group
 2, 3 and 8 rows in bfloat16 and float16; eagerly, replayed from a CUDA graph, and after the
 RMS norm that writes ``x`` with programmatic dependent launch (the kernel reads its first
 weights before it waits for the norm). The words in GPTQ's layout and in 32-output panels
-(``to_panels``, what the backend loads) give bit-identical outputs, with one or two groups
-loaded before the wait (``OCTAVO_CUDA_INT4_PRELOAD``; 40 groups: some warps have one).
+(``to_panels``, what the backend loads) give bit-identical outputs (40 groups: some warps
+have one, some none).
 """
 
 from __future__ import annotations
@@ -52,12 +52,8 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("m", [1, 3, 8], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("preload", [1, 2], ids=lambda p: f"preload{p}")
-def test_every_config_small_shapes(m, group_size, preload, monkeypatch):
-    from octavo_cuda import int4_mma
+def test_every_config_small_shapes(m, group_size):
     from octavo_cuda.int4_mma import int4_mma_gemv, supports
-
-    monkeypatch.setattr(int4_mma, "_preload", lambda: preload)  # OCTAVO_CUDA_INT4_PRELOAD
 
     # 40 groups: not a multiple of the warps (some warps get fewer, 16 warps leave two
     # without any), nor, per warp, always of the two groups a loop trip takes

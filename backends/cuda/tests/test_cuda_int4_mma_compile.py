@@ -2,9 +2,9 @@
 (the ``nvidia-cuda-nvrtc`` wheel of ``make install-dev``), disassembled with Triton's bundled
 ``nvdisasm``: every launch config compiles, none spills to local memory, for sm_90 the first
 group's words, scales and zeros load before the wait for the kernel before (PDL), also with the
-words in 32-output panels (and both groups' with ``PRELOAD`` 2), and the loop over two groups spends
-what the source's header says (one LOP3 per nibble pair, one ``mma`` per 16x16 tile plus one
-for the sums of ``x``, few instructions a weight). What it computes is checked on a GPU
+words in 32-output panels, and the loop over two groups spends what the source's header says
+(one LOP3 per nibble pair, one ``mma`` per 16x16 tile plus one for the sums of ``x``, few
+instructions a weight). What it computes is checked on a GPU
 (``test_cuda_int4_mma.py``)."""
 
 from __future__ import annotations
@@ -105,33 +105,6 @@ def test_panels_compile_to_the_same_loop(config):
     before = sass.partition("ACQBULK")[0]
     assert len(re.findall(r"LDG\.E\.NA\b", before)) == _group_loads(128)
     assert len(_loop(sass)) <= len(_loop(rows))
-
-
-@pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: f"v{c.vec}w{c.warps}")
-def test_preload_2_loads_two_groups_before_the_wait(config):
-    """``PRELOAD`` 2 (``OCTAVO_CUDA_INT4_PRELOAD``), sm_90, panels: both groups' words load
-    before the PDL wait, x after it, without spills."""
-    for group in (32, 128):
-        sass, usage = _disassemble(nvrtc.compile_cubin(
-            _source(), "int4_mma_gemv", 90, {"VEC": config.vec, "WARPS": config.warps,
-                                             "GROUP": group, "BF16": 1, "PANELS": 1,
-                                             "PRELOAD": 2}))
-        assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
-        before = sass.partition("ACQBULK")[0]
-        assert len(re.findall(r"LDG\.E\.NA\b", before)) == 2 * _group_loads(group)
-        assert not re.search(r"LDG\.E\.128 ", before)
-
-
-def test_the_preload_switch_takes_1_or_2(monkeypatch):
-    from octavo import envs
-
-    monkeypatch.delenv("OCTAVO_CUDA_INT4_PRELOAD", raising=False)
-    assert envs.cuda_int4_preload() == 1
-    monkeypatch.setenv("OCTAVO_CUDA_INT4_PRELOAD", "2")
-    assert envs.cuda_int4_preload() == 2
-    monkeypatch.setenv("OCTAVO_CUDA_INT4_PRELOAD", "4")
-    with pytest.raises(ValueError, match="1 or 2"):
-        envs.cuda_int4_preload()
 
 
 def test_a_source_that_does_not_compile_raises_with_nvrtcs_log():

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from importlib import resources
 
 import torch
-from octavo import envs
 from octavo.kernels.int4 import is_panels, word_shape
 from octavo.kernels.skinny import m_bucket
 from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, tune_key
@@ -102,13 +101,6 @@ def supports(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 @functools.cache
-def _preload() -> int:
-    """``OCTAVO_CUDA_INT4_PRELOAD``: groups a warp loads before the PDL wait (read once per
-    process: launches are on the host's hot path)."""
-    return envs.cuda_int4_preload()
-
-
-@functools.cache
 def _major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
@@ -158,7 +150,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     kernel = load_kernel(_source(), "int4_mma_gemv",
                          {"VEC": config.vec, "WARPS": config.warps, "GROUP": group_size,
                           "BF16": int(x.dtype == torch.bfloat16),
-                          "PANELS": int(is_panels(qweight)), "PRELOAD": _preload()},
+                          "PANELS": int(is_panels(qweight))},
                          x.device)
     pdl = _major(x.device.index) >= 9
     kernel.launch((n // (16 * config.vec), 1, 1), (32 * config.warps, 1, 1),

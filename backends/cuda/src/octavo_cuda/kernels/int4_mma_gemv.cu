@@ -7,7 +7,6 @@
 //   GROUP   the quantization group size (a multiple of 32)
 //   BF16    1: bfloat16 activations and output, 0: float16
 //   PANELS  1: qweight in 32-output panels (below), 0: GPTQ's rows
-//   PRELOAD groups whose words a warp loads before the PDL wait (1 or 2)
 //
 // Operands as octavo.kernels.int4 holds them: qweight int32 [K / 8, N] (input 8r + j of output
 // n in nibble j of word (r, n)) or, PANELS, the same words in 32-output panels
@@ -35,8 +34,8 @@
 // n0 + 8 VEC + VEC g + i (row g + 8).
 //
 // Each warp takes a contiguous run of groups and keeps the next group's words, scales and
-// zeros (and x) in flight while it sums the current one; the first group's (PRELOAD 2: the
-// first two groups') are loaded before the PDL wait (no kernel of the step writes weights).
+// zeros (and x) in flight while it sums the current one; the first group's are loaded before
+// the PDL wait (no kernel of the step writes weights).
 // Loaded where they are used instead, each group's scales and zeros cost the warp a memory
 // round trip after its sums. Warps' partial sums meet in shared memory.
 
@@ -54,9 +53,6 @@
 #endif
 #ifndef PANELS
 #define PANELS 0
-#endif
-#ifndef PRELOAD
-#define PRELOAD 1
 #endif
 
 #define PANEL 32
@@ -302,12 +298,6 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   Words w0, w1;
   XRows x0, x1;
   load_words(w0, pa, pb, chunk, ps, pz);
-#if PRELOAD > 1
-  // The second group's too (a warp of one group loads its own again: in range, unused)
-  const int second = start + 1 < groups ? 1 : 0;
-  load_words(w1, pa + second * group_words, pb + second * group_words, chunk, ps + second * N,
-             pz + second * N);
-#endif
   // The kernel before may still be writing x (programmatic dependent launch); weights are
   // not written by any kernel of a step, so they are read before this wait.
 #if __CUDA_ARCH__ >= 900
@@ -317,10 +307,7 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   load_x(x0, px);
   for (int group = first; group < last; group += 2) {
     if (group + 1 < last) {
-#if PRELOAD > 1
-      if (group != first)
-#endif
-        load_words(w1, pa + group_words, pb + group_words, chunk, ps + N, pz + N);
+      load_words(w1, pa + group_words, pb + group_words, chunk, ps + N, pz + N);
       load_x(x1, px + GROUP);
     }
     sum_group(acc, w0, x0, mask, magic);
