@@ -10,7 +10,7 @@
 #                                    [bench-moe] [moe-kernel] [moe-kernel-sweep] [bench-structured]
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
 #                                    [quant-configs] [dense-gemv]
-#                                    [quant-latency] [quant-latency-ab] [quant-w1] [quant-w1-kv]
+#                                    [quant-latency] [quant-w1] [quant-w1-kv]
 #                                    [int4-mma]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi] [bench-structured-gil]
@@ -554,27 +554,6 @@ config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
           --input-len 128 --output-len 256 --num-iters 3 --max-model-len 4096 "$@" \
           2>"$OUT/quant-latency-$name.err" | tee "$OUT/quant-latency-$name.log" | tail -2
         grep -h "max concurrency" "$OUT/quant-latency-$name.err" | tail -1
-      done
-      ;;
-    quant-latency-ab)
-      # #17's batch-1 switches in one lease, each run `env VAR=VALUE octavo bench latency`
-      # (latency_args, 128 in / 256 out, 3 iterations; ~27 s a run, ~6 min): bf16, fp8 with
-      # SiLU in the down projection off/on (OCTAVO_FUSED_SILU_DOWN), int4 GPTQ in GPTQ's rows
-      # (OCTAVO_CUDA_INT4_PANELS=0), in panels, and in panels with two groups before the PDL
-      # wait (OCTAVO_CUDA_INT4_PRELOAD=2); twice, in turns. ms per output token per line.
-      make_l8b
-      for round in 1 2; do
-        # (bf16 with a default spelled out: every run is MODEL VAR=VALUE)
-        for run in "8b OCTAVO_PDL=1" "8b-fp8 OCTAVO_FUSED_SILU_DOWN=0" \
-            "8b-fp8 OCTAVO_FUSED_SILU_DOWN=1" "8b-int4 OCTAVO_CUDA_INT4_PANELS=0" \
-            "8b-int4 OCTAVO_CUDA_INT4_PRELOAD=1" "8b-int4 OCTAVO_CUDA_INT4_PRELOAD=2"; do
-          set -- $run
-          latency_args "$1" || exit 1
-          ms=$(env "$2" octavo bench latency "${args[@]}" --dtype bfloat16 --input-len 128 \
-            --output-len 256 --num-iters 3 2>>"$OUT/quant-latency-ab.err" | python3 -c \
-            "import json, sys; print([json.loads(l) for l in sys.stdin if l.startswith('{')][-1]['ms_per_output_token'])")
-          echo "round $round: $1 $2: $ms ms per output token" | tee -a "$OUT/quant-latency-ab.log"
-        done
       done
       ;;
     lora-tests)
