@@ -11,7 +11,7 @@
 #                                    [quant-tests] [quant-kernels] [quant-kernels-sweep] [bf16-gemv]
 #                                    [quant-configs] [dense-gemv]
 #                                    [quant-latency] [quant-w1] [quant-w1-kv]
-#                                    [int4-mma]
+#                                    [int4-mma] [int4-chain]
 #                                    [bench-swap] [profile-structured] [profile-host] [bench-serve]
 #                                    [bench-serve-multi] [bench-structured-gil]
 #                                    [bench-structured-process] [bench-structured-trees]
@@ -541,6 +541,23 @@ config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
       python3 benchmarks/gpu/bench_int4_mma.py --rows "${ROWS:-1,8}" \
         --write-configs "$OUT/$(basename "$table")" 2>"$OUT/int4-mma-bench.err" \
         | tee "$OUT/int4-mma-bench.log" | grep -v '^{'
+      ;;
+    int4-chain)
+      # The tensor-core int4 GEMV's one-row configs picked inside a layer-like chain
+      # (bench_int4_mma.py --chain: 32 layer copies, every kernel under PDL as in the model,
+      # one projection's config changed at a time from the device table's), written to a copy
+      # of the table in $OUT/chain-tables; when they differ, batch-1 8B int4 with that copy
+      # against the packaged tables, in turns (OCTAVO_SKINNY_CONFIG_DIR; ~4 min).
+      table=$(python3 -c "import torch; from octavo.kernels.triton.skinny_gemm import \
+config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
+      mkdir -p "$OUT/chain-tables" && cp "$table" "$OUT/chain-tables/"
+      python3 benchmarks/gpu/bench_int4_mma.py --chain \
+        --write-configs "$OUT/chain-tables/$(basename "$table")" 2>"$OUT/int4-chain.err" \
+        | tee "$OUT/int4-chain.log" | tail -1
+      if ! cmp -s "$table" "$OUT/chain-tables/$(basename "$table")"; then
+        AB_ENV=OCTAVO_SKINNY_CONFIG_DIR AB_VALUES="$OUT/chain-tables $(dirname "$table")" \
+          AB_MODELS=8b-int4 bash "$0" latency-ab
+      fi
       ;;
     quant-latency)
       # Batch-1 ms per output token, Llama-3-8B shape (dummy weights), bf16 vs fp8 weights

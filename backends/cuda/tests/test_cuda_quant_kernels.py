@@ -161,3 +161,31 @@ def test_a_launch_passes_grid_block_stream_pdl_and_arguments_as_the_driver_reads
     assert second["int"] == 0xFFFFFFFF and second["float"] == 2.0
     with pytest.raises(TypeError, match="unsupported kernel argument str"):
         kernel.launch((1, 1, 1), (32, 1, 1), ["x"], stream=1)
+
+
+
+def test_a_model_gets_the_device_tables_configs_and_the_default_elsewhere(monkeypatch):
+    """``chosen_config`` (what ``int4_mma_gemv`` and ``bench_int4_mma.py --chain`` start from)
+    looks a case up under the key the H100 table was written with; a case the table lacks
+    gets ``default_config``."""
+    from octavo.kernels.triton import skinny_gemm
+    from octavo_cuda import int4_mma
+
+    table = skinny_gemm.read_config_table(
+        skinny_gemm.CONFIG_DIR / "skinny_NVIDIA_H100_80GB_HBM3.json")
+    cases = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    keys = [skinny_gemm.tune_key(n=n, k=k, m=1, dtype=torch.bfloat16, group=128)
+            for n, k in cases]
+    assert all(key in table["int4_mma_gemv"] for key in keys)
+    # a table whose entries no default would give: each case finds its own
+    marked = {key: MmaGemvConfig(vec=1, warps=4 + i).as_skinny() for i, key in enumerate(keys)}
+    monkeypatch.setattr(skinny_gemm, "_device_table", lambda index: {"int4_mma_gemv": marked})
+    monkeypatch.setattr(skinny_gemm, "interpreting", lambda: False)
+    monkeypatch.setattr(int4_mma, "_sms", lambda index: 132)
+    monkeypatch.setattr(int4_mma, "TUNER", skinny_gemm.SkinnyTuner("int4_mma_gemv"))
+    gpu = torch.device("cuda", 0)
+    for i, (n, k) in enumerate(cases):
+        assert int4_mma.chosen_config(n, k, 1, torch.bfloat16, 128, gpu) \
+            == MmaGemvConfig(vec=1, warps=4 + i)
+    assert int4_mma.chosen_config(4096, 4096, 1, torch.bfloat16, 64, gpu) \
+        == default_config(4096, 4096, 132)  # groups of 64: no entry

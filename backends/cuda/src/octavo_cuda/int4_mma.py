@@ -122,18 +122,23 @@ def default_config(n: int, k: int, sms: int) -> MmaGemvConfig:
     return MmaGemvConfig(vec=vec, warps=warps)
 
 
+def chosen_config(n: int, k: int, m: int, dtype: torch.dtype, group_size: int,
+                  device: torch.device) -> MmaGemvConfig:
+    """The launch config of an ``[m, k] x [k, n]`` call: the device table's, else
+    ``default_config`` (``TUNER``)."""
+    return MmaGemvConfig.from_skinny(TUNER.lookup(
+        tune_key(n=n, k=k, m=m_bucket(m), dtype=dtype, group=group_size), device,
+        default_config(n, k, _sms(device.index)).as_skinny()))
+
+
 def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                   zeros: torch.Tensor, group_size: int,
                   config: MmaGemvConfig | None = None) -> torch.Tensor:
     """``x @ W^T`` (``[M, N]`` in ``x``'s dtype) for a call ``supports`` accepts (``config``
-    None: the device table's, else ``default_config``; ``TUNER``)."""
-    m, k = x.shape
-    n = word_shape(qweight)[1]
+    None: ``chosen_config``)."""
     if config is None:
-        chosen = TUNER.lookup(
-            tune_key(n=n, k=k, m=m_bucket(m), dtype=x.dtype, group=group_size), x.device,
-            default_config(n, k, _sms(x.device.index)).as_skinny())
-        config = MmaGemvConfig.from_skinny(chosen)
+        config = chosen_config(word_shape(qweight)[1], x.shape[1], x.shape[0], x.dtype,
+                               group_size, x.device)
     return _launch(x, qweight, scales, zeros, group_size, config)
 
 
