@@ -13,9 +13,9 @@ read both layouts. The source's header says how the words become mma operands.
 
 What it takes (``supports``): 1 to 8 rows of bfloat16 or float16 ``x``, natural-order groups
 (no ``g_idx``) of 32, 64 or 128 inputs, ``N`` a multiple of 16, contiguous scales and zeros
-on 8-byte boundaries, a GPU of compute capability 8.0 or more. Anything else stays on the Triton kernel. Models reach it through
-the backend's ``octavo_quant_kernels`` (``octavo_cuda.quant``; ``OCTAVO_CUDA_INT4_MMA=0``
-turns it off). Its GPU tests are ``backends/cuda/tests/test_cuda_int4_mma.py``; CI compiles
+on 8-byte boundaries, a GPU of compute capability 8.0 or more. Anything else stays on the
+Triton kernel. Models reach it through the backend's ``octavo_quant_kernels``
+(``octavo_cuda.quant``; ``OCTAVO_CUDA_INT4_MMA=0`` turns it off). Its GPU tests are ``backends/cuda/tests/test_cuda_int4_mma.py``; CI compiles
 it and checks its SASS.
 
 Reference: ``octavo.kernels.int4.int4_linear_reference``.

@@ -35,9 +35,9 @@
 //
 // Each warp takes a contiguous run of groups and keeps the next group's words, scales and
 // zeros (and x) in flight while it sums the current one; the first group's are loaded before
-// the PDL wait (no kernel of the step writes weights).
-// Loaded where they are used instead, each group's scales and zeros cost the warp a memory
-// round trip after its sums. Warps' partial sums meet in shared memory.
+// the PDL wait (no kernel of the step writes weights). (Scales and zeros loaded where they
+// are used cost the warp a memory round trip per group, after its sums.) Warps' partial
+// sums meet in shared memory.
 
 #ifndef VEC
 #define VEC 1
