@@ -20,16 +20,17 @@ kernel's tuner looks up), keeping the table's other cases:
     python benchmarks/gpu/bench_int4_mma.py --rows 1,2,4,8 \
         --write-configs core/src/octavo/kernels/triton/configs/skinny_NVIDIA_H100_80GB_HBM3.json
 
-``--chain`` times one row through 32 copies of a layer-like chain instead, each kernel launched
-as in the model (PDL): fused add + RMS norm -> qkv -> RMS norm of q (the stand-in for
-rotary and attention) -> o -> fused add + RMS norm -> gate_up -> SiLU-and-mul -> down. The
-configs are picked where they run, after the kernels before them; a pair after a norm cannot show how
-a 16-warp block that fills an SM's registers holds back the next kernel's early blocks. It
-starts from the configs a model gets (``chosen_config``: the device table's) and changes one
-projection's config at a time over ``CANDIDATES``, keeping a change that saves more than
-``--min-gain-us`` a layer, for ``--passes`` rounds. Then it times the start and the end
-three times each, in turns. ``--write-configs`` writes the end's configs (one row) when they
-differ from the start's.
+``--chain`` times one row through 32 copies of a layer-like chain instead, each kernel
+launched as in the model (PDL): fused add + RMS norm -> qkv -> RMS norm of q (the stand-in
+for rotary and attention) -> o -> fused add + RMS norm -> gate_up -> SiLU-and-mul -> down. The
+configs are picked where they run, after the kernels before them: a pair after a norm cannot
+show how a 16-warp block that fills an SM's registers holds back the next kernel's early
+blocks. It starts from the configs a model gets (``chosen_config``: the device table's) and
+changes one projection's config at a time over ``CANDIDATES``, each with the next kernel
+launched at the wait and after the sums (``MmaGemvConfig.early_trigger``), keeping a change
+that saves more than ``--min-gain-us`` a layer, for ``--passes`` rounds. Then it times the
+start and the end three times each, in turns. ``--write-configs`` writes the end's configs
+(one row) when they differ from the start's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -113,6 +114,9 @@ def chain_sweep(passes: int, min_gain_us: float, layers: int = 32) -> dict:
     from octavo.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm
     from octavo_cuda.int4_mma import CANDIDATES, chosen_config, int4_mma_gemv
 
+    # each launch config with the next kernel launched at the wait and after the sums
+    candidates = [replace(c, early_trigger=early) for c in CANDIDATES for early in (True, False)]
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = SHAPES[1][2]  # o's K: the model's width
 
@@ -147,7 +151,7 @@ def chain_sweep(passes: int, min_gain_us: float, layers: int = 32) -> dict:
     best, best_us, tried = dict(start), us_per_layer(start), []
     for _ in range(passes):
         for name, (n, _) in shapes.items():
-            for config in CANDIDATES:
+            for config in candidates:
                 if n % (16 * config.vec) or config == best[name]:
                     continue
                 trial = {**best, name: config}

@@ -11,6 +11,7 @@ have one, some none).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -108,3 +109,25 @@ def test_llama3_8b_shapes_rows_graphs_and_pdl(n, k, dtype):
         graph.replay()
         torch.cuda.synchronize()
         assert captured.float().abs().max().item() == 0.0
+    # the next kernel launched once the sums are done, not at the wait: the same sums, and
+    # the norm after it (PDL) reads them whole, eagerly and from a graph
+    early = default_config(n, k, _sms(0))
+    late = dataclasses.replace(early, early_trigger=False)
+    h = rms_norm(x, norm_weight, 1e-6)
+    assert torch.equal(int4_mma_gemv(h, panels, scales, zeros, 128, late),
+                       int4_mma_gemv(h, panels, scales, zeros, 128, early))
+    if n == k:  # o: its output is the next norm's input
+        def chain(config):
+            out = int4_mma_gemv(rms_norm(static_x, norm_weight, 1e-6), panels, scales, zeros,
+                                128, config)
+            return rms_norm(out, norm_weight, 1e-6)
+
+        static_x.copy_(x)
+        expected_chain = chain(early)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain(late)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, expected_chain)

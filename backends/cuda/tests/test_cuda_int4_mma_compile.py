@@ -2,10 +2,10 @@
 (the ``nvidia-cuda-nvrtc`` wheel of ``make install-dev``), disassembled with Triton's bundled
 ``nvdisasm``: every launch config compiles, none spills to local memory, for sm_90 the first
 group's words, scales and zeros load before the wait for the kernel before (PDL), also with the
-words in 32-output panels, and the loop over two groups spends what the source's header says
-(one LOP3 per nibble pair, one ``mma`` per 16x16 tile plus one for the sums of ``x``, few
-instructions a weight). What it computes is checked on a GPU
-(``test_cuda_int4_mma.py``)."""
+words in 32-output panels, the late trigger (``EARLY_TRIGGER`` 0) comes after the sums, and
+the loop over two groups spends what the source's header says (one LOP3 per nibble pair, one
+``mma`` per 16x16 tile plus one for the sums of ``x``, few instructions a weight). What it
+computes is checked on a GPU (``test_cuda_int4_mma.py``)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,28 @@ def test_panels_compile_to_the_same_loop(config):
     before = sass.partition("ACQBULK")[0]
     assert len(re.findall(r"LDG\.E\.NA\b", before)) == _group_loads(128)
     assert len(_loop(sass)) <= len(_loop(rows))
+
+
+@pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: f"v{c.vec}w{c.warps}")
+def test_the_late_trigger_comes_after_the_sums(config):
+    """``EARLY_TRIGGER`` 0 (``MmaGemvConfig.early_trigger``), sm_90, panels: the next kernel's
+    launch (``PREEXIT``) after the group loop's last ``mma`` and before the warps' partials
+    meet in shared memory, with the registers of the early trigger and no spills."""
+    macros = {"VEC": config.vec, "WARPS": config.warps, "GROUP": 128, "BF16": 1, "PANELS": 1}
+    early, early_usage = _disassemble(nvrtc.compile_cubin(_source(), "int4_mma_gemv", 90,
+                                                          macros))
+    late, usage = _disassemble(nvrtc.compile_cubin(_source(), "int4_mma_gemv", 90,
+                                                   {**macros, "EARLY_TRIGGER": 0}))
+    assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
+    assert re.search(r"REG:\d+", usage).group() == re.search(r"REG:\d+", early_usage).group()
+    ops = [op for op in sass_opcodes(late) if op in ("PREEXIT", "HMMA", "STS", "ACQBULK")]
+    assert ops.count("PREEXIT") == 1
+    preexit = ops.index("PREEXIT")
+    assert "HMMA" not in ops[preexit:] and "HMMA" in ops[:preexit]
+    if config.warps > 1:
+        assert "STS" in ops[preexit:] and "STS" not in ops[:preexit]
+    ops = [op for op in sass_opcodes(early) if op in ("PREEXIT", "HMMA", "ACQBULK")]
+    assert ops.index("PREEXIT") < ops.index("HMMA")
 
 
 def test_a_source_that_does_not_compile_raises_with_nvrtcs_log():

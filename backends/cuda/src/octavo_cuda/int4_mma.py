@@ -48,19 +48,23 @@ TUNER = SkinnyTuner("int4_mma_gemv")
 @dataclass(frozen=True)
 class MmaGemvConfig:
     """``vec`` words per load (outputs per block: 16 * vec), ``warps`` per block (they split
-    the block's groups)."""
+    the block's groups); under PDL the next kernel may launch once a block has waited for the
+    kernel before (``early_trigger``) or once its sums are done."""
 
     vec: int = 1
     warps: int = 8
+    early_trigger: bool = True
 
     def as_skinny(self) -> SkinnyConfig:
         """The same launch as the tuner and the tables spell configs: ``block_n`` outputs per
-        block, ``num_warps``."""
-        return SkinnyConfig(block_n=16 * self.vec, block_k=32, num_warps=self.warps)
+        block, ``num_warps``, ``early_trigger``."""
+        return SkinnyConfig(block_n=16 * self.vec, block_k=32, num_warps=self.warps,
+                            early_trigger=self.early_trigger)
 
     @classmethod
     def from_skinny(cls, config: SkinnyConfig) -> MmaGemvConfig:
-        return cls(vec=config.block_n // 16, warps=config.num_warps)
+        return cls(vec=config.block_n // 16, warps=config.num_warps,
+                   early_trigger=config.early_trigger)
 
 
 # The launch configs bench_int4_mma.py sweeps: those that fit the register file without spilling
@@ -155,7 +159,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     kernel = load_kernel(_source(), "int4_mma_gemv",
                          {"VEC": config.vec, "WARPS": config.warps, "GROUP": group_size,
                           "BF16": int(x.dtype == torch.bfloat16),
-                          "PANELS": int(is_panels(qweight))},
+                          "PANELS": int(is_panels(qweight)),
+                          "EARLY_TRIGGER": int(config.early_trigger)},
                          x.device)
     pdl = _major(x.device.index) >= 9
     kernel.launch((n // (16 * config.vec), 1, 1), (32 * config.warps, 1, 1),

@@ -7,6 +7,8 @@
 //   GROUP   the quantization group size (a multiple of 32)
 //   BF16    1: bfloat16 activations and output, 0: float16
 //   PANELS  1: qweight in 32-output panels (below), 0: GPTQ's rows
+//   EARLY_TRIGGER  1: the next kernel may launch (PDL) once this one has waited for the one
+//           before, 0: once this block's sums are done (before the warps' partials meet)
 //
 // Operands as octavo.kernels.int4 holds them: qweight int32 [K / 8, N] (input 8r + j of output
 // n in nibble j of word (r, n)) or, PANELS, the same words in 32-output panels
@@ -53,6 +55,9 @@
 #endif
 #ifndef PANELS
 #define PANELS 0
+#endif
+#ifndef EARLY_TRIGGER
+#define EARLY_TRIGGER 1
 #endif
 
 #define PANEL 32
@@ -302,7 +307,9 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   // not written by any kernel of a step, so they are read before this wait.
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#if EARLY_TRIGGER
   asm volatile("griddepcontrol.launch_dependents;");
+#endif
 #endif
   load_x(x0, px);
   for (int group = first; group < last; group += 2) {
@@ -323,6 +330,9 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
     }
     sum_group(acc, w1, x1, mask, magic);
   }
+#if __CUDA_ARCH__ >= 900 && !EARLY_TRIGGER
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 
 #if WARPS > 1
   __shared__ float partial[WARPS][MAX_M][ROWS];
