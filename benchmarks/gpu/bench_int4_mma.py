@@ -29,8 +29,9 @@ blocks. It starts from the configs a model gets (``chosen_config``: the device t
 changes one projection's config at a time over ``CANDIDATES``, each with the next kernel
 launched at the wait and after the sums (``MmaGemvConfig.early_trigger``), keeping a change
 that saves more than ``--min-gain-us`` a layer, for ``--passes`` rounds. Then it times the
-start and the end three times each, in turns. ``--write-configs`` writes the end's configs
-(one row) when they differ from the start's.
+start and the end three times each, in turns, and the start's configs with both norms inside
+the GEMVs after them (``int4_mma_gemv_add_rms_norm``: the chain without its two norm kernels).
+``--write-configs`` writes the end's configs (one row) when they differ from the start's.
 """
 
 from __future__ import annotations
@@ -112,7 +113,12 @@ def chain_sweep(passes: int, min_gain_us: float, layers: int = 32) -> dict:
     from octavo.kernels.int4 import to_panels
     from octavo.kernels.triton.activation import silu_and_mul
     from octavo.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm
-    from octavo_cuda.int4_mma import CANDIDATES, chosen_config, int4_mma_gemv
+    from octavo_cuda.int4_mma import (
+        CANDIDATES,
+        chosen_config,
+        int4_mma_gemv,
+        int4_mma_gemv_add_rms_norm,
+    )
 
     # each launch config with the next kernel launched at the wait and after the sums
     candidates = [replace(c, early_trigger=early) for c in CANDIDATES for early in (True, False)]
@@ -134,18 +140,26 @@ def chain_sweep(passes: int, min_gain_us: float, layers: int = 32) -> dict:
     start = {name: chosen_config(n, k, 1, torch.bfloat16, GROUP, x.device)
              for name, n, k in SHAPES}
 
-    def layer(lw: dict, configs: dict, x: torch.Tensor = x) -> torch.Tensor:
+    def layer(lw: dict, configs: dict, fused_norms: bool = False,
+              x: torch.Tensor = x) -> torch.Tensor:
         def gemv(name: str, h: torch.Tensor) -> torch.Tensor:
             return int4_mma_gemv(h, *lw[name], GROUP, configs[name])
 
-        h, residual = fused_add_rms_norm(x, x, norm_w, 1e-6)
-        qkv = gemv("qkv", h)
-        o = gemv("o", rms_norm(qkv[:, :hidden], norm_w, 1e-6))
-        h, residual = fused_add_rms_norm(o, residual, norm_w, 1e-6)
-        return gemv("down", silu_and_mul(gemv("gate_up", h)))
+        def normed_gemv(name: str, h: torch.Tensor, residual: torch.Tensor):
+            """(the GEMV of rms_norm(h + residual), h + residual)"""
+            if fused_norms:
+                return int4_mma_gemv_add_rms_norm(h, residual, norm_w, 1e-6, *lw[name],
+                                                  GROUP, configs[name])
+            h, residual = fused_add_rms_norm(h, residual, norm_w, 1e-6)
+            return gemv(name, h), residual
 
-    def us_per_layer(configs: dict) -> float:
-        return time_per_call(lambda lw: layer(lw, configs), copies)
+        qkv, residual = normed_gemv("qkv", x, x)
+        o = gemv("o", rms_norm(qkv[:, :hidden], norm_w, 1e-6))
+        gate_up, residual = normed_gemv("gate_up", o, residual)
+        return gemv("down", silu_and_mul(gate_up))
+
+    def us_per_layer(configs: dict, fused_norms: bool = False) -> float:
+        return time_per_call(lambda lw: layer(lw, configs, fused_norms), copies)
 
     reference = layer(copies[0], start).float()
     best, best_us, tried = dict(start), us_per_layer(start), []
@@ -162,16 +176,19 @@ def chain_sweep(passes: int, min_gain_us: float, layers: int = 32) -> dict:
                 print(json.dumps({"chain": tried[-1], "best_us": best_us}), flush=True)
                 if err < SWEEP_MAX_REL_ERR and us < best_us - min_gain_us:
                     best, best_us = trial, us
-    # the two sets again, in turns: the sweep's figure of its winner is its luckiest timing
-    again = {"start": [], "best": []}
+    # the two sets again, in turns (the sweep's figure of its winner is its luckiest timing),
+    # and the start's with both norms inside the GEMVs after them (int4_mma_gemv_add_rms_norm)
+    fused_err = rel_err(layer(copies[0], start, True), reference)
+    again = {"start": [], "best": [], "start_fused_norms": []}
     for _ in range(3):
-        for label, configs in (("start", start), ("best", best)):
-            again[label].append(us_per_layer(configs))
+        for label, configs, fused in (("start", start, False), ("best", best, False),
+                                      ("start_fused_norms", start, True)):
+            again[label].append(us_per_layer(configs, fused))
     return {"bench": "int4_mma_chain", "layers": layers,
             "start": {name: asdict(c) for name, c in start.items()},
             "best": {name: asdict(c) for name, c in best.items()},
-            "start_us_per_layer": again["start"], "best_us_per_layer": again["best"],
-            "tried": tried}
+            **{f"{label}_us_per_layer": us for label, us in again.items()},
+            "fused_norms_rel_err": fused_err, "tried": tried}
 
 
 def write_chain_configs(path: str, result: dict) -> None:

@@ -131,3 +131,54 @@ def test_llama3_8b_shapes_rows_graphs_and_pdl(n, k, dtype):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(captured, expected_chain)
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (28672, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_norm_in_the_gemv_equals_the_norm_then_the_gemv(n, k, dtype):
+    """``int4_mma_gemv_add_rms_norm`` against ``fused_add_rms_norm`` then ``int4_mma_gemv``
+    (qkv's and gate_up's shapes, every config that takes them): the new residual bit for bit,
+    the outputs within a rounding of the normed row (its sum of squares is summed in another
+    order); eagerly and replayed from a graph after a norm (PDL)."""
+    from octavo.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm
+    from octavo_cuda.int4_mma import (
+        int4_mma_gemv,
+        int4_mma_gemv_add_rms_norm,
+        norm_supported,
+        supports,
+    )
+
+    qweight, scales, zeros = int4_weight(n, k)
+    panels = to_panels(qweight)
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    residual = torch.randn(1, k, device="cuda").to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
+    assert supports(x, panels, scales, zeros, 128, None)
+    assert norm_supported(x, residual, norm_weight)
+    h, expected_residual = fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    for config in [c for c in configs() if n % (16 * c.vec) == 0]:
+        expected = int4_mma_gemv(h, panels, scales, zeros, 128, config)
+        out, new_residual = int4_mma_gemv_add_rms_norm(x, residual, norm_weight, 1e-6, panels,
+                                                       scales, zeros, 128, config)
+        assert torch.equal(new_residual, expected_residual), config
+        assert relative_error(out, expected) < RELATIVE_ERROR[dtype], config
+    # after a norm that writes x (PDL), from a graph, x's storage rewritten in between
+    static_x = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, captured_residual = int4_mma_gemv_add_rms_norm(
+            rms_norm(static_x, norm_weight, 1e-6), residual, norm_weight, 1e-6, panels,
+            scales, zeros, 128)
+    h, expected_residual = fused_add_rms_norm(rms_norm(x, norm_weight, 1e-6), residual,
+                                              norm_weight, 1e-6)
+    expected = int4_mma_gemv(h, panels, scales, zeros, 128)
+    for _ in range(3):
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured_residual, expected_residual)
+        assert relative_error(captured, expected) < RELATIVE_ERROR[dtype]
+        static_x.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured_residual, residual)  # 0 + residual

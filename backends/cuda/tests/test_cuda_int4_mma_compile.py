@@ -2,8 +2,9 @@
 (the ``nvidia-cuda-nvrtc`` wheel of ``make install-dev``), disassembled with Triton's bundled
 ``nvdisasm``: every launch config compiles, none spills to local memory, for sm_90 the first
 group's words, scales and zeros load before the wait for the kernel before (PDL), also with the
-words in 32-output panels, the late trigger (``EARLY_TRIGGER`` 0) comes after the sums, and
-the loop over two groups spends what the source's header says (one LOP3 per nibble pair, one
+words in 32-output panels, the late trigger (``EARLY_TRIGGER`` 0) comes after the sums, the
+RMS norm inside the kernel (``NORM`` 1) leaves the loop reading shared memory, and the loop
+over two groups spends what the source's header says (one LOP3 per nibble pair, one
 ``mma`` per 16x16 tile plus one for the sums of ``x``, few instructions a weight). What it
 computes is checked on a GPU (``test_cuda_int4_mma.py``)."""
 
@@ -127,6 +128,26 @@ def test_the_late_trigger_comes_after_the_sums(config):
         assert "STS" in ops[preexit:] and "STS" not in ops[:preexit]
     ops = [op for op in sass_opcodes(early) if op in ("PREEXIT", "HMMA", "ACQBULK")]
     assert ops.index("PREEXIT") < ops.index("HMMA")
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: f"v{c.vec}w{c.warps}")
+def test_the_norm_in_the_gemv_compiles_and_reads_x_from_shared_memory(arch, config):
+    """``NORM`` 1 (``int4_mma_gemv_add_rms_norm``), panels, both dtypes: no spills; for sm_90
+    the first group's weights still load before the PDL wait; the group loop reads the normed
+    row from shared memory (``LDS.128``), no ``x`` from global memory."""
+    for bf16 in (1, 0):
+        sass, usage = _disassemble(nvrtc.compile_cubin(
+            _source(), "int4_mma_gemv", arch, {"VEC": config.vec, "WARPS": config.warps,
+                                               "GROUP": 128, "BF16": bf16, "PANELS": 1,
+                                               "NORM": 1}))
+        assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
+        loop = _loop(sass)
+        assert "LDS" in loop and "HMMA" in loop
+        assert not re.search(r"LDG\.E\.128 ", max(sass_loops(sass), key=len))
+        if arch >= 90:
+            before = sass.partition("ACQBULK")[0]
+            assert len(re.findall(r"LDG\.E\.NA\b", before)) == _group_loads(128)
 
 
 def test_a_source_that_does_not_compile_raises_with_nvrtcs_log():

@@ -189,3 +189,27 @@ def test_a_model_gets_the_device_tables_configs_and_the_default_elsewhere(monkey
             == MmaGemvConfig(vec=1, warps=4 + i)
     assert int4_mma.chosen_config(4096, 4096, 1, torch.bfloat16, 64, gpu) \
         == default_config(4096, 4096, 132)  # groups of 64: no entry
+
+
+def test_the_norm_in_the_gemv_takes_one_aligned_row_of_one_dtype():
+    """``norm_supported``: what ``int4_mma_gemv_add_rms_norm`` takes beyond the GEMV's
+    operands (one row, at most ``MAX_NORM_K`` values in shared memory, one dtype, 16-byte
+    aligned contiguous vectors); anything else keeps the norm kernel."""
+    from octavo_cuda.int4_mma import MAX_NORM_K, norm_supported
+
+    def operands(k=4096, rows=1, dtype=torch.bfloat16):
+        return (torch.zeros(rows, k, dtype=dtype), torch.zeros(rows, k, dtype=dtype),
+                torch.zeros(k, dtype=dtype))
+
+    assert norm_supported(*operands())
+    assert norm_supported(*operands(k=MAX_NORM_K))
+    assert not norm_supported(*operands(k=MAX_NORM_K + 128))
+    assert not norm_supported(*operands(rows=2))
+    x, residual, weight = operands()
+    assert not norm_supported(x, residual.float(), weight)
+    assert not norm_supported(x, residual, weight.half())
+    unaligned = torch.zeros(4096 + 4, dtype=torch.bfloat16)[4:].view(1, 4096)  # 8 bytes in
+    assert not norm_supported(unaligned, residual, weight)
+    strided = torch.zeros(4096, 2, dtype=torch.bfloat16).t()[:1]  # [1, 4096], stride 2
+    assert not norm_supported(strided, residual, weight)
+    assert norm_supported(x, x, weight)  # the first layer: the input is its own residual

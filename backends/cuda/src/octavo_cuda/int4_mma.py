@@ -35,6 +35,8 @@ from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, tune_ke
 from octavo_cuda.nvrtc import load_kernel
 
 MAX_ROWS = 8
+# The fused norm's row lives in shared memory (``MAX_NORM_K`` in the source)
+MAX_NORM_K = 8192
 # A warp holds two groups' words in registers (``GROUP / 32`` chunks each): larger groups
 # (or one group over all inputs) would spill
 GROUP_SIZES = (32, 64, 128)
@@ -146,13 +148,46 @@ def int4_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _launch(x, qweight, scales, zeros, group_size, config)
 
 
+def norm_supported(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether ``int4_mma_gemv_add_rms_norm`` takes these norm operands (beyond what
+    ``supports`` asks of ``x``): one row of at most ``MAX_NORM_K`` values, ``x``, the residual
+    and the norm weight of one dtype, each contiguous on a 16-byte boundary."""
+    k = x.shape[-1]
+    return (x.dim() == 2 and x.shape[0] == 1 and k <= MAX_NORM_K
+            and residual.shape == x.shape and norm_weight.shape == (k,)
+            and residual.dtype == norm_weight.dtype == x.dtype
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0
+                    for t in (x, residual, norm_weight)))
+
+
+def int4_mma_gemv_add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
+                               norm_weight: torch.Tensor, eps: float, qweight: torch.Tensor,
+                               scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                               config: MmaGemvConfig | None = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * norm_weight @ W^T, x + residual)`` in one kernel: what
+    ``fused_add_rms_norm`` and then ``int4_mma_gemv`` compute, rounded alike (the sum of
+    squares is summed in another order: the outputs may differ in the last bit). For calls
+    ``supports`` and ``norm_supported`` accept; ``config`` as ``int4_mma_gemv``'s."""
+    if config is None:
+        config = chosen_config(word_shape(qweight)[1], x.shape[1], 1, x.dtype, group_size,
+                               x.device)
+    new_residual = torch.empty_like(x)
+    out = _launch(x, qweight, scales, zeros, group_size, config,
+                  (residual, norm_weight, new_residual, float(eps)))
+    return out, new_residual
+
+
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-            group_size: int, config: MmaGemvConfig) -> torch.Tensor:
+            group_size: int, config: MmaGemvConfig,
+            norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+            ) -> torch.Tensor:
     m, k = x.shape
     n = word_shape(qweight)[1]
     if n % (16 * config.vec):
         raise ValueError(f"int4_mma_gemv: N={n} is not a multiple of {16 * config.vec}")
-    if not (x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
+    if norm is None and not (x.stride(1) == 1 and x.stride(0) % 8 == 0
+                             and x.data_ptr() % 16 == 0):
         # rows of x are read in 16-byte vectors: a fresh, aligned copy
         x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -160,9 +195,13 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                          {"VEC": config.vec, "WARPS": config.warps, "GROUP": group_size,
                           "BF16": int(x.dtype == torch.bfloat16),
                           "PANELS": int(is_panels(qweight)),
-                          "EARLY_TRIGGER": int(config.early_trigger)},
+                          "EARLY_TRIGGER": int(config.early_trigger),
+                          "NORM": int(norm is not None)},
                          x.device)
     pdl = _major(x.device.index) >= 9
+    # without the norm its operands are not read: any pointers do
+    residual, norm_weight, new_residual, eps = norm if norm is not None else (out, out, out, 0.0)
     kernel.launch((n // (16 * config.vec), 1, 1), (32 * config.warps, 1, 1),
-                  [x, qweight, scales, zeros, out, m, n, k, x.stride(0)], pdl=pdl)
+                  [x, qweight, scales, zeros, out, m, n, k, x.stride(0), residual, norm_weight,
+                   new_residual, eps], pdl=pdl)
     return out

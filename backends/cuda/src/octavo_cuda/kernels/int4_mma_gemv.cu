@@ -9,6 +9,7 @@
 //   PANELS  1: qweight in 32-output panels (below), 0: GPTQ's rows
 //   EARLY_TRIGGER  1: the next kernel may launch (PDL) once this one has waited for the one
 //           before, 0: once this block's sums are done (before the warps' partials meet)
+//   NORM    1: the RMS norm before the GEMV in the kernel (below; one row, K <= MAX_NORM_K)
 //
 // Operands as octavo.kernels.int4 holds them: qweight int32 [K / 8, N] (input 8r + j of output
 // n in nibble j of word (r, n)) or, PANELS, the same words in 32-output panels
@@ -59,6 +60,10 @@
 #ifndef EARLY_TRIGGER
 #define EARLY_TRIGGER 1
 #endif
+#ifndef NORM
+#define NORM 0
+#endif
+#define MAX_NORM_K 8192
 
 #define PANEL 32
 #define CHUNKS (GROUP / 32)
@@ -151,6 +156,20 @@ __device__ __forceinline__ void load_x(XRows& xr, const u16* p) {
   }
 }
 
+#if NORM
+// x[8r .. 8r + 7] of each chunk from the normed row in shared memory (p: the first chunk's)
+__device__ __forceinline__ void load_x_shared(XRows& xr, const u16* p) {
+#pragma unroll
+  for (int u = 0; u < CHUNKS; ++u) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p + 32 * u);
+    xr.v[u][0] = v.x;
+    xr.v[u][1] = v.y;
+    xr.v[u][2] = v.z;
+    xr.v[u][3] = v.w;
+  }
+}
+#endif
+
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
   u32 d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
@@ -187,6 +206,71 @@ __device__ __forceinline__ u16 float_to_out(float f) {
 #endif
   return h;
 }
+
+#if NORM
+__device__ __forceinline__ float in_to_float(u16 h) {
+#if BF16
+  return __uint_as_float((u32)h << 16);
+#else
+  return half_to_float(h);
+#endif
+}
+
+// f(value) for both halves of each word of a 16-byte vector, the results packed alike
+template <class F>
+__device__ __forceinline__ uint4 map_halves(uint4 v, F f) {
+  u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u16 lo = f(j, 0, (u16)(w[j] & 0xFFFF)), hi = f(j, 1, (u16)(w[j] >> 16));
+    w[j] = (u32)lo | ((u32)hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The GEMV's input, made by every block in shared memory (xs): rms_norm(x + residual) *
+// norm_w, each step rounded to the activations' dtype as octavo's fused_add_rms_norm rounds
+// it (s = x + residual; normed = s * rsqrt(mean(s^2) + eps); out = norm_w * normed). Block 0
+// also writes s to new_residual. One row; 16-byte aligned vectors of 8 values.
+__device__ __forceinline__ void norm_prologue(u16* xs, const u16* x, const u16* residual,
+                                              const u16* norm_w, u16* new_residual, int K,
+                                              float eps, float* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stride = WARPS * 32 * 8;
+  float squares = 0.f;
+  for (int i = threadIdx.x * 8; i < K; i += stride) {
+    const uint4 r = *reinterpret_cast<const uint4*>(residual + i);
+    const u32 rw[4] = {r.x, r.y, r.z, r.w};
+    const uint4 s = map_halves(*reinterpret_cast<const uint4*>(x + i), [&](int j, int h, u16 v) {
+      const float sum = in_to_float(float_to_out(
+          in_to_float(v) + in_to_float((u16)(rw[j] >> (16 * h)))));
+      squares += sum * sum;
+      return float_to_out(sum);
+    });
+    *reinterpret_cast<uint4*>(xs + i) = s;
+    if (blockIdx.x == 0) *reinterpret_cast<uint4*>(new_residual + i) = s;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
+  if (lane == 0) warp_sums[warp] = squares;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int v = 0; v < WARPS; ++v) total += warp_sums[v];
+  const float rstd = rsqrtf(total / K + eps);
+  for (int i = threadIdx.x * 8; i < K; i += stride) {  // the elements this thread wrote
+    const uint4 w = *reinterpret_cast<const uint4*>(norm_w + i);
+    const u32 ww[4] = {w.x, w.y, w.z, w.w};
+    *reinterpret_cast<uint4*>(xs + i) = map_halves(
+        *reinterpret_cast<const uint4*>(xs + i), [&](int j, int h, u16 v) {
+          const float normed = in_to_float(float_to_out(in_to_float(v) * rstd));
+          return float_to_out(in_to_float((u16)(ww[j] >> (16 * h))) * normed);
+        });
+  }
+  __syncthreads();
+}
+#endif
 
 // One group: acc[i] += scale * (sum x (OFFSET + q) - (OFFSET + z) * sum x) for each mma tile i.
 __device__ __forceinline__ void sum_group(float (&acc)[VEC][4], const Words& w, const XRows& xr,
@@ -256,7 +340,10 @@ __device__ __forceinline__ void for_each_sum(const float (&acc)[VEC][4], int g, 
 extern "C" __global__ void BOUNDS
 int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
               const u16* __restrict__ scales, const u16* __restrict__ zeros,
-              u16* __restrict__ out, int M, int N, int K, int stride_xm) {
+              u16* __restrict__ out, int M, int N, int K, int stride_xm,
+              // NORM only (else unused): x is added to residual and normed (norm_prologue)
+              const u16* __restrict__ residual, const u16* __restrict__ norm_w,
+              u16* __restrict__ new_residual, float eps) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * ROWS;
@@ -295,7 +382,13 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   const int* pa = qweight + row * N + na;
   const int* pb = pa + (nb - na);
 #endif
+#if NORM
+  __shared__ __align__(16) u16 xs[MAX_NORM_K];
+  __shared__ float warp_sums[WARPS];
+  const u16* px = xs + (start * (GROUP / 8) + t) * 8;
+#else
   const u16* px = x_row + (start * (GROUP / 8) + t) * 8;
+#endif
   // the lane's row-g scales and zeros of group `start` (float16 [G, N])
   const u16* ps = scales + (long)start * N + na;
   const u16* pz = zeros + (long)start * N + na;
@@ -311,11 +404,17 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
 #endif
-  load_x(x0, px);
+#if NORM
+#define LOAD_X load_x_shared
+  norm_prologue(xs, x, residual, norm_w, new_residual, K, eps, warp_sums);
+#else
+#define LOAD_X load_x
+#endif
+  LOAD_X(x0, px);
   for (int group = first; group < last; group += 2) {
     if (group + 1 < last) {
       load_words(w1, pa + group_words, pb + group_words, chunk, ps + N, pz + N);
-      load_x(x1, px + GROUP);
+      LOAD_X(x1, px + GROUP);
     }
     sum_group(acc, w0, x0, mask, magic);
     if (group + 1 >= last) break;
@@ -326,7 +425,7 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
     px += 2 * GROUP;
     if (group + 2 < last) {
       load_words(w0, pa, pb, chunk, ps, pz);
-      load_x(x0, px);
+      LOAD_X(x0, px);
     }
     sum_group(acc, w1, x1, mask, magic);
   }
