@@ -543,11 +543,15 @@ config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
         | tee "$OUT/int4-mma-bench.log" | grep -v '^{'
       ;;
     int4-chain)
-      # The tensor-core int4 GEMV's one-row configs picked inside a layer-like chain
-      # (bench_int4_mma.py --chain: 32 layer copies, every kernel under PDL as in the model,
-      # one projection's config changed at a time from the device table's), written to a copy
-      # of the table in $OUT/chain-tables; when they differ, batch-1 8B int4 with that copy
-      # against the packaged tables, in turns (OCTAVO_SKINNY_CONFIG_DIR; ~4 min).
+      # The tensor-core int4 GEMV's GPU tests (late trigger, the norm inside), then its one-row
+      # configs picked inside a layer-like chain (bench_int4_mma.py --chain: 32 layer copies,
+      # every kernel under PDL as in the model, one projection's config changed at a time from
+      # the device table's; then the chain with both norms inside their GEMVs), written to a
+      # copy of the table in $OUT/chain-tables; when they differ, batch-1 8B int4 with that
+      # copy against the packaged tables, in turns (OCTAVO_SKINNY_CONFIG_DIR; ~6 min).
+      python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_int4_mma.py \
+        > "$OUT/int4-chain-tests.log" 2>&1; tail -1 "$OUT/int4-chain-tests.log"
+      grep -E "^(E |FAILED)" "$OUT/int4-chain-tests.log" | head -12
       table=$(python3 -c "import torch; from octavo.kernels.triton.skinny_gemm import \
 config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
       mkdir -p "$OUT/chain-tables" && cp "$table" "$OUT/chain-tables/"
