@@ -548,7 +548,8 @@ config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
       # every kernel under PDL as in the model, one projection's config changed at a time from
       # the device table's; then the chain with both norms inside their GEMVs), written to a
       # copy of the table in $OUT/chain-tables; when they differ, batch-1 8B int4 with that
-      # copy against the packaged tables, in turns (OCTAVO_SKINNY_CONFIG_DIR; ~6 min).
+      # copy against the packaged tables, in turns (OCTAVO_SKINNY_CONFIG_DIR); then batch-1
+      # 8B int4 with OCTAVO_CUDA_INT4_NORM=1 and 0, in turns (~8 min).
       python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_int4_mma.py \
         > "$OUT/int4-chain-tests.log" 2>&1; tail -1 "$OUT/int4-chain-tests.log"
       grep -E "^(E |FAILED)" "$OUT/int4-chain-tests.log" | head -12
@@ -562,6 +563,8 @@ config_table_path; print(config_table_path(torch.cuda.get_device_name()))")
         AB_ENV=OCTAVO_SKINNY_CONFIG_DIR AB_VALUES="$OUT/chain-tables $(dirname "$table")" \
           AB_MODELS=8b-int4 bash "$0" latency-ab
       fi
+      # the norms before qkv and gate_up inside the int4 GEMV, in the model
+      AB_ENV=OCTAVO_CUDA_INT4_NORM AB_VALUES="1 0" AB_MODELS=8b-int4 bash "$0" latency-ab
       ;;
     quant-latency)
       # Batch-1 ms per output token, Llama-3-8B shape (dummy weights), bf16 vs fp8 weights

@@ -213,3 +213,23 @@ def test_the_norm_in_the_gemv_takes_one_aligned_row_of_one_dtype():
     strided = torch.zeros(4096, 2, dtype=torch.bfloat16).t()[:1]  # [1, 4096], stride 2
     assert not norm_supported(strided, residual, weight)
     assert norm_supported(x, x, weight)  # the first layer: the input is its own residual
+
+
+def test_the_norm_goes_into_the_gemv_only_when_asked_and_taken(monkeypatch):
+    """``OCTAVO_CUDA_INT4_NORM=1`` gives the int4 methods ``int4_matmul_add_rms_norm``'s fused
+    kernel (off by default); it declines what the GEMV or the norm operands do not take."""
+    monkeypatch.setattr(nvrtc, "_nvrtc", lambda: object())
+    monkeypatch.delenv("OCTAVO_CUDA_INT4_NORM", raising=False)
+    assert quant.quant_kernels("gptq").fused_norm is False
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_NORM", "1")
+    kernels = quant.quant_kernels("awq")
+    assert kernels.fused_norm is True
+    x = residual = torch.zeros(1, 256, dtype=torch.bfloat16)
+    norm_weight = torch.ones(256, dtype=torch.bfloat16)
+    qweight = torch.zeros(32, 32, dtype=torch.int32)
+    scales = zeros = torch.zeros(2, 32, dtype=torch.float16)
+    operands = (qweight, scales, zeros, 128, None)
+    # on the CPU the GEMV does not run: the norm kernel and the Triton/torch paths do
+    assert kernels.int4_matmul_add_rms_norm(x, residual, norm_weight, 1e-6, *operands) is None
+    assert quant.Int4Kernels().int4_matmul_add_rms_norm(x, residual, norm_weight, 1e-6,
+                                                        *operands) is None

@@ -42,10 +42,10 @@ def _params(logprobs: int = 1) -> SamplingParams:
                           logprobs=logprobs)
 
 
-def _run(model: Path, **kwargs):
+def _run(model: Path, prompts: list[str] = PROMPTS, **kwargs):
     kwargs.setdefault("num_gpu_blocks_override", 256)
     llm = LLM(str(model), device="cuda", **kwargs)
-    return llm, llm.generate(PROMPTS, _params(5), use_tqdm=False)
+    return llm, llm.generate(prompts, _params(5), use_tqdm=False)
 
 
 def _assert_greedy_close(ours, reference, atol: float) -> float:
@@ -145,6 +145,27 @@ def test_gptq_tensor_core_gemv_equals_dequantized(dense_folder, tmp_path, dtype,
     _assert_greedy_close(ours, theirs, atol=0.05 if dtype == "bfloat16" else 0.02)
     _, eager = _run(folder, dtype=dtype, enforce_eager=True)
     _assert_greedy_close(eager, theirs, atol=0.05 if dtype == "bfloat16" else 0.02)
+
+
+def test_gptq_with_the_norm_inside_the_gemv_equals_dequantized(dense_folder, tmp_path,
+                                                               monkeypatch):
+    """``OCTAVO_CUDA_INT4_NORM=1``: at one row the decoder layer's norms before qkv and
+    gate_up run inside the tensor-core GEMV (``int4_mma_gemv_add_rms_norm``); greedy decode
+    of one prompt (one row a step) against the dequantized model, in CUDA graphs and eagerly."""
+    from octavo_cuda import nvrtc
+
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_NORM", "1")
+    folder = tmp_path / "gptq"
+    weights = write_gptq(dense_folder, folder, group_size=128, desc_act=False, sym=False)
+    reference = write_dense(dense_folder, tmp_path / "ref", weights)
+    prompts = PROMPTS[:1]
+    _, ours = _run(folder, dtype="bfloat16", prompts=prompts)
+    assert any(key[1] == "int4_mma_gemv" and ("NORM", 1) in key[2] for key in nvrtc._LOADED)
+    _, theirs = _run(reference, dtype="bfloat16", prompts=prompts)
+    _assert_greedy_close(ours, theirs, atol=0.05)
+    _, eager = _run(folder, dtype="bfloat16", prompts=prompts, enforce_eager=True)
+    _assert_greedy_close(eager, theirs, atol=0.05)
 
 
 def test_gguf_kept_quantized_triton_kernel_equals_dequantized(dense_folder, tmp_path):

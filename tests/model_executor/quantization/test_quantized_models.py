@@ -14,6 +14,7 @@ within ``LOGPROB_ATOL``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,52 @@ def test_int4_checkpoint_on_two_tensor_parallel_ranks_matches_one(dense_folder, 
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == one
     finally:
         two.llm_engine.shutdown()  # ends the worker processes (else they outlive the test)
+
+
+class TorchNormThenInt4:
+    """A backend's ``int4_matmul_add_rms_norm`` in torch (the norm as ``RMSNorm`` computes it,
+    then the dequantized matmul), counting its calls: what a kernel that takes the norm into
+    the GEMV must give."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def int4_matmul_add_rms_norm(self, x, residual, norm_weight, eps, qweight, scales, zeros,
+                                 group_size, g_idx):
+        from octavo.kernels.int4 import int4_linear_reference
+
+        self.calls += 1
+        s = x + residual
+        s32 = s.float()
+        normed = norm_weight * (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)
+                                ).to(s.dtype)
+        return int4_linear_reference(normed, qweight, scales, zeros, group_size, g_idx), s
+
+
+def test_the_norm_inside_the_int4_matmul_gives_the_same_tokens(dense_folder, tmp_path,
+                                                                monkeypatch):
+    """``LinearMethod.apply_add_rms_norm`` through the decoder layer: with a backend that
+    takes each norm into the int4 projection after it (qkv past the first layer, gate_up),
+    decoding gives the same greedy tokens and logprobs as the norm then the matmul."""
+    from octavo.model_executor.layers.quantization import registry
+
+    folder = tmp_path / "gptq"
+    write_gptq(dense_folder, folder, group_size=32, desc_act=False, sym=True)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=1)
+    plain = make_llm(folder).generate(PROMPTS, params)
+    kernels = TorchNormThenInt4()
+    create = registry.create_quantization_config
+    monkeypatch.setattr(registry, "create_quantization_config",
+                        lambda *args, **kw: setattr(config := create(*args, **kw), "kernels",
+                                                    kernels) or config)
+    fused = make_llm(folder).generate(PROMPTS, params)
+    # each step (the prompts' prefill, then NUM_TOKENS - 1 decode steps of both): every
+    # layer's gate_up norm and every qkv norm but the first layer's
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    assert kernels.calls >= NUM_TOKENS * (2 * layers - 1)
+    for a, b in zip(plain, fused):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for step, token in enumerate(a.outputs[0].token_ids):
+            assert abs(a.outputs[0].logprobs[step][token].logprob
+                       - b.outputs[0].logprobs[step][token].logprob) <= LOGPROB_ATOL

@@ -7,7 +7,9 @@ which ``octavo.kernels.int4.int4_linear`` gives to the Triton kernels. On by def
 (logged). ``int4_prepare_qweight`` rearranges the words of the layers that GEMV takes into
 32-output panels at load (``octavo.kernels.int4.to_panels``; ``OCTAVO_CUDA_INT4_PANELS=0``
 keeps GPTQ's rows, for A/B runs): each block then reads a group's words as one contiguous
-run. The Triton kernels read panels too, for prompts and act-order layers.
+run. The Triton kernels read panels too, for prompts and act-order layers. With
+``OCTAVO_CUDA_INT4_NORM=1`` (off until measured on a GPU), ``int4_matmul_add_rms_norm`` runs
+one row's RMS norm inside the GEMV after it (``int4_mma_gemv_add_rms_norm``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ INT4_METHODS = ("gptq", "awq")
 
 
 class Int4Kernels:
-    """What the int4 methods look for: ``int4_matmul`` (``int4_linear``, every matmul) and
-    ``int4_prepare_qweight`` (once per layer, at load)."""
+    """What the int4 methods look for: ``int4_matmul`` (``int4_linear``, every matmul),
+    ``int4_matmul_add_rms_norm`` (``Int4LinearMethod.apply_add_rms_norm``: a norm, then the
+    matmul; only with ``fused_norm``) and ``int4_prepare_qweight`` (once per layer, at
+    load)."""
+
+    def __init__(self, fused_norm: bool = False) -> None:
+        self.fused_norm = fused_norm
 
     @staticmethod
     def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -36,6 +43,21 @@ class Int4Kernels:
         if not supports(x, qweight, scales, zeros, group_size, g_idx):
             return None
         return int4_mma_gemv(x, qweight, scales, zeros, group_size)
+
+    def int4_matmul_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+        qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+        g_idx: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rms_norm(x + residual) * norm_weight @ W^T, x + residual)`` in one kernel for one
+        row the GEMV takes; ``None`` otherwise (the norm kernel runs, then ``int4_matmul``)."""
+        from octavo_cuda.int4_mma import int4_mma_gemv_add_rms_norm, norm_supported, supports
+
+        if not self.fused_norm or not supports(x, qweight, scales, zeros, group_size, g_idx) \
+                or not norm_supported(x, residual, norm_weight):
+            return None
+        return int4_mma_gemv_add_rms_norm(x, residual, norm_weight, eps, qweight, scales, zeros,
+                                          group_size)
 
     @staticmethod
     def int4_prepare_qweight(qweight: torch.Tensor, group_size: int,
@@ -64,5 +86,8 @@ def quant_kernels(method: str) -> Int4Kernels | None:
     except NvrtcError as exc:
         logger.warning("int4 weights: %s; the Triton int4_gemv runs instead", exc)
         return None
-    logger.info("int4 weights: the tensor-core GEMV (octavo_cuda.int4_mma) takes 1 to 8 rows")
-    return Int4Kernels()
+    fused_norm = envs.cuda_int4_norm()
+    logger.info("int4 weights: the tensor-core GEMV (octavo_cuda.int4_mma) takes 1 to 8 rows%s",
+                ", with the RMS norm before it at one row (OCTAVO_CUDA_INT4_NORM=1)"
+                if fused_norm else "")
+    return Int4Kernels(fused_norm)

@@ -37,6 +37,7 @@ from octavo.model_executor.layers.quantization.base import (
     QuantizationConfig,
     UnquantizedLinearMethod,
 )
+from octavo.model_executor.layers.rmsnorm import RMSNorm
 from octavo.model_executor.layers.weights import (
     Loaded,
     copy_checked,
@@ -111,6 +112,17 @@ class ColumnParallelLinear(nn.Module):
         if self.lora is not None:
             self.lora.add_to(x, out)
         return out
+
+    def forward_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                             norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(forward(h), s)`` for ``h, s = norm(x, residual)`` with the norm inside the
+        method's kernel (``LinearMethod.apply_add_rms_norm``), or ``None`` where it has none
+        for these operands, ``norm`` is not a plain ``RMSNorm``, or LoRA adapters need the
+        normed input: the caller runs the norm and ``forward``."""
+        if self.lora is not None or type(norm) is not RMSNorm:
+            return None
+        return self.quant_method.apply_add_rms_norm(self, x, residual, norm.weight, norm.eps,
+                                                    self.bias)
 
     def shard_location(self, shard_name: str | None) -> tuple[int, int, OutputShard]:
         """(index, first local output feature, shard) of the projection ``shard_name``."""

@@ -112,6 +112,17 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp]
         return self.down_proj(self.act(gate_up))  # [num_tokens, hidden_size]
 
+    def forward_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(forward(h), s)`` for ``h, s = norm(x, residual)``, the norm inside gate_up's
+        kernel (``ColumnParallelLinear.forward_add_rms_norm``), or ``None``: the caller runs
+        the norm and ``forward``."""
+        fused = self.gate_up_proj.forward_add_rms_norm(x, residual, norm)
+        if fused is None:
+            return None
+        gate_up, residual = fused
+        return self.down_proj(self.act(gate_up)), residual
+
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache (this rank's heads).
@@ -157,8 +168,18 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        return self.attend(positions, self.qkv_proj(hidden_states), kv_cache, attn_metadata)
+
+    def attend(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """``forward`` after the qkv projection (a decoder layer that put its norm inside
+        that projection's kernel calls this)."""
+        num_tokens = qkv.shape[0]
         # One view of the heads, split along them: the same strided views as splitting the
         # features and viewing each part, for two fewer view ops (~1.5 µs of host per layer).
         heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -209,12 +230,27 @@ class LlamaDecoderLayer(nn.Module):
                                        attn_metadata)
             if fused is not None:
                 return fused
+        # A linear method may take each norm into the kernel of the projection after it
+        # (forward_add_rms_norm: int4 at one row on the CUDA backend); else the norm runs.
+        fused = None
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+            fused = self.self_attn.qkv_proj.forward_add_rms_norm(hidden_states, residual,
+                                                                 self.input_layernorm)
+            if fused is None:
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if fused is None:
+            hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        else:
+            qkv, residual = fused
+            hidden_states = self.self_attn.attend(positions, qkv, kv_cache, attn_metadata)
+        if isinstance(self.mlp, LlamaMLP):
+            fused = self.mlp.forward_add_rms_norm(hidden_states, residual,
+                                                  self.post_attention_layernorm)
+            if fused is not None:
+                return fused
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

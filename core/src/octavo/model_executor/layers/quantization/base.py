@@ -87,6 +87,15 @@ class LinearMethod(ABC):
         """``x @ W^T + bias``: ``[num_tokens, input_size]`` -> ``[num_tokens, output_size]``,
         in ``x``'s dtype."""
 
+    def apply_add_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                           norm_weight: torch.Tensor, eps: float,
+                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(apply(layer, rms_norm(x + residual) * norm_weight, bias), x + residual)`` in one
+        kernel, where the method has one for these operands (``RMSNorm(x, residual)`` then
+        the layer, as a decoder layer runs them); ``None`` (the default): the caller runs the
+        norm, then ``apply``."""
+        return None
+
     def fill_dummy_weights(self, layer: nn.Module, generator: torch.Generator) -> None:
         """Random weights of the right format (``load_format="dummy"``, benchmarks)."""
         raise ValueError(f"{type(self).__name__} cannot make dummy weights; load a checkpoint")

@@ -95,6 +95,22 @@ class Int4LinearMethod(LinearMethod):
         return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group_size,
                            layer.int4_g_idx, bias, self.config.kernels)
 
+    def apply_add_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                           norm_weight: torch.Tensor, eps: float,
+                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The backend's ``kernels.int4_matmul_add_rms_norm(x, residual, norm_weight, eps,
+        qweight, scales, zeros, group_size, g_idx)`` where it has one and takes the call
+        (``(out, x + residual)``, or ``None``)."""
+        fused = getattr(self.config.kernels, "int4_matmul_add_rms_norm", None)
+        if fused is None:
+            return None
+        done = fused(x, residual, norm_weight, eps, layer.qweight, layer.scales, layer.zeros,
+                     layer.int4_group_size, layer.int4_g_idx)
+        if done is None:
+            return None
+        out, new_residual = done
+        return (out if bias is None else out + bias), new_residual
+
     def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The dense ``[N, K]`` weight this layer multiplies by (tests, debugging)."""
         return dequantize_int4(layer.qweight, layer.scales, layer.zeros, layer.int4_group_size,
