@@ -232,25 +232,25 @@ class LlamaDecoderLayer(nn.Module):
                 return fused
         # A linear method may take each norm into the kernel of the projection after it
         # (forward_add_rms_norm: int4 at one row on the CUDA backend); else the norm runs.
-        fused = None
+        qkv_and_residual = None
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            fused = self.self_attn.qkv_proj.forward_add_rms_norm(hidden_states, residual,
-                                                                 self.input_layernorm)
-            if fused is None:
+            qkv_and_residual = self.self_attn.qkv_proj.forward_add_rms_norm(
+                hidden_states, residual, self.input_layernorm)
+            if qkv_and_residual is None:
                 hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if fused is None:
+        if qkv_and_residual is None:
             hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
         else:
-            qkv, residual = fused
+            qkv, residual = qkv_and_residual
             hidden_states = self.self_attn.attend(positions, qkv, kv_cache, attn_metadata)
         if isinstance(self.mlp, LlamaMLP):
-            fused = self.mlp.forward_add_rms_norm(hidden_states, residual,
-                                                  self.post_attention_layernorm)
-            if fused is not None:
-                return fused
+            mlp_and_residual = self.mlp.forward_add_rms_norm(hidden_states, residual,
+                                                             self.post_attention_layernorm)
+            if mlp_and_residual is not None:
+                return mlp_and_residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
