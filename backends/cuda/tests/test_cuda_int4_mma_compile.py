@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import triton
 from octavo_cuda import nvrtc
-from octavo_cuda.int4_mma import CANDIDATES, MmaGemvConfig, _source
+from octavo_cuda.int4_mma import CANDIDATES, MAX_NORM_K, MmaGemvConfig, _source
 
 from tests.kernels.sm90_compile_check import sass_loops, sass_opcodes
 
@@ -140,7 +140,7 @@ def test_the_norm_in_the_gemv_compiles_and_reads_x_from_shared_memory(arch, conf
         sass, usage = _disassemble(nvrtc.compile_cubin(
             _source(), "int4_mma_gemv", arch, {"VEC": config.vec, "WARPS": config.warps,
                                                "GROUP": 128, "BF16": bf16, "PANELS": 1,
-                                               "NORM": 1}))
+                                               "NORM": 1, "MAX_NORM_K": MAX_NORM_K}))
         assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
         loop = _loop(sass)
         assert "LDS" in loop and "HMMA" in loop

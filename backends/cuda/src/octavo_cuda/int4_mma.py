@@ -35,7 +35,8 @@ from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, tune_ke
 from octavo_cuda.nvrtc import load_kernel
 
 MAX_ROWS = 8
-# The fused norm's row lives in shared memory (``MAX_NORM_K`` in the source)
+# Most inputs of the fused norm's row, which every block holds in shared memory (16 KB); the
+# kernel's NORM launches are compiled with it
 MAX_NORM_K = 8192
 # A warp holds two groups' words in registers (``GROUP / 32`` chunks each): larger groups
 # (or one group over all inputs) would spill
@@ -196,7 +197,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                           "BF16": int(x.dtype == torch.bfloat16),
                           "PANELS": int(is_panels(qweight)),
                           "EARLY_TRIGGER": int(config.early_trigger),
-                          "NORM": int(norm is not None)},
+                          **({"NORM": 1, "MAX_NORM_K": MAX_NORM_K} if norm is not None
+                             else {})},
                          x.device)
     pdl = _major(x.device.index) >= 9
     # without the norm its operands are not read: any pointers do

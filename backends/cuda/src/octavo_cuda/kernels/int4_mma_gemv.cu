@@ -9,7 +9,8 @@
 //   PANELS  1: qweight in 32-output panels (below), 0: GPTQ's rows
 //   EARLY_TRIGGER  1: the next kernel may launch (PDL) once this one has waited for the one
 //           before, 0: once this block's sums are done (before the warps' partials meet)
-//   NORM    1: the RMS norm before the GEMV in the kernel (below; one row, K <= MAX_NORM_K)
+//   NORM    1: the RMS norm before the GEMV in the kernel (below; one row, K <= MAX_NORM_K,
+//           the shared-memory row's size, which the launch passes with it)
 //
 // Operands as octavo.kernels.int4 holds them: qweight int32 [K / 8, N] (input 8r + j of output
 // n in nibble j of word (r, n)) or, PANELS, the same words in 32-output panels
@@ -63,7 +64,9 @@
 #ifndef NORM
 #define NORM 0
 #endif
-#define MAX_NORM_K 8192
+#if NORM && !defined(MAX_NORM_K)
+#error "NORM needs MAX_NORM_K (octavo_cuda.int4_mma passes it)"
+#endif
 
 #define PANEL 32
 #define CHUNKS (GROUP / 32)

@@ -29,15 +29,6 @@ _MAX_BLOCK = 1024
 
 
 @triton.jit
-def silu_mul(gate, up, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """``silu(gate) * up`` in float32, holding a ``dtype`` value: silu rounded to ``dtype``,
-    then the product, as torch's two eager ops round them (``round_to``)."""
-    g = gate.to(tl.float32)
-    silu = round_to(g / (1.0 + tl.exp(-g)), dtype, EMULATE_BF16)  # F.silu(gate)
-    return round_to(silu * up.to(tl.float32), dtype, EMULATE_BF16)
-
-
-@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [num_rows, 2 * d] (row stride stride_x_row)
     out_ptr,  # [num_rows, d] contiguous
@@ -52,11 +43,12 @@ def _silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     x_row = x_ptr + row * stride_x_row
-    gate = tl.load(x_row + cols, mask=mask, other=0)
-    up = tl.load(x_row + d + cols, mask=mask, other=0)
+    gate = tl.load(x_row + cols, mask=mask, other=0).to(tl.float32)
+    up = tl.load(x_row + d + cols, mask=mask, other=0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * d + cols, silu_mul(gate, up, dtype, EMULATE_BF16).to(dtype),
-             mask=mask)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype, EMULATE_BF16)  # F.silu(gate)
+    out = round_to(silu * up, dtype, EMULATE_BF16)
+    tl.store(out_ptr + row * d + cols, out.to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
