@@ -133,11 +133,13 @@ def test_llama3_8b_shapes_rows_graphs_and_pdl(n, k, dtype):
             assert torch.equal(captured, expected_chain)
 
 
-@pytest.mark.parametrize("n, k", [(6144, 4096), (28672, 4096)], ids=str)
+@pytest.mark.parametrize("n, k", [(6144, 4096), (28672, 4096), (1024, 3200), (1024, 8192)],
+                         ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_norm_in_the_gemv_equals_the_norm_then_the_gemv(n, k, dtype):
     """``int4_mma_gemv_add_rms_norm`` against ``fused_add_rms_norm`` then ``int4_mma_gemv``
-    (qkv's and gate_up's shapes, every config that takes them): the new residual bit for bit,
+    (qkv's and gate_up's shapes, a row that does not fill its threads' last vectors, the
+    longest row; every config that takes them): the new residual bit for bit,
     the outputs within a rounding of the normed row (its sum of squares is summed in another
     order); eagerly and replayed from a graph after a norm (PDL)."""
     from octavo.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm

@@ -133,21 +133,27 @@ def test_the_late_trigger_comes_after_the_sums(config):
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: f"v{c.vec}w{c.warps}")
 def test_the_norm_in_the_gemv_compiles_and_reads_x_from_shared_memory(arch, config):
-    """``NORM`` 1 (``int4_mma_gemv_add_rms_norm``), panels, both dtypes: no spills; for sm_90
-    the first group's weights still load before the PDL wait; the group loop reads the normed
-    row from shared memory (``LDS.128``), no ``x`` from global memory."""
-    for bf16 in (1, 0):
+    """``NORM`` 1 (``int4_mma_gemv_add_rms_norm``), panels, both dtypes, Llama-3-8B's row and
+    the longest: no spills; for sm_90 the first group's weights and the norm weight's vectors
+    (one a ``NORM_ITEMS``) still load before the PDL wait, and ``x`` and the residual after it
+    not through the read-only path; the group loop reads the normed row from shared memory
+    (``LDS.128``), no ``x`` from global memory."""
+    for bf16, norm_k in ((1, 4096), (0, 4096), (1, MAX_NORM_K)):
         sass, usage = _disassemble(nvrtc.compile_cubin(
             _source(), "int4_mma_gemv", arch, {"VEC": config.vec, "WARPS": config.warps,
                                                "GROUP": 128, "BF16": bf16, "PANELS": 1,
-                                               "NORM": 1, "MAX_NORM_K": MAX_NORM_K}))
+                                               "NORM": 1, "NORM_K": norm_k}))
         assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage
         loop = _loop(sass)
         assert "LDS" in loop and "HMMA" in loop
         assert not re.search(r"LDG\.E\.128 ", max(sass_loops(sass), key=len))
         if arch >= 90:
-            before = sass.partition("ACQBULK")[0]
+            before, _, after = sass.partition("ACQBULK")
             assert len(re.findall(r"LDG\.E\.NA\b", before)) == _group_loads(128)
+            norm_items = -(-norm_k // (config.warps * 256))
+            assert len(re.findall(r"LDG\.E\.128\.CONSTANT\b", before)) == norm_items
+            assert len(re.findall(r"LDG\.E\.128 ", after.split("HMMA")[0])) == 2 * norm_items
+            assert "CONSTANT" not in after
 
 
 def test_a_source_that_does_not_compile_raises_with_nvrtcs_log():

@@ -215,13 +215,14 @@ def test_the_norm_in_the_gemv_takes_one_aligned_row_of_one_dtype():
     assert norm_supported(x, x, weight)  # the first layer: the input is its own residual
 
 
-def test_the_norm_goes_into_the_gemv_only_when_asked_and_taken(monkeypatch):
-    """``OCTAVO_CUDA_INT4_NORM=1`` gives the int4 methods ``int4_matmul_add_rms_norm``'s fused
-    kernel (off by default); it declines what the GEMV or the norm operands do not take."""
+def test_the_norm_goes_into_the_gemv_by_default_when_taken(monkeypatch):
+    """The int4 methods get ``int4_matmul_add_rms_norm``'s fused kernel (on by default,
+    ``OCTAVO_CUDA_INT4_NORM=0`` turns it off); it declines what the GEMV or the norm operands
+    do not take."""
     monkeypatch.setattr(nvrtc, "_nvrtc", lambda: object())
-    monkeypatch.delenv("OCTAVO_CUDA_INT4_NORM", raising=False)
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_NORM", "0")
     assert quant.quant_kernels("gptq").fused_norm is False
-    monkeypatch.setenv("OCTAVO_CUDA_INT4_NORM", "1")
+    monkeypatch.delenv("OCTAVO_CUDA_INT4_NORM", raising=False)
     kernels = quant.quant_kernels("awq")
     assert kernels.fused_norm is True
     x = residual = torch.zeros(1, 256, dtype=torch.bfloat16)

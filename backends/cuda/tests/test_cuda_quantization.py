@@ -130,10 +130,13 @@ def test_gptq_triton_kernel_equals_dequantized(dense_folder, tmp_path):
 def test_gptq_tensor_core_gemv_equals_dequantized(dense_folder, tmp_path, dtype, monkeypatch):
     """Natural-order groups: decode rows (1 to 8) take the backend's tensor-core GEMV
     (``octavo_cuda.int4_mma``, ``OCTAVO_CUDA_INT4_MMA=1``) on the words it loaded in 32-output
-    panels, and prompts the Triton kernels on the same panels; eagerly and in CUDA graphs."""
+    panels, and prompts the Triton kernels on the same panels; eagerly and in CUDA graphs.
+    The RMS norms run as their own kernels (``OCTAVO_CUDA_INT4_NORM=0``; the next test
+    has them inside the GEMV)."""
     from octavo_cuda import nvrtc
 
     monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
+    monkeypatch.setenv("OCTAVO_CUDA_INT4_NORM", "0")
     monkeypatch.delenv("OCTAVO_CUDA_INT4_PANELS", raising=False)
     folder = tmp_path / "gptq"
     weights = write_gptq(dense_folder, folder, group_size=128, desc_act=False, sym=False)
@@ -149,13 +152,14 @@ def test_gptq_tensor_core_gemv_equals_dequantized(dense_folder, tmp_path, dtype,
 
 def test_gptq_with_the_norm_inside_the_gemv_equals_dequantized(dense_folder, tmp_path,
                                                                monkeypatch):
-    """``OCTAVO_CUDA_INT4_NORM=1``: at one row the decoder layer's norms before qkv and
-    gate_up run inside the tensor-core GEMV (``int4_mma_gemv_add_rms_norm``); greedy decode
-    of one prompt (one row a step) against the dequantized model, in CUDA graphs and eagerly."""
+    """By default (``OCTAVO_CUDA_INT4_NORM``) at one row the decoder layer's norms before qkv
+    and gate_up run inside the tensor-core GEMV (``int4_mma_gemv_add_rms_norm``); greedy
+    decode of one prompt (one row a step) against the dequantized model, in CUDA graphs and
+    eagerly."""
     from octavo_cuda import nvrtc
 
     monkeypatch.setenv("OCTAVO_CUDA_INT4_MMA", "1")
-    monkeypatch.setenv("OCTAVO_CUDA_INT4_NORM", "1")
+    monkeypatch.delenv("OCTAVO_CUDA_INT4_NORM", raising=False)
     folder = tmp_path / "gptq"
     weights = write_gptq(dense_folder, folder, group_size=128, desc_act=False, sym=False)
     reference = write_dense(dense_folder, tmp_path / "ref", weights)

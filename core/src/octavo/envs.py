@@ -19,7 +19,7 @@
 | ``OCTAVO_ROTARY_CACHE_WRITE`` | ``0``: the Triton attention backend rotates the keys, then writes the cache, in two kernels instead of one (``apply_rotary_write_kv``; read when a layer's kernels are made; default ``1``) |
 | ``OCTAVO_SKINNY_PDL`` | ``0``: ``fp8_gemv`` and ``int4_gemv`` at one row launch in plain stream order instead of with PDL, loading their first step's weights before they wait (``octavo.kernels.triton.pdl``; read once per process; default ``1``) |
 | ``OCTAVO_CUDA_INT4_PANELS`` | ``0``: int4 layers the CUDA backend's tensor-core GEMV takes keep GPTQ's ``[K / 8, N]`` words instead of being rearranged into 32-output panels at load (``octavo_cuda.quant``; read when a model loads; default ``1``; for A/B runs) |
-| ``OCTAVO_CUDA_INT4_NORM`` | ``1``: at one row the CUDA backend's tensor-core int4 GEMV after an RMS norm (qkv, gate_up) computes the norm itself, one kernel less per norm (``octavo_cuda.int4_mma.int4_mma_gemv_add_rms_norm`` through ``LinearMethod.apply_add_rms_norm``; read when a model is built; default ``0`` until it has been measured on a GPU) |
+| ``OCTAVO_CUDA_INT4_NORM`` | ``1``: at one row the CUDA backend's tensor-core int4 GEMV after an RMS norm (qkv, gate_up) computes the norm itself, one kernel less per norm (``octavo_cuda.int4_mma.int4_mma_gemv_add_rms_norm`` through ``LinearMethod.apply_add_rms_norm``; read when a model is built; default ``1``; ``0`` for A/B runs) |
 | ``OCTAVO_CUDA_INT4_MMA`` | ``0``: int4 (GPTQ/AWQ) layers at 1 to 8 rows on NVIDIA GPUs run the Triton ``int4_gemv`` instead of the CUDA backend's tensor-core GEMV (``octavo_cuda.int4_mma``, compiled with NVRTC; read when a model is built; default ``1``; for A/B runs) |
 | ``OCTAVO_DENSE_GEMV`` | ``0``: dense (unquantized) linear layers at one row run ``F.linear`` (cuBLAS) instead of the Triton one-row GEMV that reads its weights before it waits for the kernel before it (``octavo.kernels.dense``; compute capability 9.0+ with PDL on; read once per process; default ``1``) |
 | ``OCTAVO_CPU_PIN_STEPS`` | ``0`` leaves the CPU backend's calling thread unpinned during steps (``octavo_cpu.threads``; default ``1``: pinned to its core while a step computes) |
@@ -87,9 +87,9 @@ def cuda_int4_mma() -> bool:
 
 def cuda_int4_norm() -> bool:
     """``OCTAVO_CUDA_INT4_NORM``: whether the CUDA backend's int4 kernels take the RMS norm
-    before a one-row GEMV into it (``octavo_cuda.quant``; default no; ``1``/``true``: yes;
-    read when a model is built)."""
-    return os.environ.get("OCTAVO_CUDA_INT4_NORM", "0").strip() in ("1", "true", "True")
+    before a one-row GEMV into it (``octavo_cuda.quant``; default yes; ``0``/``false``: no,
+    for A/B runs; read when a model is built)."""
+    return os.environ.get("OCTAVO_CUDA_INT4_NORM", "1").strip() not in ("0", "false", "False")
 
 
 def cuda_int4_panels() -> bool:

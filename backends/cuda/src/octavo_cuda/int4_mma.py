@@ -35,8 +35,8 @@ from octavo.kernels.triton.skinny_gemm import SkinnyConfig, SkinnyTuner, tune_ke
 from octavo_cuda.nvrtc import load_kernel
 
 MAX_ROWS = 8
-# Most inputs of the fused norm's row, which every block holds in shared memory (16 KB); the
-# kernel's NORM launches are compiled with it
+# Most inputs of the fused norm's row, which every block holds in shared memory (16 KB) and
+# its threads in registers; the kernel's NORM launches are compiled for their row's length
 MAX_NORM_K = 8192
 # A warp holds two groups' words in registers (``GROUP / 32`` chunks each): larger groups
 # (or one group over all inputs) would spill
@@ -197,7 +197,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                           "BF16": int(x.dtype == torch.bfloat16),
                           "PANELS": int(is_panels(qweight)),
                           "EARLY_TRIGGER": int(config.early_trigger),
-                          **({"NORM": 1, "MAX_NORM_K": MAX_NORM_K} if norm is not None
+                          **({"NORM": 1, "NORM_K": k} if norm is not None
                              else {})},
                          x.device)
     pdl = _major(x.device.index) >= 9

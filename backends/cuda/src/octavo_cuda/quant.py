@@ -7,9 +7,9 @@ which ``octavo.kernels.int4.int4_linear`` gives to the Triton kernels. On by def
 (logged). ``int4_prepare_qweight`` rearranges the words of the layers that GEMV takes into
 32-output panels at load (``octavo.kernels.int4.to_panels``; ``OCTAVO_CUDA_INT4_PANELS=0``
 keeps GPTQ's rows, for A/B runs): each block then reads a group's words as one contiguous
-run. The Triton kernels read panels too, for prompts and act-order layers. With
-``OCTAVO_CUDA_INT4_NORM=1`` (off until measured on a GPU), ``int4_matmul_add_rms_norm`` runs
-one row's RMS norm inside the GEMV after it (``int4_mma_gemv_add_rms_norm``).
+run. The Triton kernels read panels too, for prompts and act-order layers.
+``int4_matmul_add_rms_norm`` runs one row's RMS norm inside the GEMV after it
+(``int4_mma_gemv_add_rms_norm``; ``OCTAVO_CUDA_INT4_NORM=0`` turns it off, for A/B runs).
 """
 
 from __future__ import annotations
@@ -88,6 +88,6 @@ def quant_kernels(method: str) -> Int4Kernels | None:
         return None
     fused_norm = envs.cuda_int4_norm()
     logger.info("int4 weights: the tensor-core GEMV (octavo_cuda.int4_mma) takes 1 to 8 rows%s",
-                ", with the RMS norm before it at one row (OCTAVO_CUDA_INT4_NORM=1)"
-                if fused_norm else "")
+                ", with the RMS norm before it at one row" if fused_norm
+                else " (OCTAVO_CUDA_INT4_NORM=0: the RMS norms run as their own kernels)")
     return Int4Kernels(fused_norm)

@@ -9,8 +9,8 @@
 //   PANELS  1: qweight in 32-output panels (below), 0: GPTQ's rows
 //   EARLY_TRIGGER  1: the next kernel may launch (PDL) once this one has waited for the one
 //           before, 0: once this block's sums are done (before the warps' partials meet)
-//   NORM    1: the RMS norm before the GEMV in the kernel (below; one row, K <= MAX_NORM_K,
-//           the shared-memory row's size, which the launch passes with it)
+//   NORM    1: the RMS norm before the GEMV in the kernel (below; one row of K = NORM_K
+//           values, which the launch passes with it: the shared-memory row's size)
 //
 // Operands as octavo.kernels.int4 holds them: qweight int32 [K / 8, N] (input 8r + j of output
 // n in nibble j of word (r, n)) or, PANELS, the same words in 32-output panels
@@ -64,8 +64,8 @@
 #ifndef NORM
 #define NORM 0
 #endif
-#if NORM && !defined(MAX_NORM_K)
-#error "NORM needs MAX_NORM_K (octavo_cuda.int4_mma passes it)"
+#if NORM && !defined(NORM_K)
+#error "NORM needs NORM_K, the row's length (octavo_cuda.int4_mma passes it)"
 #endif
 
 #define PANEL 32
@@ -234,24 +234,54 @@ __device__ __forceinline__ uint4 map_halves(uint4 v, F f) {
 // The GEMV's input, made by every block in shared memory (xs): rms_norm(x + residual) *
 // norm_w, each step rounded to the activations' dtype as octavo's fused_add_rms_norm rounds
 // it (s = x + residual; normed = s * rsqrt(mean(s^2) + eps); out = norm_w * normed). Block 0
-// also writes s to new_residual. One row; 16-byte aligned vectors of 8 values.
+// also writes s to new_residual. One row of NORM_K values; 16-byte aligned vectors of 8 values,
+// thread i holding vectors i, i + threads, ... (NORM_ITEMS of them, in registers: all of a
+// thread's loads of x and the residual are in flight at once, one memory round trip after the
+// PDL wait; the norm weight's, nw, come before the wait).
+#define NORM_ITEMS ((NORM_K + WARPS * 256 - 1) / (WARPS * 256))
+
+__device__ __forceinline__ int norm_index(int item) { return (threadIdx.x + item * WARPS * 32) * 8; }
+
+__device__ __forceinline__ void load_norm_weight(uint4 (&nw)[NORM_ITEMS], const u16* norm_w) {
+#pragma unroll
+  for (int j = 0; j < NORM_ITEMS; ++j)
+    if (norm_index(j) < NORM_K) nw[j] = *reinterpret_cast<const uint4*>(norm_w + norm_index(j));
+}
+
+// 16 bytes the kernel before wrote, read after the PDL wait as load_x reads x (not through
+// the read-only path the compiler would pick for a const __restrict__ pointer)
+__device__ __forceinline__ uint4 load_written(const u16* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void norm_prologue(u16* xs, const u16* x, const u16* residual,
-                                              const u16* norm_w, u16* new_residual, int K,
+                                              const uint4 (&nw)[NORM_ITEMS], u16* new_residual,
                                               float eps, float* warp_sums) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int stride = WARPS * 32 * 8;
+  uint4 s[NORM_ITEMS], r[NORM_ITEMS];
+#pragma unroll
+  for (int j = 0; j < NORM_ITEMS; ++j) {
+    if (norm_index(j) < NORM_K) {
+      s[j] = load_written(x + norm_index(j));
+      r[j] = load_written(residual + norm_index(j));
+    }
+  }
   float squares = 0.f;
-  for (int i = threadIdx.x * 8; i < K; i += stride) {
-    const uint4 r = *reinterpret_cast<const uint4*>(residual + i);
-    const u32 rw[4] = {r.x, r.y, r.z, r.w};
-    const uint4 s = map_halves(*reinterpret_cast<const uint4*>(x + i), [&](int j, int h, u16 v) {
-      const float sum = in_to_float(float_to_out(
-          in_to_float(v) + in_to_float((u16)(rw[j] >> (16 * h)))));
-      squares += sum * sum;
-      return float_to_out(sum);
-    });
-    *reinterpret_cast<uint4*>(xs + i) = s;
-    if (blockIdx.x == 0) *reinterpret_cast<uint4*>(new_residual + i) = s;
+#pragma unroll
+  for (int j = 0; j < NORM_ITEMS; ++j) {
+    if (norm_index(j) < NORM_K) {
+      const u32 rw[4] = {r[j].x, r[j].y, r[j].z, r[j].w};
+      s[j] = map_halves(s[j], [&](int i, int h, u16 v) {
+        const float sum = in_to_float(float_to_out(
+            in_to_float(v) + in_to_float((u16)(rw[i] >> (16 * h)))));
+        squares += sum * sum;
+        return float_to_out(sum);
+      });
+      if (blockIdx.x == 0) *reinterpret_cast<uint4*>(new_residual + norm_index(j)) = s[j];
+    }
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1)
@@ -261,15 +291,16 @@ __device__ __forceinline__ void norm_prologue(u16* xs, const u16* x, const u16* 
   float total = 0.f;
 #pragma unroll
   for (int v = 0; v < WARPS; ++v) total += warp_sums[v];
-  const float rstd = rsqrtf(total / K + eps);
-  for (int i = threadIdx.x * 8; i < K; i += stride) {  // the elements this thread wrote
-    const uint4 w = *reinterpret_cast<const uint4*>(norm_w + i);
-    const u32 ww[4] = {w.x, w.y, w.z, w.w};
-    *reinterpret_cast<uint4*>(xs + i) = map_halves(
-        *reinterpret_cast<const uint4*>(xs + i), [&](int j, int h, u16 v) {
-          const float normed = in_to_float(float_to_out(in_to_float(v) * rstd));
-          return float_to_out(in_to_float((u16)(ww[j] >> (16 * h))) * normed);
-        });
+  const float rstd = rsqrtf(total / NORM_K + eps);
+#pragma unroll
+  for (int j = 0; j < NORM_ITEMS; ++j) {
+    if (norm_index(j) < NORM_K) {
+      const u32 ww[4] = {nw[j].x, nw[j].y, nw[j].z, nw[j].w};
+      *reinterpret_cast<uint4*>(xs + norm_index(j)) = map_halves(s[j], [&](int i, int h, u16 v) {
+        const float normed = in_to_float(float_to_out(in_to_float(v) * rstd));
+        return float_to_out(in_to_float((u16)(ww[i] >> (16 * h))) * normed);
+      });
+    }
   }
   __syncthreads();
 }
@@ -386,7 +417,7 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   const int* pb = pa + (nb - na);
 #endif
 #if NORM
-  __shared__ __align__(16) u16 xs[MAX_NORM_K];
+  __shared__ __align__(16) u16 xs[NORM_K];
   __shared__ float warp_sums[WARPS];
   const u16* px = xs + (start * (GROUP / 8) + t) * 8;
 #else
@@ -399,6 +430,10 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
   Words w0, w1;
   XRows x0, x1;
   load_words(w0, pa, pb, chunk, ps, pz);
+#if NORM
+  uint4 nw[NORM_ITEMS];
+  load_norm_weight(nw, norm_w);
+#endif
   // The kernel before may still be writing x (programmatic dependent launch); weights are
   // not written by any kernel of a step, so they are read before this wait.
 #if __CUDA_ARCH__ >= 900
@@ -409,7 +444,7 @@ int4_mma_gemv(const u16* __restrict__ x, const int* __restrict__ qweight,
 #endif
 #if NORM
 #define LOAD_X load_x_shared
-  norm_prologue(xs, x, residual, norm_w, new_residual, K, eps, warp_sums);
+  norm_prologue(xs, x, residual, nw, new_residual, eps, warp_sums);
 #else
 #define LOAD_X load_x
 #endif
