@@ -31,7 +31,8 @@ launched at the wait and after the sums (``MmaGemvConfig.early_trigger``), keepi
 that saves more than ``--min-gain-us`` a layer, for ``--passes`` rounds. Then it times the
 start and the end three times each, in turns, and the start's configs with both norms inside
 the GEMVs after them (``int4_mma_gemv_add_rms_norm``: the chain without its two norm kernels).
-``--write-configs`` writes the end's configs (one row) when they differ from the start's.
+``--write-configs`` writes the end's configs (one row) when they differ from the start's;
+``--passes 0`` only times the start with and without the norms inside.
 """
 
 from __future__ import annotations
