@@ -15,8 +15,9 @@ What it takes (``supports``): 1 to 8 rows of bfloat16 or float16 ``x``, natural-
 (no ``g_idx``) of 32, 64 or 128 inputs, ``N`` a multiple of 16, contiguous scales and zeros
 on 8-byte boundaries, a GPU of compute capability 8.0 or more. Anything else stays on the
 Triton kernel. Models reach it through the backend's ``octavo_quant_kernels``
-(``octavo_cuda.quant``; ``OCTAVO_CUDA_INT4_MMA=0`` turns it off). Its GPU tests are ``backends/cuda/tests/test_cuda_int4_mma.py``; CI compiles
-it and checks its SASS.
+(``octavo_cuda.quant``; ``OCTAVO_CUDA_INT4_MMA=0`` turns it off). At one row it can also
+take the RMS norm before it (``int4_mma_gemv_add_rms_norm``, ``norm_supported``). Its GPU
+tests are ``backends/cuda/tests/test_cuda_int4_mma.py``; CI compiles it and checks its SASS.
 
 Reference: ``octavo.kernels.int4.int4_linear_reference``.
 """

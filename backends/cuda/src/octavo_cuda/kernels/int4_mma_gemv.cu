@@ -240,7 +240,9 @@ __device__ __forceinline__ uint4 map_halves(uint4 v, F f) {
 // PDL wait; the norm weight's, nw, come before the wait).
 #define NORM_ITEMS ((NORM_K + WARPS * 256 - 1) / (WARPS * 256))
 
-__device__ __forceinline__ int norm_index(int item) { return (threadIdx.x + item * WARPS * 32) * 8; }
+__device__ __forceinline__ int norm_index(int item) {
+  return (threadIdx.x + item * WARPS * 32) * 8;
+}
 
 __device__ __forceinline__ void load_norm_weight(uint4 (&nw)[NORM_ITEMS], const u16* norm_w) {
 #pragma unroll
